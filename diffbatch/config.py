@@ -1,0 +1,93 @@
+"""Engine configuration: one validated dataclass shared by the Python API, CLI and server."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from diffbatch.errors import ConfigError
+
+ExecutorKind = Literal["mp", "inproc"]
+SchedulingPolicy = Literal["fifo"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fifo",)
+DEFAULT_SHM_THRESHOLD_BYTES = 1 << 20  # 1 MiB: larger tensors cross processes via shm
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs to start; validated on construction.
+
+    Attributes:
+        model: local diffusers folder, hub id or built-in model name (None = default).
+        pipeline_class: a pipeline class, or its dotted name; None picks diffbatch's
+            batch-capable diffusers adapter.
+        max_num_seqs: most requests in one wave (>= 1).
+        request_batch_max_wait_ms: bounded admission wait before a wave (0 = off).
+        executor: "mp" runs the pipeline in a worker process, "inproc" in this one.
+        device / dtype: where and in which precision the pipeline runs (None = auto).
+        seed: seed of the engine's random source for requests that give none.
+        max_queue_size: most waiting requests; more are rejected (None = unbounded).
+        lora_dir: folder that LoRA adapter names resolve in (None = only paths given
+            through the Python API).
+        warmup: run one small request through the whole path at start-up.
+        shm_threshold_bytes: tensors above this cross processes in shared memory.
+        torch_num_threads: torch threads in the worker (None = torch's default).
+        pipeline_kwargs: extra keyword arguments for the pipeline's `from_pretrained`.
+    """
+
+    model: str | None = None
+    pipeline_class: Any = None
+    max_num_seqs: int = 1
+    request_batch_max_wait_ms: float = 0.0
+    executor: ExecutorKind = "mp"
+    device: str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    max_queue_size: int | None = None
+    lora_dir: str | None = None
+    warmup: bool = True
+    scheduling_policy: SchedulingPolicy = "fifo"
+    shm_threshold_bytes: int = DEFAULT_SHM_THRESHOLD_BYTES
+    torch_num_threads: int | None = None
+    step_execution: bool = False  # step-wise continuous batching is not implemented
+    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int) \
+                or self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        wait = self.request_batch_max_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not math.isfinite(wait) \
+                or wait < 0:
+            raise ConfigError(
+                f"request_batch_max_wait_ms must be a finite number >= 0, got {wait!r}"
+            )
+        if self.executor not in ("mp", "inproc"):
+            raise ConfigError(f"executor must be 'mp' or 'inproc', got {self.executor!r}")
+        if self.max_queue_size is not None and (
+            not isinstance(self.max_queue_size, int) or self.max_queue_size < 1
+        ):
+            raise ConfigError(
+                f"max_queue_size must be an integer >= 1 or None, got {self.max_queue_size!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if not isinstance(self.shm_threshold_bytes, int) or self.shm_threshold_bytes < 0:
+            raise ConfigError(
+                f"shm_threshold_bytes must be an integer >= 0, got {self.shm_threshold_bytes!r}"
+            )
+        if self.torch_num_threads is not None and (
+            not isinstance(self.torch_num_threads, int) or self.torch_num_threads < 1
+        ):
+            raise ConfigError(
+                f"torch_num_threads must be an integer >= 1, got {self.torch_num_threads!r}"
+            )
+        if self.step_execution:
+            raise ConfigError(
+                "step_execution=True (step-wise continuous batching) is not supported; "
+                "request-level batching needs step_execution=False"
+            )

@@ -1,0 +1,1 @@
+"""diffbatch.executor."""

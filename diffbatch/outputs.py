@@ -1,0 +1,81 @@
+"""What a pipeline returns per request, and what a runner returns per wave.
+
+These cross from the worker process to the engine; tensors in them travel through
+shared memory (see `diffbatch.ipc.shm`), everything else is pickled, so fields stay
+plain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffbatch.errors import DiffbatchError
+
+
+@dataclass
+class RequestError:
+    """Why one request failed, in a form that crosses processes and maps to HTTP."""
+
+    message: str
+    status_code: int = 500
+    type: str = "server_error"
+    param: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RequestError:
+        if isinstance(exc, DiffbatchError):
+            return cls(exc.message, exc.status_code, exc.type, exc.param)
+        return cls(f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class DiffusionOutput:
+    """The result of one request.
+
+    `images` is what the request's `output_type` asks for once the engine delivers it:
+    a list of PIL images ("pil"), a float tensor [n, C, H, W] ("pt") or a float array
+    [n, H, W, C] ("np"). Inside the worker a pipeline may return a float tensor
+    [n, C, H, W] in [0, 1] for any output type; the runner converts it.
+    """
+
+    request_id: str
+    images: Any = None  # see the class docstring; None on error or abort
+    error: RequestError | None = None
+    aborted: bool = False
+    queue_time_ms: float = 0.0  # arrival -> start of the wave's forward
+    execute_time_ms: float = 0.0  # the wave's forward (and per-request post-processing)
+    total_time_ms: float = 0.0  # arrival -> delivered
+    batch_size: int = 0  # number of requests in the wave this request ran in
+    seed: int | None = None  # the seed its generators were made from
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.aborted
+
+    @classmethod
+    def from_error(cls, request_id: str, exc: BaseException | RequestError) -> DiffusionOutput:
+        error = exc if isinstance(exc, RequestError) else RequestError.from_exception(exc)
+        return cls(request_id=request_id, error=error)
+
+    @classmethod
+    def make_aborted(cls, request_id: str) -> DiffusionOutput:
+        return cls(
+            request_id=request_id,
+            aborted=True,
+            error=RequestError("request was aborted", 499, "request_aborted"),
+        )
+
+
+@dataclass
+class BatchRunnerOutput:
+    """The outputs of one wave, keyed by request id, in the wave's order."""
+
+    outputs: dict[str, DiffusionOutput]  # request_id -> output, insertion = wave order
+    forward_time_ms: float = 0.0  # time spent in the pipeline forward(s) of this wave
+    num_forwards: int = 1  # how many pipeline forwards served this wave
+
+    @property
+    def req_ids(self) -> list[str]:
+        return list(self.outputs)

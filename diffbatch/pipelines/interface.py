@@ -1,0 +1,89 @@
+"""The pipeline seam: what the runner calls, and what a pipeline declares about itself.
+
+A pipeline is loaded once per worker with `from_pretrained` and then runs waves
+through `forward(batch)`. Capabilities are class attributes, read without loading
+anything:
+
+- `supports_request_batch = True`: `forward` takes a `DiffusionRequestBatch` of any
+  size and returns one `DiffusionOutput` per request, in order. Otherwise the engine
+  only ever passes batches of one request (the per-request path).
+
+Custom pipelines subclass `BasePipeline` (or just provide the same attributes and
+methods) and are passed to the engine as a class or a dotted name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from diffbatch.outputs import DiffusionOutput
+    from diffbatch.sampling_params import SamplingParams
+    from diffbatch.sched.output import DiffusionRequestBatch
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What the engine process needs to know about a loaded pipeline.
+
+    Sent by the worker once the pipeline is loaded, so the engine can resolve
+    defaults and build batch keys without loading the model itself.
+    """
+
+    name: str  # pipeline class name, for logs and errors
+    default_height: int
+    default_width: int
+    default_num_inference_steps: int
+    default_guidance_scale: float
+    size_multiple: int  # height and width must be multiples of this
+    device: str = "cpu"
+    # guidance_scale > this turns classifier-free guidance on; None: guidance is
+    # embedded in the model (Flux) and never doubles the batch.
+    cfg_threshold: float | None = 1.0
+
+
+class BasePipeline(ABC):
+    """Base class of diffbatch pipelines; see the module docstring for the contract."""
+
+    supports_request_batch: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, model: str, **kwargs: Any) -> BasePipeline:
+        """Load the pipeline from a local folder, a hub id or a built-in model name."""
+
+    @abstractmethod
+    def info(self) -> PipelineInfo:
+        """Defaults and limits of this pipeline; see `PipelineInfo`."""
+
+    @abstractmethod
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        """Run one wave and return one `DiffusionOutput` per request, in order.
+
+        Args:
+            batch: the wave; every request has the same `SamplingParamsKey`, and
+                `batch.generators` holds one generator per output image (B*n).
+
+        Returns:
+            One `DiffusionOutput` per request with `images` a float tensor
+            [n, C, H, W] in [0, 1] (the runner converts it to the requested type).
+        """
+
+    def cfg_enabled(self, params: SamplingParams) -> bool:
+        """Whether classifier-free guidance is on for these resolved params."""
+        threshold = self.info().cfg_threshold
+        return threshold is not None and (params.guidance_scale or 0.0) > threshold
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter under `name` (once); pipelines without LoRA raise."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def set_lora(self, name: str | None, scale: float) -> None:
+        """Activate adapter `name` at `scale` for the next forward; None disables LoRA."""
+        if name is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def refresh_cache(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Called once per wave before `forward`; pipelines with step caches reset them."""

@@ -1,0 +1,200 @@
+"""Sampling parameters of one request, and the key that decides who may share a wave.
+
+`SamplingParams` is what a user passes; it is validated on construction so a bad
+value fails at the call that gave it. `SamplingParamsKey` is built once per
+request, after the pipeline's defaults are filled in, and holds exactly the
+fields that change the shape or the computation of a fused forward: two requests
+may share a wave only if their keys are equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from diffbatch.errors import InvalidRequestError
+
+OutputType = Literal["pil", "pt", "np"]
+OUTPUT_TYPES: tuple[str, ...] = ("pil", "pt", "np")
+
+# Upper bounds that keep one request from monopolising a server; pipelines may be stricter.
+MAX_NUM_INFERENCE_STEPS = 1000
+MAX_NUM_OUTPUTS_PER_PROMPT = 64
+MAX_SIDE = 8192
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(
+            f"`{name}` must be an integer, got {value!r}", param=name
+        )
+    if value < low or (high is not None and value > high):
+        rule = f">= {low}" if high is None else f"between {low} and {high}"
+        raise InvalidRequestError(f"`{name}` must be {rule}, got {value}", param=name)
+
+
+def _check_float(name: str, value: Any, low: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"`{name}` must be a number, got {value!r}", param=name)
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"`{name}` must be finite, got {value}", param=name)
+    if low is not None and value < low:
+        raise InvalidRequestError(f"`{name}` must be >= {low}, got {value}", param=name)
+
+
+def _freeze(value: Any) -> Any:
+    """Turn lists/dicts into tuples so a value can live in a hashable key."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's images.
+
+    Args:
+        height: Image height in pixels; None takes the pipeline's default. Must be a
+            multiple of the pipeline's size multiple (checked when the request is added).
+        width: Image width in pixels; None takes the pipeline's default.
+        num_inference_steps: Denoising steps (>= 1); None takes the pipeline's default.
+        guidance_scale: Classifier-free guidance scale; None takes the pipeline's default.
+        negative_prompt: Per-request negative prompt; may differ inside one wave.
+        num_outputs_per_prompt: Images per prompt (the OpenAI `n`).
+        seed: Seed of this request's generators; None lets the engine pick one.
+        output_type: "pil" (PIL images), "pt" (float tensor [n, C, H, W] in [0, 1])
+            or "np" (float array [n, H, W, C] in [0, 1]).
+        lora: LoRA adapter name or path; None runs the base model.
+        lora_scale: Strength of the LoRA adapter.
+        sigmas: Custom sigma schedule, when the pipeline's scheduler takes one.
+        timesteps: Custom timesteps, when the pipeline's scheduler takes them.
+        extra: Model-specific keyword arguments passed to the pipeline call. They are
+            part of the batch key, so requests with different extras never share a wave.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    num_outputs_per_prompt: int = 1
+    seed: int | None = None
+    output_type: OutputType = "pil"
+    lora: str | None = None
+    lora_scale: float = 1.0
+    sigmas: tuple[float, ...] | None = None
+    timesteps: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 1, MAX_SIDE)
+        if self.num_inference_steps is not None:
+            _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_NUM_INFERENCE_STEPS)
+        if self.guidance_scale is not None:
+            _check_float("guidance_scale", self.guidance_scale, 0.0)
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise InvalidRequestError(
+                "`negative_prompt` must be a string or None, got "
+                f"{type(self.negative_prompt).__name__}; batching is across requests, "
+                "so send one request per prompt",
+                param="negative_prompt",
+            )
+        _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, 1,
+                   MAX_NUM_OUTPUTS_PER_PROMPT)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.output_type not in OUTPUT_TYPES:
+            raise InvalidRequestError(
+                f"`output_type` must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}",
+                param="output_type",
+            )
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise InvalidRequestError(
+                f"`lora` must be a non-empty string or None, got {self.lora!r}", param="lora"
+            )
+        _check_float("lora_scale", self.lora_scale)
+        if self.sigmas is not None:
+            self.sigmas = tuple(float(s) for s in self.sigmas)
+            for s in self.sigmas:
+                _check_float("sigmas", s, 0.0)
+        if self.timesteps is not None:
+            self.timesteps = tuple(self.timesteps)
+            for t in self.timesteps:
+                _check_int("timesteps", t, 0)
+        if self.sigmas is not None and self.timesteps is not None:
+            raise InvalidRequestError(
+                "give at most one of `sigmas` and `timesteps`", param="sigmas"
+            )
+        if not isinstance(self.extra, dict):
+            raise InvalidRequestError(
+                f"`extra` must be a dict, got {type(self.extra).__name__}", param="extra"
+            )
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes` applied (and validated)."""
+        return replace(self, extra=dict(self.extra), **changes)
+
+
+@dataclass(frozen=True)
+class SamplingParamsKey:
+    """The batch-compatibility key of a request: equal keys may share a wave.
+
+    Built from *resolved* params (pipeline defaults filled in), so a default value
+    and an explicitly given equal value make the same key. It never holds the prompt,
+    the negative prompt text, the seed or a generator.
+    """
+
+    height: int
+    width: int
+    num_frames: int | None  # video-capable pipelines only; None for images
+    num_inference_steps: int
+    guidance_scale: float
+    cfg_enabled: bool  # whether classifier-free guidance doubles the batch
+    sigmas: tuple[float, ...] | None
+    timesteps: tuple[int, ...] | None
+    num_outputs_per_prompt: int
+    output_type: str
+    lora: str | None  # adapter identity; None is its own bucket
+    lora_scale: float | None  # None exactly when lora is None
+    extra: tuple[tuple[str, Any], ...]  # frozen, sorted model-specific kwargs
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, *, cfg_enabled: bool) -> SamplingParamsKey:
+        """Build the key of already-resolved params (height, width, steps, guidance set)."""
+        assert params.height is not None and params.width is not None
+        assert params.num_inference_steps is not None and params.guidance_scale is not None
+        extra = dict(params.extra)
+        num_frames = extra.pop("num_frames", None)
+        return cls(
+            height=params.height,
+            width=params.width,
+            num_frames=num_frames,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=float(params.guidance_scale),
+            cfg_enabled=cfg_enabled,
+            sigmas=params.sigmas,
+            timesteps=params.timesteps,
+            num_outputs_per_prompt=params.num_outputs_per_prompt,
+            output_type=params.output_type,
+            lora=params.lora,
+            lora_scale=float(params.lora_scale) if params.lora is not None else None,
+            extra=_freeze(extra),
+        )
+
+    def short(self) -> str:
+        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1`."""
+        text = f"{self.width}x{self.height}/s{self.num_inference_steps}/g{self.guidance_scale:g}"
+        text += f"/n{self.num_outputs_per_prompt}"
+        if self.lora is not None:
+            text += f"/lora={self.lora}@{self.lora_scale:g}"
+        return text

@@ -1,0 +1,1 @@
+"""Scheduling: waiting queue, running set, and waves of compatible requests."""
