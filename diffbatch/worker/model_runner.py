@@ -1,0 +1,190 @@
+"""The model runner: turns one scheduler wave into one pipeline forward.
+
+Per request it makes the generators from the request's seed and maps the output,
+error or abort back to the request id. Once per wave it refreshes the pipeline's
+caches, activates the wave's single LoRA (adapter, scale), and calls
+`pipeline.forward(batch)`. It checks the pipeline's side of the contract (exactly
+one `DiffusionOutput` per request, in order) and never raises for a failing
+pipeline: every request of the wave gets an output, with `error` set if need be.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffbatch.errors import InvalidRequestError, ModelNotFoundError, PipelineError
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
+from diffbatch.sched.output import DiffusionRequestBatch, SchedulerOutput
+
+if TYPE_CHECKING:
+    from diffbatch.config import EngineConfig
+    from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
+    from diffbatch.request import DiffusionRequest
+
+logger = logging.getLogger(__name__)
+
+
+def make_generators(
+    requests: list[DiffusionRequest], device: str | torch.device = "cpu"
+) -> list[torch.Generator]:
+    """One generator per output image, B*n in request order.
+
+    Image i of a request with seed s uses seed s + i, so a request's images depend
+    only on its own seed, never on its batch mates.
+    """
+    generators = []
+    for request in requests:
+        params = request.sampling_params
+        if params.seed is None:
+            raise InvalidRequestError(
+                f"request {request.request_id} has no seed; the engine assigns one on add"
+            )
+        for i in range(params.num_outputs_per_prompt):
+            generators.append(torch.Generator(device=device).manual_seed(params.seed + i))
+    return generators
+
+
+def check_outputs(pipeline_name: str, batch: DiffusionRequestBatch, outputs: Any) -> None:
+    """Raise `PipelineError` unless `outputs` is one DiffusionOutput per request, in order."""
+    expected = len(batch)
+    if not isinstance(outputs, list | tuple):
+        raise PipelineError(
+            f"pipeline {pipeline_name}.forward must return a list of {expected} "
+            f"DiffusionOutput, got {type(outputs).__name__}"
+        )
+    if len(outputs) != expected:
+        raise PipelineError(
+            f"pipeline {pipeline_name}.forward doesn't preserve batch size: the batch has "
+            f"{expected} requests but it returned {len(outputs)} outputs"
+        )
+    for i, (request_id, out) in enumerate(zip(batch.request_ids, outputs, strict=True)):
+        if not isinstance(out, DiffusionOutput):
+            raise PipelineError(
+                f"pipeline {pipeline_name}.forward must return DiffusionOutput objects, "
+                f"got {type(out).__name__} at position {i}"
+            )
+        if out.request_id != request_id:
+            raise PipelineError(
+                f"pipeline {pipeline_name}.forward returned outputs out of order: position "
+                f"{i} should be request {request_id!r}, got {out.request_id!r}"
+            )
+
+
+def to_output_type(images: Any, output_type: str) -> Any:
+    """Convert a float tensor [n, C, H, W] in [0, 1] into what crosses to the engine.
+
+    "pt" stays a float tensor; "np" becomes a float tensor [n, H, W, C]; "pil"
+    becomes a uint8 tensor [n, H, W, C] (cheap to ship; the engine makes PIL images).
+    Anything that is not a tensor (a pipeline returning PIL images itself) passes through.
+    """
+    if not isinstance(images, torch.Tensor):
+        return images
+    images = images.detach().to("cpu", torch.float32)
+    if output_type == "pt":
+        return images.contiguous()
+    images = images.clamp(0, 1).permute(0, 2, 3, 1)
+    if output_type == "np":
+        return images.contiguous()
+    return (images * 255).round().to(torch.uint8).contiguous()
+
+
+class ModelRunner:
+    """Loads the pipeline once and runs waves on it; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, pipeline: BasePipeline | None = None) -> None:
+        self.config = config
+        if pipeline is None:
+            from diffbatch.pipelines.registry import load_pipeline
+
+            pipeline = load_pipeline(
+                config.model,
+                config.pipeline_class,
+                device=config.device,
+                dtype=config.dtype,
+                **config.pipeline_kwargs,
+            )
+        self.pipeline = pipeline
+        self._info = pipeline.info()
+        self._loaded_loras: set[str] = set()
+        self._active_lora: tuple[str | None, float | None] = (None, None)
+
+    def info(self) -> PipelineInfo:
+        return self._info
+
+    def check_health(self) -> None:
+        """The runner is healthy while it exists; a dead process cannot answer."""
+
+    # -- entries ---------------------------------------------------------------------
+    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
+        """Run one request on its own (the per-request path)."""
+        wave = SchedulerOutput(wave_id=-1, requests=[request], key=request.key)
+        return self.execute_batch(wave).outputs[request.request_id]
+
+    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        """Run one wave with one forward; every request gets exactly one output."""
+        requests = scheduler_output.requests
+        if not requests:
+            return BatchRunnerOutput(outputs={}, forward_time_ms=0.0, num_forwards=0)
+        start = time.perf_counter()
+        try:
+            outputs = self._run(requests)
+        except Exception as exc:  # the pipeline failed: the wave's requests fail, we don't
+            logger.warning(
+                "wave %d (%d requests) failed: %s: %s",
+                scheduler_output.wave_id, len(requests), type(exc).__name__, exc,
+            )
+            error = RequestError.from_exception(exc)
+            outputs = [DiffusionOutput.from_error(r.request_id, error) for r in requests]
+        forward_ms = (time.perf_counter() - start) * 1000.0
+        for out in outputs:
+            out.execute_time_ms = forward_ms
+            out.batch_size = len(requests)
+        return BatchRunnerOutput(
+            outputs={out.request_id: out for out in outputs}, forward_time_ms=forward_ms
+        )
+
+    # -- stages ----------------------------------------------------------------------
+    def _run(self, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
+        # 1. Per-request set-up: generators from each request's own seed.
+        generators = make_generators(requests, self._info.device)
+        batch = DiffusionRequestBatch(requests=requests, generators=generators)
+        # 2. Once per wave: cache refresh and the wave's single LoRA.
+        self.pipeline.refresh_cache()
+        params = requests[0].sampling_params
+        self._activate_lora(params.lora, params.lora_scale)
+        # 3. One forward for the whole wave, checked against the contract.
+        with torch.inference_mode():
+            outputs = self.pipeline.forward(batch)
+        check_outputs(self._info.name, batch, outputs)
+        # 4. Per-request output mapping.
+        for request, out in zip(requests, outputs, strict=True):
+            out.seed = request.sampling_params.seed
+            if out.error is None and not out.aborted:
+                out.images = to_output_type(out.images, request.sampling_params.output_type)
+        return list(outputs)
+
+    def _activate_lora(self, lora: str | None, scale: float) -> None:
+        """Load (once) and activate the wave's adapter; no LoRA disables adapters."""
+        wanted = (lora, scale if lora is not None else None)
+        if wanted == self._active_lora:
+            return
+        if lora is not None and lora not in self._loaded_loras:
+            path = lora
+            if not os.path.exists(path):
+                raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
+            self.pipeline.load_lora(_adapter_name(lora), path)
+            self._loaded_loras.add(lora)
+        self.pipeline.set_lora(_adapter_name(lora) if lora is not None else None, scale)
+        self._active_lora = wanted
+
+
+def _adapter_name(path: str) -> str:
+    """A stable adapter name for a LoRA path (peft names may not contain dots)."""
+    name = os.path.basename(os.path.normpath(path)) or "adapter"
+    return "".join(c if c.isalnum() else "_" for c in name) + f"_{zlib.crc32(path.encode()):08x}"
