@@ -1,0 +1,84 @@
+"""The bounded admission wait that lets a burst coalesce into one wave.
+
+Before a wave is scheduled, the engine may wait a little for more compatible
+requests. The wait runs only when request batching can use it (the pipeline
+supports request batches, step execution is off, `request_batch_max_wait_ms > 0`,
+capacity > 1) and nothing is running. It ends at the first of:
+
+- `capacity`: the waiting queue holds `max_num_seqs` requests;
+- `stable`: the waiting count has not grown for a stable window of
+  `min(50 ms, max_wait / 5)` (only growth resets the window; an abort does not);
+- `deadline`: `start + max_wait` passed;
+- `stopped`: the engine is stopping.
+
+It sleeps on the engine's condition variable, which every arrival notifies, so it
+never busy-polls. Clock and wait primitive are injectable so tests drive time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_STABLE_WINDOW_MS = 50.0
+
+
+@dataclass
+class AdmissionWait:
+    """Policy and loop of the admission wait; see the module docstring."""
+
+    max_wait_ms: float  # request_batch_max_wait_ms; 0 disables the wait
+    capacity: int  # max_num_seqs
+
+    @property
+    def stable_window_ms(self) -> float:
+        return min(MAX_STABLE_WINDOW_MS, self.max_wait_ms / 5.0)
+
+    def should_wait(
+        self, *, supports_request_batch: bool, step_execution: bool, num_running: int
+    ) -> bool:
+        """Whether a wait can help before the next wave."""
+        return (
+            supports_request_batch
+            and not step_execution
+            and self.max_wait_ms > 0
+            and self.capacity > 1
+            and num_running == 0
+        )
+
+    def wait(
+        self,
+        num_waiting: Callable[[], int],
+        is_stopped: Callable[[], bool],
+        wait_s: Callable[[float], object],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> str:
+        """Wait until one of the exit conditions holds; return its name.
+
+        Args:
+            num_waiting: current number of waiting requests (read under the lock).
+            is_stopped: whether the engine is stopping.
+            wait_s: blocks up to the given seconds or until notified, e.g. the bound
+                `Condition.wait` of the engine's condition (called with its lock held).
+            clock: monotonic seconds.
+        """
+        start = clock()
+        deadline = start + self.max_wait_ms / 1000.0
+        window_s = self.stable_window_ms / 1000.0
+        last_count = num_waiting()
+        last_growth = start
+        while True:
+            if is_stopped():
+                return "stopped"
+            count = num_waiting()
+            if count >= self.capacity:
+                return "capacity"
+            now = clock()
+            if count > last_count:
+                last_count, last_growth = count, now
+            if now >= deadline:
+                return "deadline"
+            if now - last_growth >= window_s:
+                return "stable"
+            wait_s(min(deadline, last_growth + window_s) - now)

@@ -1,0 +1,404 @@
+"""The public engine: submit prompts, get each request's own images, error or abort.
+
+`Engine` validates and resolves each request (pipeline defaults, seed, LoRA path,
+batch key), hands it to the `EngineCore` loop, and resolves one future per
+request exactly once: with its output, its abort, or the engine's closing. Sync
+callers (`generate`) wait on those futures; async callers (`generate_async`) await
+them, and cancelling the await aborts the request.
+
+    from diffbatch import Engine, SamplingParams
+    with Engine("tiny-sd", max_num_seqs=4, request_batch_max_wait_ms=20) as engine:
+        outs = engine.generate(["a cat", "a dog"], SamplingParams(seed=7))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from diffbatch.config import EngineConfig
+from diffbatch.engine.core import EngineCore
+from diffbatch.errors import (
+    ConfigError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    PipelineError,
+    QueueFullError,
+)
+from diffbatch.executor.abstract import Executor
+from diffbatch.metrics import EngineMetrics
+from diffbatch.outputs import DiffusionOutput, RequestError
+from diffbatch.pipelines.interface import PipelineInfo
+from diffbatch.request import DiffusionRequest, RequestStatus, validate_prompt
+from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+
+logger = logging.getLogger(__name__)
+
+_TQDM_MIN_PROMPTS = 16  # `generate` shows a progress bar from this many prompts on
+
+
+def resolve_request_batch_support(pipeline_class: Any) -> tuple[type, bool]:
+    """Resolve the configured pipeline class and read `supports_request_batch`."""
+    from diffbatch.pipelines.registry import resolve_pipeline_class
+
+    cls = resolve_pipeline_class(pipeline_class)
+    return cls, bool(getattr(cls, "supports_request_batch", False))
+
+
+class Engine:
+    """A diffusion serving engine with request-level batching.
+
+    Args:
+        model: local diffusers folder, hub id or built-in model name (None = default).
+        max_num_seqs: most requests per wave; > 1 needs a batch-capable pipeline.
+        request_batch_max_wait_ms: bounded wait that lets bursts coalesce (0 = off).
+        executor: "mp" (pipeline in a worker process) or "inproc".
+        pipeline_class: a pipeline class or dotted name (None = diffbatch's adapter).
+        **kwargs: the other `EngineConfig` fields; unknown names go to the
+            pipeline's `from_pretrained`.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        max_num_seqs: int = 1,
+        request_batch_max_wait_ms: float = 0.0,
+        executor: str = "mp",
+        pipeline_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        fields = set(EngineConfig.__dataclass_fields__)
+        config_kwargs = {k: v for k, v in kwargs.items() if k in fields}
+        pipeline_kwargs = {k: v for k, v in kwargs.items() if k not in fields}
+        pipeline_kwargs.update(config_kwargs.pop("pipeline_kwargs", {}) or {})
+        config = EngineConfig(
+            model=model,
+            pipeline_class=pipeline_class,
+            max_num_seqs=max_num_seqs,
+            request_batch_max_wait_ms=request_batch_max_wait_ms,
+            executor=executor,
+            pipeline_kwargs=pipeline_kwargs,
+            **config_kwargs,
+        )
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        engine = cls.__new__(cls)
+        engine._start(config)
+        return engine
+
+    # -- start-up --------------------------------------------------------------------
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self._closed = False
+        self._lock = threading.Lock()
+        self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
+        self._rng = random.Random(config.seed)
+        self.metrics: EngineMetrics | None = None
+        # 1. Capability, from the class attribute, before anything is loaded.
+        self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
+            config.pipeline_class
+        )
+        if config.max_num_seqs > 1 and not self.supports_request_batch:
+            raise ConfigError(
+                f"max_num_seqs={config.max_num_seqs} needs a pipeline with "
+                f"`supports_request_batch = True`, but {self.pipeline_class.__name__} does "
+                "not declare it; use max_num_seqs=1 or a batch-capable pipeline class"
+            )
+        if config.lora_dir is not None and not os.path.isdir(config.lora_dir):
+            raise ConfigError(f"lora_dir must be an existing folder, got {config.lora_dir!r}")
+        # 2. The executor loads the pipeline (in a worker process for "mp").
+        self.executor = Executor.get_class(config.executor)(config)
+        self.info: PipelineInfo = self.executor.info
+        # 3. The loop, then a warm-up request through the whole path.
+        self.core = EngineCore(
+            config, self.executor,
+            supports_request_batch=self.supports_request_batch, deliver=self._deliver,
+        )
+        self.core.start()
+        if config.warmup:
+            self._warmup()
+        self.metrics = EngineMetrics(lambda: self.core.num_waiting, lambda: self.core.num_running)
+        self.core.metrics = self.metrics
+        logger.info(
+            "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%d wait=%gms executor=%s",
+            config.model, self.info.name, self.supports_request_batch, config.max_num_seqs,
+            config.request_batch_max_wait_ms, config.executor,
+        )
+
+    def _warmup(self) -> None:
+        params = SamplingParams(num_inference_steps=1, seed=0)
+        _, future = self._submit("warm-up", params, f"warmup-{uuid.uuid4().hex}", 0)
+        output = future.result()
+        if not output.ok:
+            message = output.error.message if output.error else "aborted"
+            self.close()
+            raise PipelineError(f"engine start-up failed: the warm-up request failed: {message}")
+
+    # -- requests --------------------------------------------------------------------
+    def resolve_params(self, params: SamplingParams | None) -> SamplingParams:
+        """Fill in pipeline defaults, a seed and the LoRA path; check the size."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"`sampling_params` must be a SamplingParams, got {type(params).__name__}",
+                param="sampling_params",
+            )
+        info = self.info
+        resolved = params.clone(
+            height=params.height or info.default_height,
+            width=params.width or info.default_width,
+            num_inference_steps=params.num_inference_steps or info.default_num_inference_steps,
+            guidance_scale=(info.default_guidance_scale if params.guidance_scale is None
+                            else params.guidance_scale),
+            seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
+            lora=self._resolve_lora(params.lora),
+        )
+        for name in ("height", "width"):
+            value = getattr(resolved, name)
+            if value % info.size_multiple:
+                raise InvalidRequestError(
+                    f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
+                    f"got {value}", param=name,
+                )
+        return resolved
+
+    def _resolve_lora(self, lora: str | None) -> str | None:
+        if lora is None:
+            return None
+        lora_dir = self.config.lora_dir
+        if lora_dir is None:
+            path = os.path.realpath(lora)
+            if not os.path.exists(path):
+                raise InvalidRequestError(f"LoRA adapter path {lora!r} does not exist",
+                                          param="lora")
+            return path
+        root = os.path.realpath(lora_dir)
+        path = os.path.realpath(os.path.join(root, lora))
+        if os.path.commonpath([root, path]) != root or path == root:
+            raise InvalidRequestError(
+                f"`lora` must name an adapter inside the LoRA directory, got {lora!r}",
+                param="lora",
+            )
+        if not os.path.exists(path):
+            raise InvalidRequestError(f"LoRA adapter {lora!r} not found", param="lora")
+        return path
+
+    def _cfg_enabled(self, params: SamplingParams) -> bool:
+        threshold = self.info.cfg_threshold
+        return threshold is not None and (params.guidance_scale or 0.0) > threshold
+
+    def _submit(
+        self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int
+    ) -> tuple[DiffusionRequest, concurrent.futures.Future[DiffusionOutput]]:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        validate_prompt(prompt)
+        resolved = self.resolve_params(params)
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        request = DiffusionRequest(request_id, prompt, resolved, priority=priority)
+        cfg_enabled = self._cfg_enabled(resolved)
+        request.key = SamplingParamsKey.from_params(resolved, cfg_enabled=cfg_enabled)
+        future: concurrent.futures.Future[DiffusionOutput] = concurrent.futures.Future()
+        with self._lock:
+            if request_id in self._futures:
+                raise InvalidRequestError(f"request id {request_id!r} is already active",
+                                          param="request_id")
+            limit = self.config.max_queue_size
+            if limit is not None and self.core.num_waiting >= limit:
+                self.record_rejected()
+                raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+            self._futures[request_id] = future
+        try:
+            self.core.add_request(request)
+        except Exception:
+            with self._lock:
+                self._futures.pop(request_id, None)
+            raise
+        return request, future
+
+    def _deliver(self, request: DiffusionRequest, output: DiffusionOutput) -> None:
+        """Resolve the request's future exactly once (later calls are no-ops)."""
+        with self._lock:
+            future = self._futures.pop(request.request_id, None)
+        if future is None:
+            return
+        output.total_time_ms = (time.monotonic() - request.arrival_time) * 1000.0
+        if output.ok:
+            try:
+                output_type = request.sampling_params.output_type
+                output.images = _finalize_images(output.images, output_type)
+            except Exception as exc:  # a malformed result fails only this request
+                output.images, output.error = None, RequestError.from_exception(exc)
+        if self.metrics is not None:
+            outcome = "aborted" if output.aborted else ("error" if output.error else "completed")
+            queue_s = output.queue_time_ms / 1000.0 if output.batch_size else None
+            self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            future.set_result(output)  # suppressed: the future was cancelled by its caller
+
+    def record_rejected(self) -> None:
+        """Count a request rejected before it reached the queue (outcome "rejected")."""
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome="rejected").inc()
+
+    # -- public API ------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[DiffusionOutput]:
+        """Submit every prompt as its own request and wait for all of them.
+
+        Returns one `DiffusionOutput` per prompt, in order; a failed request has
+        `error` set and does not raise.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if isinstance(sampling_params, SamplingParams | None):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"`sampling_params` must be one SamplingParams or one per prompt: got "
+                    f"{len(params_list)} for {len(prompts)} prompts", param="sampling_params",
+                )
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise InvalidRequestError(
+                f"`request_ids` must have one id per prompt: got {len(request_ids)} for "
+                f"{len(prompts)} prompts", param="request_ids",
+            )
+        futures = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = request_ids[i] if request_ids is not None else None
+                futures.append(self._submit(prompt, params, rid, 0))
+        except Exception:
+            self.abort([request.request_id for request, _ in futures])
+            raise
+        from tqdm import tqdm
+
+        show = use_tqdm and len(futures) >= _TQDM_MIN_PROMPTS
+        with tqdm(total=len(futures), desc="generate", unit="req", disable=not show) as bar:
+            for _, future in futures:
+                future.add_done_callback(lambda _: bar.update(1))
+            return [future.result() for _, future in futures]
+
+    async def generate_async(
+        self,
+        prompt: str,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> DiffusionOutput:
+        """Submit one request and await its output; cancelling the await aborts it.
+
+        Raises at once for invalid input (`InvalidRequestError`), a full queue
+        (`QueueFullError`) or a closed engine; otherwise returns the output, with
+        `error` set if the request failed.
+        """
+        request, future = self._submit(prompt, sampling_params, request_id, priority)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    def abort(self, request_id: str | Sequence[str]) -> bool:
+        """Abort waiting or running requests; their callers get an aborted output.
+
+        Returns whether any request was aborted by this call.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = self.core.abort_requests(ids)
+        for request in aborted:
+            self._deliver(request, DiffusionOutput.make_aborted(request.request_id))
+        return bool(aborted)
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` unless the loop and the executor can take work."""
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        if not self.core.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        self.executor.check_health()
+
+    @property
+    def is_healthy(self) -> bool:
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return False
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.core.num_running
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests whose caller has not been answered yet."""
+        with self._lock:
+            return len(self._futures)
+
+    def close(self) -> None:
+        """Fail every open request with "engine is closed", stop the loop and workers."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        open_requests = self.core.stop()
+        error = RequestError.from_exception(EngineClosedError("engine is closed"))
+        for request in open_requests:
+            self._deliver(request, DiffusionOutput.from_error(request.request_id, error))
+        with self._lock:
+            leftovers = list(self._futures.items())
+            self._futures.clear()
+        for request_id, future in leftovers:
+            if not future.done():
+                future.set_result(DiffusionOutput.from_error(request_id, error))
+        self.core.join()
+        self.executor.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _finalize_images(images: Any, output_type: str) -> Any:
+    """Turn what the runner shipped into the requested output type."""
+    import torch
+
+    if not isinstance(images, torch.Tensor):
+        return images
+    if output_type == "pt":
+        return images
+    if output_type == "np":
+        return images.numpy()
+    from PIL import Image
+
+    return [Image.fromarray(img) for img in images.numpy()]  # uint8 [n, H, W, C]
+
+
+__all__ = ["Engine", "RequestStatus", "resolve_request_batch_support"]

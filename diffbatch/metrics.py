@@ -1,0 +1,83 @@
+"""Prometheus metrics of one engine, in a registry of its own.
+
+Each engine owns a `CollectorRegistry`, so several engines (tests, replicas) can
+live in one process; the HTTP server exposes it at `/metrics`. Names carry their
+unit: `diffbatch_<thing>_<unit>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+OUTCOMES = ("completed", "error", "aborted", "rejected")
+_WAVE_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
+)
+
+
+class EngineMetrics:
+    """The engine's gauges, histograms and counters."""
+
+    def __init__(
+        self, num_waiting: Callable[[], int], num_running: Callable[[], int]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.waiting = Gauge(
+            "diffbatch_num_requests_waiting", "Requests in the waiting queue.", registry=r
+        )
+        self.waiting.set_function(num_waiting)
+        self.running = Gauge(
+            "diffbatch_num_requests_running", "Requests in the running wave.", registry=r
+        )
+        self.running.set_function(num_running)
+        self.wave_size = Histogram(
+            "diffbatch_wave_size_requests", "Requests per scheduler wave.",
+            buckets=_WAVE_SIZE_BUCKETS, registry=r,
+        )
+        self.waves = Counter(
+            "diffbatch_waves", "Scheduler waves run, by why the wave stopped growing.",
+            ["close_reason"], registry=r,
+        )
+        self.queue_time = Histogram(
+            "diffbatch_request_queue_time_seconds", "Arrival to start of the request's wave.",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.forward_time = Histogram(
+            "diffbatch_wave_forward_time_seconds", "Pipeline forward time of one wave.",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.e2e_time = Histogram(
+            "diffbatch_request_e2e_time_seconds", "Arrival to delivery of a request.",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.requests = Counter(
+            "diffbatch_requests", "Finished requests by outcome.", ["outcome"], registry=r
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+
+    def observe_wave(self, size: int, close_reason: str, forward_s: float) -> None:
+        self.wave_size.observe(size)
+        self.waves.labels(close_reason=close_reason or "unknown").inc()
+        self.forward_time.observe(forward_s)
+
+    def observe_finished(self, outcome: str, queue_s: float | None, e2e_s: float) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        if queue_s is not None:
+            self.queue_time.observe(queue_s)
+        self.e2e_time.observe(e2e_s)
+
+    def count(self, outcome: str) -> float:
+        """The number of requests finished with `outcome` so far."""
+        value = self.registry.get_sample_value("diffbatch_requests_total", {"outcome": outcome})
+        return value or 0.0
+
+    def wave_sizes_sum_count(self) -> tuple[float, float]:
+        """(sum of wave sizes, number of waves) so far."""
+        total = self.registry.get_sample_value("diffbatch_wave_size_requests_sum") or 0.0
+        count = self.registry.get_sample_value("diffbatch_wave_size_requests_count") or 0.0
+        return total, count

@@ -1,0 +1,66 @@
+"""The scheduler contract: what the engine loop may ask of any scheduling policy."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
+    from diffbatch.request import DiffusionRequest, RequestStatus
+    from diffbatch.sched.output import SchedulerOutput
+
+
+class SchedulerInterface(ABC):
+    """Holds waiting and running requests and forms waves of compatible ones.
+
+    Not thread-safe: the engine calls it under its own lock.
+    """
+
+    max_num_seqs: int  # capacity: most requests in one wave / running at once
+
+    @abstractmethod
+    def add_request(self, request: DiffusionRequest) -> None:
+        """Queue a request whose `key` is set; a duplicate active id raises ValueError."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Form one wave from the waiting queue and mark its requests RUNNING.
+
+        Every request in the wave has the same key and the wave holds at most
+        `max_num_seqs` requests. Returns `SchedulerOutput.make_empty()` when nothing
+        is waiting.
+        """
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: BatchRunnerOutput
+    ) -> list[tuple[DiffusionRequest, DiffusionOutput]]:
+        """Finish the wave's requests from the runner's outputs.
+
+        Each scheduled request ends COMPLETED, ERROR (its own error, or "no output"
+        when the runner returned none for it) or ABORTED. Requests finished while
+        the wave ran (aborted) are dropped: their results are discarded. Returns
+        the (request, output) pairs to deliver.
+        """
+
+    @abstractmethod
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus
+    ) -> list[DiffusionRequest]:
+        """Finish waiting or running requests with `status` (e.g. ABORTED).
+
+        Returns the requests that this call finished; unknown or already finished
+        ids are ignored.
+        """
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_waiting + self.num_running > 0
