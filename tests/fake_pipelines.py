@@ -1,0 +1,124 @@
+"""Small pipelines at the pipeline seam, for scheduler/engine/runner tests.
+
+Importable by name (`tests.fake_pipelines.FakeBatchPipeline`) so worker processes
+can load them too. Images depend only on each request's seed and prompt, like a
+real batch-invariant pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from typing import Any
+
+import torch
+
+from diffbatch.outputs import DiffusionOutput
+from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
+from diffbatch.sched.output import DiffusionRequestBatch
+
+POISON = "poison"
+
+
+def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) -> torch.Tensor:
+    """[n, 3, h, w] in [0, 1]: noise from each generator, offset by the prompt."""
+    offset = (zlib.crc32(prompt.encode()) % 1000) / 1000.0
+    images = [torch.rand(3, h, w, generator=g) * 0.5 + offset * 0.5 for g in generators]
+    return torch.stack(images)
+
+
+class FakeBatchPipeline(BasePipeline):
+    """Batch-capable; raises for a wave containing a prompt with "poison" in it."""
+
+    supports_request_batch = True
+    wave_sizes: list[int] = []  # in-process record of every forward's batch size
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.cache_refreshes = 0
+        self.lora_calls: list[tuple[str | None, float]] = []
+        if os.environ.get("DIFFBATCH_FAKE_FAIL_LOAD"):
+            raise RuntimeError("fake pipeline refused to load")
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **kwargs: Any) -> FakeBatchPipeline:
+        return cls(**kwargs)
+
+    def info(self) -> PipelineInfo:
+        return PipelineInfo(
+            name=type(self).__name__, default_height=16, default_width=16,
+            default_num_inference_steps=2, default_guidance_scale=5.0, size_multiple=8,
+        )
+
+    def refresh_cache(self) -> None:
+        self.cache_refreshes += 1
+
+    def load_lora(self, name: str, path: str) -> None:
+        pass
+
+    def set_lora(self, name: str | None, scale: float) -> None:
+        self.lora_calls.append((name, scale))
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        type(self).wave_sizes.append(len(batch))
+        if any(POISON in p for p in batch.prompts):
+            raise RuntimeError("poisoned prompt in this wave")
+        if any(p == "warm-up" for p in batch.prompts) and os.environ.get(
+            "DIFFBATCH_FAKE_FAIL_WARMUP"
+        ):
+            raise RuntimeError("warm-up refused")
+        n = batch.num_outputs_per_prompt
+        outputs = []
+        for i, request in enumerate(batch.requests):
+            params = request.sampling_params
+            gens = batch.generators[i * n:(i + 1) * n]
+            images = fake_images(request.prompt, gens, params.height, params.width)
+            outputs.append(DiffusionOutput(request.request_id, images=images))
+        return outputs
+
+
+class FakeSinglePipeline(FakeBatchPipeline):
+    """Not batch-capable: the engine must only pass batches of one."""
+
+    supports_request_batch = False
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        assert len(batch) == 1, f"per-request pipeline got a batch of {len(batch)}"
+        return super().forward(batch)
+
+
+class GatedPipeline(FakeBatchPipeline):
+    """Blocks each forward until `release` is set; `entered` is set on entry.
+
+    In-process only (executor="inproc"): tests drive it through the class events.
+    """
+
+    entered = threading.Event()
+    release = threading.Event()
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        if batch.prompts == ["warm-up"]:
+            return super().forward(batch)
+        type(self).entered.set()
+        type(self).release.wait(timeout=60)
+        return super().forward(batch)
+
+
+class WrongCountPipeline(FakeBatchPipeline):
+    """Breaks the contract: returns one output too few."""
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        return super().forward(batch)[:-1] if len(batch) > 1 else super().forward(batch)
+
+
+class WrongTypePipeline(FakeBatchPipeline):
+    """Breaks the contract: returns dicts instead of DiffusionOutput."""
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[Any]:
+        outs = super().forward(batch)
+        return outs if batch.prompts == ["warm-up"] else [{"images": o.images} for o in outs]
+
+
+class NotAPipeline:
+    """Has neither from_pretrained nor forward."""

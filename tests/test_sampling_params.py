@@ -1,0 +1,96 @@
+"""SamplingParams validation and the batch-compatibility key."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from diffbatch import InvalidRequestError, SamplingParams, SamplingParamsKey
+
+
+def key(cfg: bool = True, **overrides) -> SamplingParamsKey:
+    base = dict(height=64, width=64, num_inference_steps=4, guidance_scale=5.0, seed=1)
+    base.update(overrides)
+    return SamplingParamsKey.from_params(SamplingParams(**base), cfg_enabled=cfg)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"height": 128},
+        {"width": 128},
+        {"num_inference_steps": 5},
+        {"guidance_scale": 7.5},
+        {"num_outputs_per_prompt": 2},
+        {"output_type": "pt"},
+        {"lora": "/a"},
+        {"sigmas": (1.0, 0.5)},
+        {"extra": {"eta": 0.5}},
+    ],
+)
+def test_key_distinguishes_computation_fields(change):
+    assert key() != key(**change)
+
+
+def test_key_distinguishes_cfg_on_off_lora_id_and_scale():
+    assert key(cfg=True) != key(cfg=False)
+    assert key(lora="/a") != key(lora="/b")
+    assert key(lora="/a", lora_scale=0.5) != key(lora="/a", lora_scale=1.0)
+    assert key(lora="/a", lora_scale=1.0) == key(lora="/a", lora_scale=1.0)
+    no_lora = key()
+    assert no_lora.lora is None and no_lora.lora_scale is None
+    assert no_lora != key(lora="/a")
+
+
+def test_key_ignores_prompt_side_fields():
+    assert key(seed=1) == key(seed=2)
+    assert key(negative_prompt="blurry") == key(negative_prompt=None)
+    # lora_scale without a lora does not change the computation
+    assert key(lora_scale=0.3) == key()
+
+
+def test_key_is_hashable_and_usable_as_dict_key():
+    buckets = {key(): "a", key(height=128): "b"}
+    assert buckets[key(seed=99, negative_prompt="x")] == "a"
+    assert len({key(), key(seed=5), key(height=128)}) == 2
+
+
+def test_default_and_explicit_equal_values_make_one_key():
+    # Resolution fills defaults; an explicit equal value must give the same key.
+    implicit = SamplingParams().clone(height=64, width=64, num_inference_steps=4,
+                                      guidance_scale=5.0)
+    explicit = SamplingParams(height=64, width=64, num_inference_steps=4, guidance_scale=5.0)
+    assert SamplingParamsKey.from_params(implicit, cfg_enabled=True) == \
+        SamplingParamsKey.from_params(explicit, cfg_enabled=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"height": 0}, "height"),
+        ({"width": -8}, "width"),
+        ({"height": 64.0}, "height"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"num_inference_steps": 10_000}, "num_inference_steps"),
+        ({"guidance_scale": math.nan}, "guidance_scale"),
+        ({"guidance_scale": math.inf}, "guidance_scale"),
+        ({"num_outputs_per_prompt": 0}, "num_outputs_per_prompt"),
+        ({"seed": -1}, "seed"),
+        ({"output_type": "latent"}, "output_type"),
+        ({"negative_prompt": ["a", "b"]}, "negative_prompt"),
+        ({"lora": ""}, "lora"),
+        ({"lora_scale": math.nan}, "lora_scale"),
+    ],
+)
+def test_invalid_params_fail_on_construction_naming_the_field(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert f"`{param}`" in str(info.value)
+    assert info.value.status_code == 400
+
+
+def test_short_form_names_shape_steps_guidance():
+    assert key().short() == "64x64/s4/g5/n1"
+    assert "lora=/a@0.5" in key(lora="/a", lora_scale=0.5).short()
