@@ -1,0 +1,119 @@
+"""The model runner: generators per request, the output contract, routing by id."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffbatch import (
+    DiffusionRequest,
+    EngineConfig,
+    PipelineError,
+    SamplingParams,
+    SamplingParamsKey,
+    SchedulerOutput,
+)
+from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.worker.model_runner import ModelRunner, check_outputs, make_generators
+from tests.fake_pipelines import (
+    FakeBatchPipeline,
+    WrongCountPipeline,
+    WrongTypePipeline,
+    fake_images,
+)
+
+
+def make_request(rid: str, prompt: str = "a cat", seed: int = 0, n: int = 1,
+                 output_type: str = "pt", lora: str | None = None) -> DiffusionRequest:
+    params = SamplingParams(height=16, width=16, num_inference_steps=2, guidance_scale=5.0,
+                            seed=seed, num_outputs_per_prompt=n, output_type=output_type,
+                            lora=lora)
+    request = DiffusionRequest(rid, prompt, params)
+    request.key = SamplingParamsKey.from_params(params, cfg_enabled=True)
+    return request
+
+
+def wave(*requests: DiffusionRequest) -> SchedulerOutput:
+    return SchedulerOutput(wave_id=1, requests=list(requests), key=requests[0].key)
+
+
+def runner_with(pipeline) -> ModelRunner:
+    return ModelRunner(EngineConfig(executor="inproc"), pipeline=pipeline)
+
+
+def test_each_request_generator_is_seeded_from_its_own_seed():
+    requests = [make_request("a", seed=5, n=2), make_request("b", seed=9, n=1)]
+    gens = make_generators(requests)
+    assert len(gens) == 3
+    expected = [5, 6, 9]
+    for gen, seed in zip(gens, expected, strict=True):
+        assert torch.equal(torch.rand(4, generator=gen),
+                           torch.rand(4, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_outputs_are_routed_by_request_id_and_depend_only_on_own_seed():
+    runner = runner_with(FakeBatchPipeline())
+    out = runner.execute_batch(
+        wave(make_request("a", "cat", 1, n=2), make_request("b", "dog", 2, n=2)))
+    assert out.req_ids == ["a", "b"]
+    assert out.outputs["a"].images.shape == (2, 3, 16, 16)
+    assert out.outputs["b"].images.shape == (2, 3, 16, 16)
+    assert out.outputs["a"].batch_size == 2 and out.outputs["a"].seed == 1
+    alone = runner.execute_request(make_request("b2", "dog", 2, n=2))
+    assert torch.equal(alone.images, out.outputs["b"].images)
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    expected = fake_images("cat", gens, 16, 16)
+    assert torch.equal(out.outputs["a"].images, expected)
+
+
+def test_pil_output_type_ships_uint8_hwc():
+    runner = runner_with(FakeBatchPipeline())
+    out = runner.execute_request(make_request("a", output_type="pil"))
+    assert out.images.dtype == torch.uint8 and out.images.shape == (1, 16, 16, 3)
+
+
+def test_wrong_output_count_is_rejected_with_the_exact_message():
+    runner = runner_with(WrongCountPipeline())
+    out = runner.execute_batch(wave(make_request("a"), make_request("b"), make_request("c")))
+    message = ("pipeline WrongCountPipeline.forward doesn't preserve batch size: the batch "
+               "has 3 requests but it returned 2 outputs")
+    assert [o.error.message for o in out.outputs.values()] == [message] * 3
+
+
+def test_wrong_output_type_is_rejected_naming_the_type():
+    runner = runner_with(WrongTypePipeline())
+    out = runner.execute_batch(wave(make_request("a"), make_request("b")))
+    assert all(o.error.message == "pipeline WrongTypePipeline.forward must return "
+               "DiffusionOutput objects, got dict at position 0" for o in out.outputs.values())
+
+
+def test_check_outputs_names_order_and_container_problems():
+    batch = DiffusionRequestBatch([make_request("a"), make_request("b")])
+    from diffbatch import DiffusionOutput
+
+    with pytest.raises(PipelineError, match="must return a list of 2 DiffusionOutput, got dict"):
+        check_outputs("P", batch, {})
+    with pytest.raises(PipelineError, match="out of order"):
+        check_outputs("P", batch, [DiffusionOutput("b"), DiffusionOutput("a")])
+
+
+def test_pipeline_exception_fails_the_wave_not_the_runner():
+    runner = runner_with(FakeBatchPipeline())
+    out = runner.execute_batch(wave(make_request("a"), make_request("b", "poison pill")))
+    assert all("poisoned prompt" in o.error.message for o in out.outputs.values())
+    assert runner.execute_request(make_request("c")).ok
+
+
+def test_cache_refresh_and_lora_activation_happen_once_per_wave(tmp_path):
+    pipeline = FakeBatchPipeline()
+    runner = runner_with(pipeline)
+    adapter = str(tmp_path)
+    runner.execute_batch(wave(make_request("a", lora=adapter), make_request("b", lora=adapter)))
+    assert pipeline.cache_refreshes == 1
+    assert len(pipeline.lora_calls) == 1 and pipeline.lora_calls[0][1] == 1.0
+    runner.execute_batch(wave(make_request("c", lora=adapter)))
+    assert len(pipeline.lora_calls) == 1  # same adapter and scale: nothing to switch
+    runner.execute_batch(wave(make_request("d")))
+    assert pipeline.lora_calls[-1] == (None, 1.0)  # a wave without LoRA disables it
+    missing = runner.execute_batch(wave(make_request("e", lora=str(tmp_path / "nope"))))
+    assert "not found" in missing.outputs["e"].error.message
