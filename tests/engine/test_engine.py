@@ -1,0 +1,197 @@
+"""The engine with fake pipelines in-process: capability, paths, abort, close, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from diffbatch import (
+    ConfigError,
+    Engine,
+    EngineClosedError,
+    InvalidRequestError,
+    PipelineError,
+    QueueFullError,
+    SamplingParams,
+)
+from tests.fake_pipelines import FakeBatchPipeline, FakeSinglePipeline, GatedPipeline
+
+FAKE = "tests.fake_pipelines.FakeBatchPipeline"
+
+
+@pytest.fixture
+def gate():
+    GatedPipeline.entered.clear()
+    GatedPipeline.release.clear()
+    yield GatedPipeline
+    GatedPipeline.release.set()
+
+
+def gated_engine(**kwargs) -> Engine:
+    kwargs.setdefault("max_num_seqs", 4)
+    return Engine(pipeline_class=GatedPipeline, executor="inproc", **kwargs)
+
+
+def submit(engine: Engine, prompt: str, request_id: str, **params):
+    """Submit without waiting; returns the concurrent future of the output."""
+    _, future = engine._submit(prompt, SamplingParams(**params), request_id, 0)
+    return future
+
+
+@pytest.mark.parametrize(
+    "spec", [FakeBatchPipeline, FAKE, "tests.fake_pipelines:FakeBatchPipeline"]
+)
+def test_capability_from_class_object_or_dotted_name(spec):
+    with Engine(pipeline_class=spec, executor="inproc", max_num_seqs=4) as engine:
+        assert engine.supports_request_batch is True
+        assert engine.pipeline_class is FakeBatchPipeline
+
+
+@pytest.mark.parametrize("spec", ["tests.fake_pipelines.Missing", "no_such_module.Pipe",
+                                  "tests.fake_pipelines.NotAPipeline"])
+def test_bad_pipeline_class_is_a_clear_config_error(spec):
+    with pytest.raises(ConfigError, match=spec.rsplit(".", 1)[-1]):
+        Engine(pipeline_class=spec, executor="inproc")
+
+
+def test_batching_with_a_non_batch_pipeline_is_a_start_up_error_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"supports_request_batch = True.*max_num_seqs=1"):
+        Engine(pipeline_class=FakeSinglePipeline, executor="inproc", max_num_seqs=4)
+
+
+def test_non_batch_pipeline_takes_the_per_request_path():
+    with Engine(pipeline_class=FakeSinglePipeline, executor="inproc") as engine:
+        assert engine.supports_request_batch is False
+        outs = engine.generate(["a", "b", "c"], SamplingParams(seed=1))
+    assert [o.ok for o in outs] == [True] * 3 and {o.batch_size for o in outs} == {1}
+
+
+def test_warmup_failure_fails_start_up(monkeypatch):
+    monkeypatch.setenv("DIFFBATCH_FAKE_FAIL_WARMUP", "1")
+    with pytest.raises(PipelineError, match="warm-up request failed: RuntimeError: warm-up"):
+        Engine(pipeline_class=FAKE, executor="inproc")
+
+
+def test_generate_returns_one_output_per_prompt_in_order_with_own_seed():
+    with Engine(pipeline_class=FAKE, executor="inproc", max_num_seqs=4) as engine:
+        params = [SamplingParams(seed=s, output_type="pt") for s in (1, 2, 3)]
+        outs = engine.generate(["a", "b", "c"], params, request_ids=["x", "y", "z"])
+        again = engine.generate(["b"], SamplingParams(seed=2, output_type="pt"))
+        pil = engine.generate("a", SamplingParams(seed=1))[0]
+    assert [o.request_id for o in outs] == ["x", "y", "z"]
+    assert [o.seed for o in outs] == [1, 2, 3]
+    assert (outs[1].images - again[0].images).abs().max() == 0
+    assert pil.images[0].size == (16, 16) and pil.images[0].mode == "RGB"
+
+
+def test_waves_fill_while_a_wave_runs(gate):
+    with gated_engine(max_num_seqs=4) as engine:
+        first = submit(engine, "first", "r0")
+        assert gate.entered.wait(30)
+        rest = [submit(engine, f"p{i}", f"r{i}") for i in range(1, 6)]
+        assert engine.num_waiting == 5 and engine.num_running == 1
+        gate.release.set()
+        outs = [f.result(30) for f in [first, *rest]]
+    assert [o.batch_size for o in outs] == [1, 4, 4, 4, 4, 1]
+
+
+def test_abort_waiting_and_running_requests(gate):
+    with gated_engine() as engine:
+        running = submit(engine, "runs", "a")
+        assert gate.entered.wait(30)
+        waiting = submit(engine, "waits", "b")
+        assert engine.abort("b") and engine.abort("a")
+        assert waiting.result(5).aborted and running.result(5).aborted
+        assert not engine.abort("a")  # already finished
+        gate.release.set()
+        assert engine.generate(["after"])[0].ok
+        assert engine.num_unfinished == 0 and engine.num_waiting == engine.num_running == 0
+        assert engine.core.scheduler.requests == {}
+        assert engine.metrics.count("aborted") == 2
+
+
+def test_close_fails_every_open_request(gate):
+    engine = gated_engine()
+    running = submit(engine, "runs", "a")
+    assert gate.entered.wait(30)
+    waiting = submit(engine, "waits", "b")
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    assert running.result(30).error.message == "engine is closed"
+    assert waiting.result(30).error.message == "engine is closed"
+    gate.release.set()
+    closer.join(30)
+    with pytest.raises(EngineClosedError):
+        engine.generate(["late"])
+    assert not engine.is_healthy
+
+
+def test_a_failing_wave_fails_only_its_requests_and_the_engine_keeps_serving(gate):
+    with gated_engine() as engine:
+        first = submit(engine, "first", "r0")
+        assert gate.entered.wait(30)
+        wave = [submit(engine, "poison", "p"), submit(engine, "fine", "f")]
+        gate.release.set()
+        assert first.result(30).ok
+        outs = [f.result(30) for f in wave]
+        assert [o.batch_size for o in outs] == [2, 2]
+        assert all("poisoned prompt" in o.error.message for o in outs)
+        assert engine.generate(["fine again"])[0].ok
+        assert engine.metrics.count("error") == 2 and engine.is_healthy
+
+
+def test_queue_full_is_rejected_at_once(gate):
+    with gated_engine(max_queue_size=2) as engine:
+        submit(engine, "runs", "a")
+        assert gate.entered.wait(30)
+        waiting = [submit(engine, "w", f"w{i}") for i in range(2)]
+        with pytest.raises(QueueFullError, match="full"):
+            submit(engine, "one too many", "x")
+        assert engine.metrics.count("rejected") == 1
+        gate.release.set()
+        assert all(f.result(30).ok for f in waiting)
+
+
+def test_bad_input_fails_at_the_call_and_leaves_the_engine_serving(tmp_path):
+    (tmp_path / "good").mkdir()
+    with Engine(pipeline_class=FAKE, executor="inproc", max_num_seqs=4,
+                lora_dir=str(tmp_path)) as engine:
+        with pytest.raises(InvalidRequestError, match="multiple of 8"):
+            engine.generate(["a"], SamplingParams(height=12))
+        with pytest.raises(InvalidRequestError, match="single string"):
+            engine.generate([["a", "b"]])
+        with pytest.raises(InvalidRequestError, match="inside the LoRA directory"):
+            engine.generate(["a"], SamplingParams(lora="../etc"))
+        with pytest.raises(InvalidRequestError, match="not found"):
+            engine.generate(["a"], SamplingParams(lora="missing"))
+        with pytest.raises(InvalidRequestError, match="one per prompt"):
+            engine.generate(["a", "b"], [SamplingParams()])
+        assert engine.generate(["a"], SamplingParams(lora="good"))[0].ok
+        assert engine.generate(["a"])[0].ok
+
+
+def test_duplicate_active_request_id_is_rejected(gate):
+    with gated_engine() as engine:
+        submit(engine, "runs", "a")
+        assert gate.entered.wait(30)
+        with pytest.raises(InvalidRequestError, match="already active"):
+            submit(engine, "again", "a")
+        gate.release.set()
+
+
+async def test_generate_async_and_cancellation_aborts(gate):
+    with gated_engine() as engine:
+        task = asyncio.ensure_future(engine.generate_async("runs", request_id="a"))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        waiting = asyncio.ensure_future(engine.generate_async("waits", request_id="b"))
+        while engine.num_waiting < 1:  # let the second submit reach the queue
+            await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert engine.num_waiting == 0 and engine.metrics.count("aborted") == 1
+        gate.release.set()
+        out = await task
+        assert out.ok and out.request_id == "a"
