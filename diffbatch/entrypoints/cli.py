@@ -1,0 +1,186 @@
+"""The `diffbatch` command line: `diffbatch serve [MODEL] ...` (more subcommands later).
+
+Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its
+parser and sets `func`; `main` parses, configures logging and calls `func(args)`.
+Flag values are checked while parsing ("--max-num-seqs must be an integer >= 1,
+got 0"), so a bad flag fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "DIFFBATCH_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_check(low: float, *, strict: bool) -> Callable[[str], float]:
+    rule = f"> {low:g}" if strict else f">= {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {rule}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {rule}, got {text}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
+    return value
+
+
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be an existing directory, got {text!r}")
+    return os.path.abspath(text)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `diffbatch serve [MODEL]` and its flags (vLLM's names where they exist)."""
+    from diffbatch.entrypoints.openai.serving_images import DEFAULT_MAX_IMAGE_PIXELS
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL at POST /v1/images/generations (OpenAI-compatible). "
+        "Concurrent HTTP requests are batched by the engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL",
+        help="local diffusers folder, hub id or built-in tiny model name "
+        "(default: the built-in default model)",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    server.add_argument(
+        "--served-model-name", default=None,
+        help="model name clients pass and /v1/models lists (default: MODEL)",
+    )
+    server.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    server.add_argument(
+        "--request-timeout", type=_float_check(0.0, strict=True), default=None,
+        metavar="SECONDS", help="abort requests not finished after this long (504)",
+    )
+    server.add_argument(
+        "--max-image-pixels", type=_int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="largest width*height of one image (413 above it)",
+    )
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower)
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--max-num-seqs", type=_int_at_least(1), default=1,
+        help="most requests in one batched forward (wave)",
+    )
+    engine.add_argument(
+        "--request-batch-max-wait-ms", type=_float_check(0.0, strict=False), default=0.0,
+        help="how long a wave may wait for more compatible requests (0 = off)",
+    )
+    engine.add_argument(
+        "--executor", choices=("mp", "inproc"), default="mp",
+        help="run the pipeline in a worker process (mp) or in the server process",
+    )
+    engine.add_argument(
+        "--max-queue-size", type=_int_at_least(1), default=None,
+        help="most waiting requests; more get 503 with Retry-After (default: unbounded)",
+    )
+    engine.add_argument(
+        "--lora-dir", type=_directory, default=None,
+        help="folder LoRA adapter names resolve in (default: LoRA off over HTTP)",
+    )
+    engine.add_argument("--seed", type=_int_at_least(0), default=None,
+                        help="seed of the engine's random source for unseeded requests")
+    engine.add_argument("--device", default=None, help="torch device (default: auto)")
+    engine.add_argument("--dtype", default=None, help="torch dtype, e.g. float16 (default: auto)")
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from diffbatch.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+    return 0
+
+
+# (name, adds the subparser); `diffbatch bench` will register here.
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser]
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    """The `diffbatch` parser with every subcommand."""
+    from diffbatch import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="diffbatch",
+        description="A serving engine for diffusion models built around request-level batching.",
+    )
+    parser.add_argument("--version", action="version", version=f"diffbatch {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_parser in _SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    """Log `level` and above to stderr, in one line per record."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("diffbatch").setLevel(level.upper())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `diffbatch` command line; returns the process exit code.
+
+    Args:
+        argv: Arguments without the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        0 on a clean exit, 1 when the command failed to start (the reason is logged).
+    """
+    from diffbatch.errors import DiffbatchError
+
+    args = make_arg_parser().parse_args(argv)
+    configure_logging(getattr(args, "log_level", "info"))
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 0
+    except DiffbatchError as exc:
+        logger.error("diffbatch %s failed to start: %s", args.command, exc.message)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Thin FastAPI routes of the OpenAI-compatible server; the logic is in `serving_images.py`.
+
+Each route lists the error models it can answer, so `/docs` shows them, and the
+image route is wrapped in `with_cancellation` so a client disconnect aborts its
+engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from diffbatch.entrypoints.openai.errors import error_response, exception_response
+from diffbatch.entrypoints.openai.protocol import (
+    ErrorResponse,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    ModelCard,
+    ModelList,
+)
+from diffbatch.entrypoints.openai.serving_images import ImageResult
+from diffbatch.entrypoints.utils import with_cancellation
+from diffbatch.errors import DiffbatchError, EngineDeadError
+
+if TYPE_CHECKING:
+    from diffbatch.engine.async_engine import Engine
+    from diffbatch.entrypoints.openai.middleware import HTTPMetrics
+    from diffbatch.entrypoints.openai.serving_images import OpenAIServingImages
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+IMAGES_ROUTE = "/v1/images/generations"
+# Set in the ASGI scope state once the image handler runs; the metrics middleware
+# counts image requests refused before it (auth, content type, validation) as rejected.
+HANDLED_STATE = "diffbatch_handled"
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 500, 503, 504)
+}
+
+
+def _serving(raw_request: Request) -> OpenAIServingImages:
+    return raw_request.app.state.serving_images
+
+
+def _engine(raw_request: Request) -> Engine:
+    return raw_request.app.state.engine
+
+
+@router.post(IMAGES_ROUTE, response_model=ImageGenerationResponse, responses=_ERRORS)
+@with_cancellation
+async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
+    """Generate `n` images for one prompt (OpenAI `images.generate`)."""
+    setattr(raw_request.state, HANDLED_STATE, True)
+    request_id = raw_request.headers.get("x-request-id") or f"img-{uuid.uuid4().hex}"
+    result = await _serving(raw_request).create_image(request, request_id)
+    if not isinstance(result, ImageResult):
+        return result
+    return JSONResponse(result.response.model_dump(), headers=result.headers)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+async def list_models(raw_request: Request) -> ModelList:
+    """The served model, in OpenAI's list shape."""
+    return ModelList(data=[_model_card(raw_request)])
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+async def retrieve_model(model: str, raw_request: Request) -> Response:
+    """One model by name (OpenAI `models.retrieve`)."""
+    card = _model_card(raw_request)
+    if model != card.id:
+        return error_response(
+            404, f"model {model!r} is not served here; this server serves {card.id!r}",
+            param="model", code="model_not_found",
+        )
+    return JSONResponse(card.model_dump())
+
+
+def _model_card(raw_request: Request) -> ModelCard:
+    serving = _serving(raw_request)
+    return ModelCard(
+        id=serving.served_model_name,
+        root=getattr(_engine(raw_request).config, "model", None),
+        created=raw_request.app.state.started_at,
+    )
+
+
+@router.get("/health", responses={503: {"model": ErrorResponse}})
+async def health(raw_request: Request) -> Response:
+    """200 while the engine and its worker are alive, 503 otherwise."""
+    try:
+        _engine(raw_request).check_health()
+    except DiffbatchError as exc:
+        return exception_response(exc)
+    except Exception as exc:  # a health check must answer, whatever broke
+        logger.warning("health check failed: %r", exc)
+        return exception_response(EngineDeadError(f"engine health check failed: {exc!r}"))
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    """Prometheus text: the engine's metrics, then the HTTP layer's."""
+    http_metrics: HTTPMetrics = raw_request.app.state.http_metrics
+    body = generate_latest(_engine(raw_request).metrics.registry)
+    body += generate_latest(http_metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

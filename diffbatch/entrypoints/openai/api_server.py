@@ -1,0 +1,190 @@
+"""The OpenAI-compatible image server: app factory and `run_server` (uvicorn).
+
+`build_app(engine, ...)` wires a started engine into a FastAPI app: the routes
+(`api_router.py`), the logic (`serving_images.py`), the OpenAI error shape
+(`errors.py`) and the guard and metrics middleware (`middleware.py`). The engine is
+started before the server accepts connections (`run_server` builds it first) and
+closed by the app's lifespan when the server shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+
+from diffbatch.entrypoints.openai.api_router import HANDLED_STATE, IMAGES_ROUTE, router
+from diffbatch.entrypoints.openai.errors import install_exception_handlers
+from diffbatch.entrypoints.openai.middleware import (
+    HTTPMetrics,
+    HTTPMetricsMiddleware,
+    RequestGuardMiddleware,
+)
+from diffbatch.entrypoints.openai.serving_images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    OpenAIServingImages,
+)
+
+if TYPE_CHECKING:
+    import argparse
+
+    from diffbatch.engine.async_engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# Default `max_body_bytes`: far above any valid request (prompts are <= 10,000 chars).
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def build_app(
+    engine: Engine,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    request_timeout_s: float | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    close_engine_on_shutdown: bool = True,
+) -> FastAPI:
+    """Build the FastAPI app that serves `engine`.
+
+    Args:
+        engine: A started `diffbatch.Engine`.
+        served_model_name: The model name clients pass and `/v1/models` lists.
+        api_key: When set, every `/v1/...` request needs `Authorization: Bearer <key>`;
+            `/health`, `/metrics` and `/docs` stay open.
+        request_timeout_s: Abort and answer 504 to requests not done after this long.
+        max_image_pixels: Largest width * height of one image (413 above it).
+        max_body_bytes: Largest request body (413 above it).
+        close_engine_on_shutdown: Close the engine when the server shuts down.
+
+    Returns:
+        The app; serve it with uvicorn (see `run_server`).
+    """
+    if not served_model_name:
+        raise ValueError("served_model_name must be a non-empty string")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be a non-empty string or None")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logger.info(
+            "serving %r at %s (max_num_seqs=%d, api key %s)",
+            served_model_name, IMAGES_ROUTE, engine.config.max_num_seqs,
+            "required" if api_key else "off",
+        )
+        try:
+            yield
+        finally:
+            if close_engine_on_shutdown:
+                logger.info("shutting down: closing the engine")
+                await asyncio.to_thread(engine.close)
+
+    app = FastAPI(
+        title="diffbatch",
+        summary="OpenAI-compatible image generation with request-level batching",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    http_metrics = HTTPMetrics()
+    app.state.engine = engine
+    app.state.http_metrics = http_metrics
+    app.state.started_at = int(time.time())
+    app.state.serving_images = OpenAIServingImages(
+        engine,
+        served_model_name=served_model_name,
+        request_timeout_s=request_timeout_s,
+        max_image_pixels=max_image_pixels,
+        http_metrics=http_metrics,
+    )
+    app.include_router(router)
+    install_exception_handlers(app)
+    # Added last = outermost: metrics see every answer, including the guard's.
+    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        HTTPMetricsMiddleware,
+        metrics=http_metrics,
+        routes=_route_paths(app),
+        on_rejected=_rejection_counter(engine),
+    )
+    return app
+
+
+def _route_paths(app: FastAPI) -> frozenset[str]:
+    """Fixed paths of our routes and FastAPI's docs (the metrics' bounded route labels)."""
+    paths = {getattr(r, "path", None) for r in [*router.routes, *app.routes]}
+    return frozenset(p for p in paths if p and "{" not in p)
+
+
+def _rejection_counter(engine: Engine) -> Any:
+    """Count image requests refused before their handler ran as engine "rejected"."""
+
+    def on_answer(scope: dict[str, Any], status: int) -> None:
+        if scope["path"] != IMAGES_ROUTE or not 400 <= status < 499:
+            return
+        if not scope.get("state", {}).get(HANDLED_STATE):
+            engine.record_rejected()
+
+    return on_answer
+
+
+def _version() -> str:
+    from diffbatch import __version__
+
+    return __version__
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    from diffbatch import Engine
+
+    engine = Engine(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        request_batch_max_wait_ms=args.request_batch_max_wait_ms,
+        executor=args.executor,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_queue_size=args.max_queue_size,
+        lora_dir=args.lora_dir,
+    )
+    try:
+        app = build_app(
+            engine,
+            served_model_name=args.served_model_name or served_name_of(engine, args.model),
+            api_key=args.api_key,
+            request_timeout_s=args.request_timeout,
+            max_image_pixels=args.max_image_pixels,
+        )
+    except BaseException:
+        engine.close()
+        raise
+    logger.info("listening on http://%s:%d (docs at /docs)", args.host, args.port)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+
+
+def served_name_of(engine: Engine, model: str | None) -> str:
+    """The default served model name: the MODEL argument, else the engine's model."""
+    if model:
+        return model
+    if getattr(engine.config, "model", None):
+        return engine.config.model
+    from diffbatch.pipelines.registry import DEFAULT_MODEL
+
+    return DEFAULT_MODEL

@@ -1,0 +1,215 @@
+"""ASGI middleware of the image server: request guard and HTTP-level metrics.
+
+Both are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which runs the app in a
+separate task and breaks the `http.disconnect` listening that client-disconnect
+aborts rely on).
+
+`RequestGuardMiddleware` answers, before FastAPI parses anything, the requests it
+can refuse from headers and size alone, in this order:
+
+1. API key (only `/v1/...`; `/health`, `/metrics` and `/docs` stay open) -> 401;
+2. content type of a `/v1` POST that is not JSON -> 415;
+3. body over `max_body_bytes` (by `Content-Length`, or counted while reading) -> 413.
+
+`HTTPMetricsMiddleware` counts every answer by route and status and times it.
+"""
+
+from __future__ import annotations
+
+import email.message
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from diffbatch.entrypoints.openai.errors import error_response
+from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+PROTECTED_PREFIX = "/v1"
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+class RequestGuardMiddleware:
+    """Refuse unauthenticated, non-JSON and oversized requests early; see the module doc."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        # 1. API key.
+        if self.api_key is not None:
+            refusal = self._check_api_key(headers.get("authorization"))
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        # 2. Content type.
+        if not _is_json(headers.get("content-type")):
+            given = headers.get("content-type") or "none"
+            await error_response(
+                415, f"request body must be JSON: send `Content-Type: application/json` "
+                f"(got {given})", code="unsupported_media_type",
+            )(scope, receive, send)
+            return
+        # 3. Body size.
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._too_large(int(length))(scope, receive, send)
+            return
+        body, extra = await self._read_body(receive)
+        if body is None:  # over the limit while counting (chunked upload)
+            await self._too_large(None)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, extra, receive), send)
+
+    def _check_api_key(self, authorization: str | None) -> JSONResponse | None:
+        if not authorization:
+            return error_response(
+                401, "missing API key: send `Authorization: Bearer <key>`",
+                type="invalid_request_error", code="invalid_api_key",
+            )
+        scheme, _, token = authorization.partition(" ")
+        assert self.api_key is not None
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            return error_response(
+                401, "incorrect API key provided", type="invalid_request_error",
+                code="invalid_api_key",
+            )
+        return None
+
+    def _too_large(self, num_bytes: int | None) -> JSONResponse:
+        got = f", got {num_bytes}" if num_bytes is not None else ""
+        return error_response(
+            413, f"request body must be at most {self.max_body_bytes} bytes{got}",
+            code="payload_too_large",
+        )
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, list[Message]]:
+        """Read the whole body, stopping early (None) once it passes the limit."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # a disconnect: hand it on as is
+                return b"".join(chunks), [message]
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None, []
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), []
+
+
+def _replay(body: bytes, extra: list[Message], receive: Receive) -> Receive:
+    """A `receive` that gives the buffered body once, then reads the real channel.
+
+    Reading the real channel afterwards is what lets a handler hear `http.disconnect`.
+    """
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}, *extra]
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
+
+
+class HTTPMetrics:
+    """HTTP-level Prometheus metrics, in their own registry beside the engine's."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "diffbatch_http_requests", "HTTP requests answered, by route and status.",
+            ["route", "method", "status"], registry=self.registry,
+        )
+        self.duration_s = Histogram(
+            "diffbatch_http_request_duration_seconds",
+            "Time from receiving an HTTP request to the start of its answer.",
+            ["route"], registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.encode_s = Histogram(
+            "diffbatch_image_encode_seconds",
+            "Time to encode one response's images (PNG/JPEG/WebP + base64), by format.",
+            ["format"], registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+        )
+        self.disconnects = Counter(
+            "diffbatch_http_client_disconnects",
+            "HTTP requests whose client went away before the answer.",
+            registry=self.registry,
+        )
+
+
+class HTTPMetricsMiddleware:
+    """Record route, status and duration of every HTTP answer into `HTTPMetrics`."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        metrics: HTTPMetrics,
+        routes: frozenset[str],
+        on_rejected: Callable[[Scope, int], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes  # known paths; others are counted as "other" (bounded labels)
+        self.on_rejected = on_rejected  # called with (scope, status) after every answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        start = time.perf_counter()
+        status = 0
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self.metrics.duration_s.labels(route).observe(time.perf_counter() - start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            label = str(status) if status else "disconnected"
+            self.metrics.requests.labels(route, scope["method"], label).inc()
+            if status == CLIENT_CLOSED_STATUS:
+                self.metrics.disconnects.inc()
+            if self.on_rejected is not None and status:
+                self.on_rejected(scope, status)

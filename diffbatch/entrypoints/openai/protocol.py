@@ -1,0 +1,243 @@
+"""Request and response models of the OpenAI-compatible image API.
+
+This is the HTTP layer's one validation place for input that does not depend on
+the served model: types, ranges and closed choices. What depends on the model or
+the server's options (the model name, the size multiple, `--max-image-pixels`,
+LoRA names) is checked in `serving_images.py` and by the engine.
+
+Every rule raises `InvalidRequestError` with the OpenAI `param` it blames; pydantic
+wraps it, and `errors.py` unwraps it again into the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from diffbatch.errors import InvalidRequestError
+from diffbatch.request import validate_prompt
+from diffbatch.sampling_params import MAX_NUM_INFERENCE_STEPS
+
+# OpenAI's own bound on `n` for image generation.
+MAX_N = 10
+OutputFormat = Literal["png", "jpeg", "webp"]
+OUTPUT_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
+_SIZE_RE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+
+# OpenAI fields that only some OpenAI models honour. diffbatch accepts each at the
+# values that ask for nothing special and rejects the others with a clear message,
+# rather than silently ignoring a request it cannot honour.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "quality": (None, "auto", "standard"),
+    "style": (None,),
+    "background": (None, "auto", "opaque"),
+    "moderation": (None, "auto"),
+    "stream": (None, False),
+    "partial_images": (None, 0),
+}
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of request models: unknown fields are an error, named in the message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_size(size: str | None) -> tuple[int, int] | None:
+    """Parse an OpenAI `size` ("WxH" or "auto") into (width, height); None means default.
+
+    Raises:
+        InvalidRequestError: `size` is neither "auto" nor "<width>x<height>" with
+            positive integers.
+    """
+    if size is None or size == "auto":
+        return None
+    if not isinstance(size, str):
+        raise InvalidRequestError(
+            f"`size` must be a string like \"512x512\" or \"auto\", got {size!r}", param="size"
+        )
+    match = _SIZE_RE.match(size)
+    if match is None:
+        raise InvalidRequestError(
+            f"`size` must be \"<width>x<height>\" (e.g. \"512x512\") or \"auto\", got {size!r}",
+            param="size",
+        )
+    width, height = int(match.group(1)), int(match.group(2))
+    if width < 1 or height < 1:
+        raise InvalidRequestError(f"`size` must have positive sides, got {size!r}", param="size")
+    return width, height
+
+
+class ImageGenerationRequest(OpenAIBaseModel):
+    """Body of `POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
+
+    Args:
+        prompt: One non-empty prompt (lists are rejected: batching is across requests).
+        model: The served model name; None serves the default model.
+        n: Images to generate for this prompt, 1-10.
+        size: "<width>x<height>" or "auto"/None for the model's default size.
+        response_format: Only "b64_json"; "url" is rejected (this server hosts no files).
+        output_format: Image encoding: "png" (default), "jpeg" or "webp".
+        output_compression: Quality 0-100 of jpeg/webp (100 = best, the default).
+        user: End-user id; accepted and only logged at DEBUG.
+        negative_prompt: Extension: what the image should not show.
+        num_inference_steps: Extension: denoising steps (None = the model's default).
+        guidance_scale: Extension: classifier-free guidance scale (None = default).
+        seed: Extension: seed of this request's noise; equal seeds give equal images.
+        lora: Extension: name of a LoRA adapter inside the server's `--lora-dir`.
+        lora_scale: Extension: strength of the LoRA adapter.
+    """
+
+    prompt: str = Field(description="One non-empty text prompt.")
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N, strict=True)
+    size: str | None = Field(default=None, description='"<width>x<height>" or "auto"')
+    response_format: str | None = Field(default=None, description='only "b64_json"')
+    output_format: str = Field(default="png", description="png, jpeg or webp")
+    output_compression: int | None = Field(default=None, ge=0, le=100, strict=True)
+    user: str | None = None
+    # OpenAI fields accepted only at neutral values (see _NEUTRAL_VALUES).
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    stream: bool | None = None
+    partial_images: int | None = None
+    # Diffusion extensions (send them with the openai client's `extra_body`).
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(
+        default=None, ge=1, le=MAX_NUM_INFERENCE_STEPS, strict=True
+    )
+    guidance_scale: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
+    lora: str | None = Field(default=None, min_length=1)
+    lora_scale: float = Field(default=1.0, allow_inf_nan=False)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> str:
+        return validate_prompt(value)
+
+    @field_validator("negative_prompt", mode="before")
+    @classmethod
+    def _check_negative_prompt(cls, value: Any) -> Any:
+        if value is not None:
+            validate_prompt(value, param="negative_prompt")
+        return value
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _check_size(cls, value: Any) -> Any:
+        parse_size(value)
+        return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _check_response_format(cls, value: Any) -> Any:
+        if value == "url":
+            raise InvalidRequestError(
+                "`response_format` \"url\" is not supported: this server does not host "
+                "image files; use \"b64_json\" (the images come back base64-encoded)",
+                param="response_format",
+            )
+        if value not in (None, "b64_json"):
+            raise InvalidRequestError(
+                f"`response_format` must be \"b64_json\", got {value!r}", param="response_format"
+            )
+        return value
+
+    @field_validator("output_format", mode="before")
+    @classmethod
+    def _check_output_format(cls, value: Any) -> Any:
+        if value == "jpg":
+            return "jpeg"
+        if value not in OUTPUT_FORMATS:
+            raise InvalidRequestError(
+                f"`output_format` must be one of {list(OUTPUT_FORMATS)}, got {value!r}",
+                param="output_format",
+            )
+        return value
+
+    @field_validator("guidance_scale", "lora_scale", mode="before")
+    @classmethod
+    def _check_finite(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(
+                f"`{info.field_name}` must be a finite number, got {value}",
+                param=info.field_name,
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ImageGenerationRequest:
+        for name, allowed in _NEUTRAL_VALUES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                choices = [a for a in allowed if a is not None]
+                fix = f"leave it out or use one of {choices}" if choices else "leave it out"
+                raise InvalidRequestError(
+                    f"`{name}` {value!r} is not supported by this server; {fix}", param=name
+                )
+        if self.output_compression is not None and self.output_format == "png":
+            raise InvalidRequestError(
+                "`output_compression` applies to \"jpeg\" and \"webp\" only; PNG is lossless. "
+                "Leave it out or set `output_format`",
+                param="output_compression",
+            )
+        return self
+
+    def image_size(self) -> tuple[int, int] | None:
+        """(width, height) asked for, or None for the model's default size."""
+        return parse_size(self.size)
+
+
+class ImageObject(BaseModel):
+    """One generated image in the response."""
+
+    b64_json: str
+    revised_prompt: str | None = None  # diffbatch never rewrites prompts
+
+
+class ImageGenerationResponse(BaseModel):
+    """Body of a successful `POST /v1/images/generations`."""
+
+    created: int = Field(default_factory=lambda: int(time.time()))
+    data: list[ImageObject]
+    output_format: str
+    size: str  # the size actually generated, "WxH"
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "diffbatch"
+    root: str | None = None  # what the model was loaded from
+
+
+class ModelList(BaseModel):
+    """Body of `GET /v1/models`: OpenAI's list shape."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    """The inside of an OpenAI error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo

@@ -1,0 +1,225 @@
+"""The logic of `POST /v1/images/generations`: one HTTP request, one engine request.
+
+`OpenAIServingImages.create_image` is the whole flow, in stages:
+
+1. check what depends on the served model and the server's options (model name,
+   size multiple, `max_image_pixels`);
+2. build `SamplingParams`;
+3. await `Engine.generate_async` alone, under the request timeout. Nothing else is
+   awaited with it, so concurrent HTTP requests sit in the engine's queue together
+   and batch there. Cancelling this coroutine (client disconnect, timeout) aborts
+   the request in the engine;
+4. encode the images (PNG/JPEG/WebP + base64) in a worker thread, so encoding one
+   response never blocks the event loop that serves the others;
+5. build the OpenAI response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from diffbatch.entrypoints.openai.errors import request_error_response
+from diffbatch.entrypoints.openai.protocol import (
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    ImageObject,
+)
+from diffbatch.errors import (
+    DiffbatchError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
+from diffbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+
+    from diffbatch.engine.async_engine import Engine
+    from diffbatch.entrypoints.openai.middleware import HTTPMetrics
+
+logger = logging.getLogger(__name__)
+
+# Default `--max-image-pixels`: width * height of one image (2048x2048).
+DEFAULT_MAX_IMAGE_PIXELS = 2048 * 2048
+# Quality of jpeg/webp when the request gives no `output_compression` (OpenAI's default).
+DEFAULT_QUALITY = 100
+
+
+@dataclass
+class ImageResult:
+    """A successful generation, ready to become the HTTP response."""
+
+    response: ImageGenerationResponse
+    headers: dict[str, str]  # server-side timings, for clients and benchmarks
+
+
+def encode_images(images: list[Any], output_format: str, quality: int | None) -> list[str]:
+    """Encode PIL images to base64 strings of `output_format` (png, jpeg or webp).
+
+    Runs in a worker thread; `quality` (0-100) applies to jpeg and webp only.
+    """
+    encoded: list[str] = []
+    for image in images:
+        buffer = io.BytesIO()
+        if output_format == "png":
+            image.save(buffer, format="PNG")
+        else:
+            rgb = image.convert("RGB") if image.mode not in ("RGB", "L") else image
+            q = DEFAULT_QUALITY if quality is None else quality
+            rgb.save(buffer, format=output_format.upper(), quality=q)
+        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    return encoded
+
+
+class OpenAIServingImages:
+    """Serves image generation for one engine; see the module docstring.
+
+    Args:
+        engine: A started `diffbatch.Engine`.
+        served_model_name: The name clients pass as `model`.
+        request_timeout_s: Abort a request not finished after this many seconds
+            (None = no limit) and answer 504.
+        max_image_pixels: Largest width * height of one image; larger sizes get 413.
+        http_metrics: Where to record encoding time (None = not recorded).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        served_model_name: str,
+        request_timeout_s: float | None = None,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        http_metrics: HTTPMetrics | None = None,
+    ) -> None:
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
+        if max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {max_image_pixels}")
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.request_timeout_s = request_timeout_s
+        self.max_image_pixels = max_image_pixels
+        self.http_metrics = http_metrics
+
+    def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
+        """Stage 1: model-dependent checks; returns the (width, height) to generate."""
+        if request.model is not None and request.model != self.served_model_name:
+            raise ModelNotFoundError(
+                f"model {request.model!r} is not served here; this server serves "
+                f"{self.served_model_name!r} (see GET /v1/models)",
+                param="model",
+            )
+        if request.lora is not None and self.engine.config.lora_dir is None:
+            # Without a LoRA folder the engine would take `lora` as a filesystem path.
+            raise InvalidRequestError(
+                "`lora` is not available: this server was started without `--lora-dir`",
+                param="lora",
+            )
+        info = self.engine.info
+        size = request.image_size()
+        width, height = size if size is not None else (info.default_width, info.default_height)
+        multiple = info.size_multiple
+        if width % multiple or height % multiple:
+            raise InvalidRequestError(
+                f"`size` sides must be multiples of {multiple} for this model, got "
+                f"{width}x{height} (e.g. {info.default_width}x{info.default_height})",
+                param="size",
+            )
+        if width * height > self.max_image_pixels:
+            raise PayloadTooLargeError(
+                f"`size` must be at most {self.max_image_pixels} pixels (width * height) "
+                f"on this server, got {width}x{height} = {width * height}",
+                param="size",
+            )
+        return width, height
+
+    def sampling_params(
+        self, request: ImageGenerationRequest, width: int, height: int
+    ) -> SamplingParams:
+        """Stage 2: the engine-side parameters of `request` (validated again there)."""
+        return SamplingParams(
+            height=height,
+            width=width,
+            num_inference_steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale,
+            negative_prompt=request.negative_prompt,
+            num_outputs_per_prompt=request.n,
+            seed=request.seed,
+            output_type="pil",
+            lora=request.lora,
+            lora_scale=request.lora_scale,
+        )
+
+    async def create_image(
+        self, request: ImageGenerationRequest, request_id: str
+    ) -> ImageResult | JSONResponse:
+        """Run stages 1-5 for one request; a failed engine request becomes its error response.
+
+        Raises:
+            DiffbatchError: invalid input (400/404/413), a full queue (503), a dead
+                engine (503) or the request timeout (504); the app maps them.
+        """
+        start = time.perf_counter()
+        # 1-2. Check and build the engine-side request.
+        try:
+            width, height = self.check_request(request)
+            params = self.sampling_params(request, width, height)
+        except DiffbatchError:
+            self.engine.record_rejected()  # refused before reaching the engine
+            raise
+        # 3. Generate; only this request is awaited here.
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                output = await self.engine.generate_async(
+                    request.prompt, params, request_id=request_id
+                )
+        except InvalidRequestError:
+            self.engine.record_rejected()  # refused by the engine's own checks (e.g. LoRA)
+            raise
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"request did not finish within the server's request timeout of "
+                f"{self.request_timeout_s:g} s and was aborted; retry later or ask for "
+                "fewer or smaller images"
+            ) from None
+        if output.error is not None:
+            logger.debug("request %s failed: %s", request_id, output.error.message)
+            return request_error_response(output.error)
+        # 4. Encode off the event loop.
+        encode_start = time.perf_counter()
+        b64 = await asyncio.to_thread(
+            encode_images, list(output.images), request.output_format, request.output_compression
+        )
+        encode_s = time.perf_counter() - encode_start
+        if self.http_metrics is not None:
+            self.http_metrics.encode_s.labels(request.output_format).observe(encode_s)
+        # 5. Respond.
+        response = ImageGenerationResponse(
+            data=[ImageObject(b64_json=data) for data in b64],
+            output_format=request.output_format,
+            size=f"{width}x{height}",
+        )
+        headers = {
+            "x-request-id": request_id,
+            "x-diffbatch-queue-ms": f"{output.queue_time_ms:.2f}",
+            "x-diffbatch-execute-ms": f"{output.execute_time_ms:.2f}",
+            "x-diffbatch-encode-ms": f"{encode_s * 1e3:.2f}",
+            "x-diffbatch-batch-size": str(output.batch_size),
+        }
+        logger.debug(
+            "request %s: prompt_len=%d n=%d size=%dx%d batch=%d queue=%.1fms "
+            "execute=%.1fms encode=%.1fms total=%.1fms",
+            request_id, len(request.prompt), request.n, width, height, output.batch_size,
+            output.queue_time_ms, output.execute_time_ms, encode_s * 1e3,
+            (time.perf_counter() - start) * 1e3,
+        )
+        return ImageResult(response=response, headers=headers)
