@@ -200,9 +200,10 @@ class Engine:
         threshold = self.info.cfg_threshold
         return threshold is not None and (params.guidance_scale or 0.0) > threshold
 
-    def _submit(
+    def _prepare(
         self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int
-    ) -> tuple[DiffusionRequest, concurrent.futures.Future[DiffusionOutput]]:
+    ) -> DiffusionRequest:
+        """Validate and resolve one request (no side effects)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
         validate_prompt(prompt)
@@ -211,23 +212,42 @@ class Engine:
         request = DiffusionRequest(request_id, prompt, resolved, priority=priority)
         cfg_enabled = self._cfg_enabled(resolved)
         request.key = SamplingParamsKey.from_params(resolved, cfg_enabled=cfg_enabled)
-        future: concurrent.futures.Future[DiffusionOutput] = concurrent.futures.Future()
+        return request
+
+    def _add(
+        self, requests: list[DiffusionRequest]
+    ) -> list[concurrent.futures.Future[DiffusionOutput]]:
+        """Register one future per request and queue them all at once."""
+        futures: list[concurrent.futures.Future[DiffusionOutput]] = []
         with self._lock:
-            if request_id in self._futures:
-                raise InvalidRequestError(f"request id {request_id!r} is already active",
-                                          param="request_id")
+            ids = [r.request_id for r in requests]
+            duplicates = {i for i in ids if i in self._futures or ids.count(i) > 1}
+            if duplicates:
+                raise InvalidRequestError(
+                    f"request id {sorted(duplicates)[0]!r} is already active", param="request_id"
+                )
             limit = self.config.max_queue_size
-            if limit is not None and self.core.num_waiting >= limit:
-                self.record_rejected()
+            if limit is not None and self.core.num_waiting + len(requests) > limit:
+                self.record_rejected(len(requests))
                 raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-            self._futures[request_id] = future
+            for request in requests:
+                future: concurrent.futures.Future[DiffusionOutput] = concurrent.futures.Future()
+                self._futures[request.request_id] = future
+                futures.append(future)
         try:
-            self.core.add_request(request)
+            self.core.add_requests(requests)
         except Exception:
             with self._lock:
-                self._futures.pop(request_id, None)
+                for request in requests:
+                    self._futures.pop(request.request_id, None)
             raise
-        return request, future
+        return futures
+
+    def _submit(
+        self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int
+    ) -> tuple[DiffusionRequest, concurrent.futures.Future[DiffusionOutput]]:
+        request = self._prepare(prompt, params, request_id, priority)
+        return request, self._add([request])[0]
 
     def _deliver(self, request: DiffusionRequest, output: DiffusionOutput) -> None:
         """Resolve the request's future exactly once (later calls are no-ops)."""
@@ -249,10 +269,10 @@ class Engine:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             future.set_result(output)  # suppressed: the future was cancelled by its caller
 
-    def record_rejected(self) -> None:
-        """Count a request rejected before it reached the queue (outcome "rejected")."""
+    def record_rejected(self, count: int = 1) -> None:
+        """Count requests rejected before they reached the queue (outcome "rejected")."""
         if self.metrics is not None:
-            self.metrics.requests.labels(outcome="rejected").inc()
+            self.metrics.requests.labels(outcome="rejected").inc(count)
 
     # -- public API ------------------------------------------------------------------
     def generate(
@@ -283,21 +303,18 @@ class Engine:
                 f"`request_ids` must have one id per prompt: got {len(request_ids)} for "
                 f"{len(prompts)} prompts", param="request_ids",
             )
-        futures = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                rid = request_ids[i] if request_ids is not None else None
-                futures.append(self._submit(prompt, params, rid, 0))
-        except Exception:
-            self.abort([request.request_id for request, _ in futures])
-            raise
+        requests = [
+            self._prepare(prompt, params, request_ids[i] if request_ids is not None else None, 0)
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        futures = self._add(requests)
         from tqdm import tqdm
 
         show = use_tqdm and len(futures) >= _TQDM_MIN_PROMPTS
         with tqdm(total=len(futures), desc="generate", unit="req", disable=not show) as bar:
-            for _, future in futures:
+            for future in futures:
                 future.add_done_callback(lambda _: bar.update(1))
-            return [future.result() for _, future in futures]
+            return [future.result() for future in futures]
 
     async def generate_async(
         self,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import AdmissionWait
-from diffbatch.errors import DiffbatchError
+from diffbatch.errors import DiffbatchError, EngineClosedError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
 from diffbatch.sched.scheduler import Scheduler
@@ -83,13 +83,19 @@ class EngineCore:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     # -- requests --------------------------------------------------------------------
-    def add_request(self, request: DiffusionRequest) -> None:
+    def add_requests(self, requests: list[DiffusionRequest]) -> None:
+        """Queue requests together, so the loop sees them all at its next schedule."""
         with self.cond:
             if self._stopped:
-                from diffbatch.errors import EngineClosedError
-
                 raise EngineClosedError("engine is closed")
-            self.scheduler.add_request(request)
+            added = []
+            try:
+                for request in requests:
+                    self.scheduler.add_request(request)
+                    added.append(request.request_id)
+            except Exception:
+                self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+                raise
             self.cond.notify_all()
 
     def abort_requests(self, request_ids: list[str]) -> list[DiffusionRequest]:
