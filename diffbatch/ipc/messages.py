@@ -1,0 +1,100 @@
+"""What crosses the pipe between the executor (engine process) and its worker process.
+
+Three messages, one plain dataclass each:
+
+- `WorkerCall`  engine -> worker: run one method of the runner;
+- `WorkerReady` worker -> engine, once: the pipeline is loaded (its `PipelineInfo`),
+  or why it could not be;
+- `WorkerReply` worker -> engine, one per call: the packed result or the error.
+
+Results are packed with `diffbatch.ipc.shm.pack` before they are sent, so a reply
+carries shared-memory handles instead of large tensors; the receiver unpacks (or
+releases) them. Errors cross as `WorkerError` (plain strings and a `RequestError`)
+rather than as pickled exceptions, which may not unpickle on the other side.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from diffbatch import errors
+from diffbatch.outputs import RequestError
+
+if TYPE_CHECKING:
+    from diffbatch.pipelines.interface import PipelineInfo
+
+WorkerMethod = Literal["execute_batch", "execute_request", "check_health", "shutdown"]
+WORKER_METHODS: tuple[str, ...] = ("execute_batch", "execute_request", "check_health", "shutdown")
+
+
+@dataclass
+class WorkerError:
+    """An exception raised in the worker, in a form that always unpickles."""
+
+    exc_type: str  # "module.QualName" of the worker-side exception class
+    error: RequestError  # message, HTTP status, OpenAI type and param, for outputs
+    traceback: str = ""  # formatted worker traceback; may quote user input: DEBUG logs only
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> WorkerError:
+        exc_cls = type(exc)
+        return cls(
+            exc_type=f"{exc_cls.__module__}.{exc_cls.__qualname__}",
+            error=RequestError.from_exception(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+
+    @property
+    def message(self) -> str:
+        return self.error.message
+
+    def to_exception(self, context: str) -> Exception:
+        """Rebuild the error in this process: the same diffbatch error class where there
+        is one (ModelNotFoundError stays a 404), otherwise a RuntimeError that names
+        `context` and the worker's exception type and message."""
+        module, _, name = self.exc_type.rpartition(".")
+        if module == errors.__name__:
+            exc_cls = getattr(errors, name, None)
+            if isinstance(exc_cls, type) and issubclass(exc_cls, errors.DiffbatchError):
+                return exc_cls(self.error.message, param=self.error.param)
+        return RuntimeError(f"{context}: {self.error.message}")
+
+
+@dataclass
+class WorkerCall:
+    """Engine -> worker: run `method(arg)` on the worker's runner."""
+
+    call_id: int  # increasing per executor; the reply echoes it
+    method: WorkerMethod  # one of WORKER_METHODS
+    arg: Any = None  # SchedulerOutput, DiffusionRequest, or None
+
+
+@dataclass
+class WorkerReady:
+    """Worker -> engine, sent once after start-up: loaded, or failed to load."""
+
+    pid: int  # the worker's process id (its shm segment names carry it)
+    info: PipelineInfo | None = None  # the loaded pipeline's info; None on failure
+    error: WorkerError | None = None  # why loading failed; None on success
+    load_time_s: float = 0.0  # seconds from worker start to pipeline ready (imports included)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class WorkerReply:
+    """Worker -> engine, one per `WorkerCall`."""
+
+    call_id: int  # the `call_id` of the call this answers
+    result: Any = None  # shm-packed BatchRunnerOutput / DiffusionOutput / None
+    error: WorkerError | None = None  # an unexpected error while handling the call
+    execute_time_ms: float = 0.0  # time the worker spent in the runner method
+    pack_time_ms: float = 0.0  # time the worker spent packing the result into shm
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,274 @@
+"""Tensors across processes through POSIX shared memory.
+
+The worker returns results that hold image tensors (a 512x512 RGB float image is
+3 MiB). Pickling those over the pipe costs several milliseconds per image, so
+`pack()` copies every tensor (torch or numpy) larger than a threshold into a fresh
+shared-memory segment and leaves only a small `ShmTensorHandle` in its place; the
+rest of the result is pickled as usual. `unpack()` runs in the receiving process,
+copies each tensor out and unlinks its segment.
+
+Segment lifetime, the contract this file keeps:
+
+- the producer creates a segment, fills it, closes its mapping and forgets it;
+- the consumer owns it from then on: `unpack()` (success) or `release()` (a reply
+  that is dropped unread: abort, error, shutdown) unlinks it;
+- a segment whose reply never arrives (the worker died after packing) is found by
+  its name, `diffbatch_<producer pid>_<random>`, and removed by `sweep()`, which the
+  executor runs when its worker dies or shuts down.
+
+NOTE: on Python < 3.13 `SharedMemory` registers every segment it creates or attaches
+with multiprocessing's resource tracker, which unlinks whatever is still registered
+when the tracker's processes are gone and prints "leaked shared_memory" warnings.
+The producer therefore unregisters right after creating (ownership moves to the
+consumer); the consumer's attach/unlink pair registers and unregisters in balance.
+On 3.13+ the producer passes `track=False` instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from diffbatch.config import DEFAULT_SHM_THRESHOLD_BYTES
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_PREFIX = "diffbatch_"  # every segment name starts with this
+_SHM_DIR = "/dev/shm"  # where Linux shows POSIX segments (used by `sweep` only)
+
+
+@dataclass(frozen=True)
+class ShmTensorHandle:
+    """A picklable stand-in for one tensor whose bytes sit in a shared-memory segment."""
+
+    name: str  # segment name, "diffbatch_<producer pid>_<hex>"
+    shape: tuple[int, ...]  # the tensor's shape
+    dtype: str  # "torch.bfloat16" for torch, numpy's dtype.str (e.g. "<f4") for numpy
+    nbytes: int  # bytes of data in the segment (its size may be rounded up to a page)
+    kind: Literal["torch", "numpy"] = "torch"  # which array type to rebuild
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """The name prefix of the segments that process `pid` (default: this one) creates."""
+    return f"{SEGMENT_PREFIX}{os.getpid() if pid is None else pid}_"
+
+
+# ---------------------------------------------------------------------------
+# Walking nested results
+# ---------------------------------------------------------------------------
+
+
+def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Apply `leaf` to every leaf of a nested structure, copying only what changes.
+
+    Walks dataclass instances, dicts, lists and tuples (named tuples included);
+    anything else is a leaf. The input is never mutated: a container whose
+    children all come back unchanged is returned as is, otherwise a shallow copy
+    with the new children is.
+    """
+    if isinstance(obj, ShmTensorHandle | torch.Tensor | np.ndarray):
+        return leaf(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            new = _map(value, leaf)
+            if new is not value:
+                changed[f.name] = new
+        if not changed:
+            return obj
+        # NOTE: copy + setattr, not dataclasses.replace: replace re-runs __init__ and
+        # __post_init__ (validation) and cannot set init=False fields.
+        out = copy.copy(obj)
+        for name, value in changed.items():
+            object.__setattr__(out, name, value)
+        return out
+    if isinstance(obj, dict):
+        changed = {}
+        for key, value in obj.items():
+            new = _map(value, leaf)
+            if new is not value:
+                changed[key] = new
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        out.update(changed)
+        return out
+    if isinstance(obj, list | tuple):
+        items = [_map(value, leaf) for value in obj]
+        if all(new is old for new, old in zip(items, obj, strict=True)):
+            return obj
+        if isinstance(obj, list):
+            return type(obj)(items) if type(obj) is not list else items
+        return obj._make(items) if hasattr(obj, "_make") else type(obj)(items)
+    return leaf(obj)
+
+
+def handles(obj: Any) -> list[ShmTensorHandle]:
+    """Every `ShmTensorHandle` inside a packed structure."""
+    found: list[ShmTensorHandle] = []
+
+    def collect(value: Any) -> Any:
+        if isinstance(value, ShmTensorHandle):
+            found.append(value)
+        return value
+
+    _map(obj, collect)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# Producer side
+# ---------------------------------------------------------------------------
+
+
+def _create_segment(nbytes: int) -> SharedMemory:
+    """Create a fresh segment that the resource tracker does not own (see module NOTE)."""
+    name = f"{segment_prefix()}{secrets.token_hex(6)}"
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, create=True, size=nbytes, track=False)
+    segment = SharedMemory(name=name, create=True, size=nbytes)
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment
+
+
+def _to_shm(value: Any, threshold_bytes: int, created: list[ShmTensorHandle]) -> Any:
+    """Move one tensor or array above the threshold into a segment; leave anything else."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        nbytes = value.numel() * value.element_size()
+        if nbytes <= threshold_bytes:
+            return value
+        src = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        src_bytes = src.reshape(-1).view(torch.uint8)  # [nbytes]
+        kind, dtype = "torch", str(value.dtype)
+    elif type(value) is np.ndarray and not value.dtype.hasobject:
+        nbytes = value.nbytes
+        if nbytes <= threshold_bytes:
+            return value
+        src_bytes = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+        kind, dtype = "numpy", value.dtype.str
+    else:
+        return value
+    segment = _create_segment(nbytes)
+    try:
+        dst = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+        dst.copy_(src_bytes)
+        del dst  # drop the buffer export before close()
+    finally:
+        segment.close()
+    handle = ShmTensorHandle(segment.name, tuple(value.shape), dtype, nbytes, kind)
+    created.append(handle)
+    return handle
+
+
+def pack(obj: Any, threshold_bytes: int = DEFAULT_SHM_THRESHOLD_BYTES) -> Any:
+    """Return `obj` with every tensor/array above `threshold_bytes` moved to shared memory.
+
+    The caller hands the result to exactly one consumer, which must `unpack()` or
+    `release()` it. If packing fails halfway, the segments made so far are unlinked.
+    """
+    created: list[ShmTensorHandle] = []
+    try:
+        return _map(obj, lambda value: _to_shm(value, threshold_bytes, created))
+    except BaseException:
+        _unlink_all(created)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# Consumer side
+# ---------------------------------------------------------------------------
+
+
+def _from_shm(handle: ShmTensorHandle) -> torch.Tensor | np.ndarray:
+    """Copy one tensor out of its segment, then unlink the segment."""
+    segment = SharedMemory(name=handle.name)
+    try:
+        data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=handle.nbytes).clone()
+    finally:
+        segment.close()
+        segment.unlink()
+    if handle.kind == "numpy":
+        return data.numpy().view(np.dtype(handle.dtype)).reshape(handle.shape)
+    dtype = getattr(torch, handle.dtype.removeprefix("torch."))
+    return data.view(dtype).reshape(handle.shape)
+
+
+def unpack(obj: Any) -> Any:
+    """Return `obj` with every `ShmTensorHandle` replaced by its tensor; unlinks the segments.
+
+    If one segment cannot be read, every other segment of `obj` is still unlinked
+    before the error is raised.
+    """
+    try:
+        return _map(obj, lambda value: _from_shm(value) if isinstance(value, ShmTensorHandle)
+                    else value)
+    except BaseException:
+        release(obj)
+        raise
+
+
+def _unlink(name: str) -> bool:
+    """Unlink one segment by name; False if it is already gone."""
+    try:
+        segment = SharedMemory(name=name)
+    except FileNotFoundError:
+        return False
+    segment.close()
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _unlink_all(found: list[ShmTensorHandle]) -> int:
+    removed = 0
+    for handle in found:
+        try:
+            removed += _unlink(handle.name)
+        except OSError as exc:
+            logger.warning("could not unlink shared memory segment %s: %s", handle.name, exc)
+    return removed
+
+
+def release(obj: Any) -> int:
+    """Unlink the segments of a packed object without reading it; returns how many.
+
+    For replies that are dropped unread (abort, error, shutdown). Never raises for a
+    segment that is already gone.
+    """
+    return _unlink_all(handles(obj))
+
+
+def sweep(prefix: str) -> int:
+    """Unlink every segment whose name starts with `prefix`; returns how many.
+
+    The executor calls it with its dead or stopped worker's `segment_prefix(pid)`
+    to remove segments packed for replies that never arrived. Needs a listable
+    `/dev/shm` (Linux); elsewhere it does nothing.
+    """
+    if not prefix.startswith(SEGMENT_PREFIX) or not os.path.isdir(_SHM_DIR):
+        return 0
+    removed = 0
+    for name in os.listdir(_SHM_DIR):
+        if name.startswith(prefix):
+            try:
+                removed += _unlink(name)
+            except OSError as exc:
+                logger.warning("could not unlink shared memory segment %s: %s", name, exc)
+    if removed:
+        logger.info("removed %d leftover shared memory segment(s) named %s*", removed, prefix)
+    return removed
