@@ -122,3 +122,17 @@ class WrongTypePipeline(FakeBatchPipeline):
 
 class NotAPipeline:
     """Has neither from_pretrained nor forward."""
+
+
+class SlowPipeline(FakeBatchPipeline):
+    """Touches the file named by $DIFFBATCH_FAKE_MARKER when a real wave starts, then
+    works for up to a minute: a wave long enough for a test to kill the worker mid-wave.
+    """
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        marker = os.environ.get("DIFFBATCH_FAKE_MARKER")
+        if marker and "slow" in batch.prompts[0]:
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            threading.Event().wait(60)  # simulated long forward
+        return super().forward(batch)

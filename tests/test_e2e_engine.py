@@ -1,0 +1,119 @@
+"""End to end through the worker process (`executor="mp"`) with real tiny pipelines."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from diffbatch import Engine, SamplingParams
+from tests.fake_pipelines import fake_images
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["a red cat", "a blue dog", "a green tree", "a white boat", "a black car",
+           "a small house", "a yellow sun", "a pink flower"]
+
+
+def shm_segments() -> set[str]:
+    return {os.path.basename(p) for p in glob.glob("/dev/shm/diffbatch*")}
+
+
+def pt(seed: int, size: int = 64, steps: int = 2) -> SamplingParams:
+    return SamplingParams(height=size, width=size, num_inference_steps=steps, seed=seed,
+                          output_type="pt")
+
+
+@pytest.fixture(scope="module")
+def sd_engine():
+    with Engine("tiny-sd", max_num_seqs=4, request_batch_max_wait_ms=50, executor="mp",
+                torch_num_threads=1) as engine:
+        yield engine
+
+
+def test_eight_concurrent_prompts_run_in_waves_larger_than_one(sd_engine):
+    outs = sd_engine.generate(PROMPTS, [pt(i) for i in range(8)])
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert max(o.batch_size for o in outs) > 1
+    total, count = sd_engine.metrics.wave_sizes_sum_count()
+    assert total / count > 1
+    assert all(o.images.shape == (1, 3, 64, 64) for o in outs)
+
+
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-sd3"])
+def test_batch_invariance_each_image_equals_its_solo_run(model, sd_engine):
+    engine = sd_engine if model == "tiny-sd" else Engine(
+        model, max_num_seqs=4, request_batch_max_wait_ms=50, executor="mp", torch_num_threads=1)
+    try:
+        batched = engine.generate(PROMPTS[:4], [pt(100 + i) for i in range(4)])
+        assert {o.batch_size for o in batched} == {4}
+        for i, out in enumerate(batched):
+            alone = engine.generate([PROMPTS[i]], [pt(100 + i)])[0]
+            assert alone.batch_size == 1
+            diff = (out.images - alone.images).abs().max().item()
+            assert diff <= 1e-4, f"{model} request {i} differs from its solo run by {diff}"
+        # and a different seed really gives a different image (the check can fail)
+        other = engine.generate([PROMPTS[0]], [pt(999)])[0]
+        assert (other.images - batched[0].images).abs().max().item() > 1e-3
+    finally:
+        if engine is not sd_engine:
+            engine.close()
+
+
+def test_pil_output_and_n_images_per_prompt(sd_engine):
+    out = sd_engine.generate(["a cat"], SamplingParams(num_outputs_per_prompt=3, seed=1,
+                                                       num_inference_steps=2))[0]
+    assert out.ok and len(out.images) == 3
+    assert all(img.size == (64, 64) for img in out.images)
+    assert out.images[0].tobytes() != out.images[1].tobytes()
+
+
+def test_two_hundred_concurrent_requests_each_get_their_own_image():
+    """Large (> 1 MiB) results cross through shared memory; none is mixed up."""
+    before = shm_segments()
+    size = 384  # 3*384*384 float32 = 1.7 MiB per image: above the shm threshold
+    with Engine(pipeline_class="tests.fake_pipelines.FakeBatchPipeline", executor="mp",
+                max_num_seqs=8, request_batch_max_wait_ms=5) as engine:
+        prompts = [f"prompt number {i}" for i in range(200)]
+        outs = engine.generate(prompts, [pt(10_000 + i, size=size) for i in range(200)])
+        for i, out in enumerate(outs):
+            assert out.ok, out.error
+            expected = fake_images(prompts[i], [torch.Generator().manual_seed(10_000 + i)],
+                                   size, size)
+            assert torch.equal(out.images, expected), f"request {i} got someone else's image"
+        assert max(o.batch_size for o in outs) > 1
+    assert shm_segments() <= before
+
+
+def test_failing_wave_fails_only_its_requests_through_the_worker():
+    with Engine(pipeline_class="tests.fake_pipelines.FakeBatchPipeline", executor="mp",
+                max_num_seqs=4) as engine:
+        bad = engine.generate(["poison"], SamplingParams(seed=1))[0]
+        assert "poisoned prompt" in bad.error.message and bad.error.status_code == 500
+        assert engine.generate(["fine"], SamplingParams(seed=1))[0].ok
+        assert engine.is_healthy
+
+
+def test_killing_the_worker_mid_wave_fails_its_requests_and_recovers(tmp_path, monkeypatch):
+    marker = tmp_path / "wave-started"
+    monkeypatch.setenv("DIFFBATCH_FAKE_MARKER", str(marker))
+    with Engine(pipeline_class="tests.fake_pipelines.SlowPipeline", executor="mp",
+                max_num_seqs=4) as engine:
+        _, future = engine._submit("slow wave", SamplingParams(seed=1), "victim", 0)
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # readiness poll: the worker is inside the forward
+            assert time.monotonic() < deadline, "the slow wave never started"
+            time.sleep(0.02)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        out = future.result(timeout=10)
+        assert out.error is not None and "worker" in out.error.message
+        assert out.error.status_code == 503
+        deadline = time.monotonic() + 120
+        while not engine.is_healthy:  # a replacement worker is starting
+            assert time.monotonic() < deadline, "the worker was not restarted"
+            time.sleep(0.05)
+        assert engine.generate(["after the crash"], SamplingParams(seed=2))[0].ok
