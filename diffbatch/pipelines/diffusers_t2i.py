@@ -1,0 +1,366 @@
+"""The batch-capable adapter over real diffusers text-to-image pipelines.
+
+`DiffusersT2IPipeline` runs a whole wave as ONE diffusers call: the wave's prompts as
+a list, per-request negative prompts, `num_images_per_prompt = n` and one generator
+per output image (B*n, request 0's n first). Every sample draws its noise from its
+own generator, so a request's images do not depend on its batch mates (batch
+invariance, checked in tests/pipelines/test_diffusers_t2i.py for SD, SD3, Flux and
+PixArt-Sigma).
+
+`DiffusersPerRequestPipeline` is the same adapter restricted to one request per
+forward; the registry binds it to a raw diffusers class given as `pipeline_class`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from diffbatch.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from diffbatch.outputs import DiffusionOutput
+from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
+
+if TYPE_CHECKING:
+    from diffbatch.sched.output import DiffusionRequestBatch
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS_FILE = "diffbatch_defaults.json"  # optional serving defaults in a model folder
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# Call arguments the adapter fills in itself; `SamplingParams.extra` may not set them.
+_RESERVED = frozenset({
+    "prompt", "negative_prompt", "num_images_per_prompt", "generator", "output_type",
+    "return_dict", "height", "width", "num_inference_steps", "guidance_scale", "sigmas",
+    "timesteps", "latents", "prompt_embeds", "negative_prompt_embeds",
+})
+# Sample sizes for which PixArt pipelines have resolution bins.
+_PIXART_BIN_SAMPLE_SIZES = (32, 64, 128, 256)
+
+
+def resolve_device(device: str | torch.device | None) -> str:
+    """None picks "cuda" when available, else "cpu"."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """None means float32 (diffusers' own default); strings like "bf16" are accepted."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+
+
+def _disable_progress_bars() -> None:
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _load_model_index(model: str) -> dict[str, Any]:
+    """Read model_index.json (local folder or hub), as a clear error if there is none."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        return dict(DiffusionPipeline.load_config(model))
+    except Exception as exc:  # OSError, HF hub errors, offline mode, bad JSON
+        where = "local folder" if os.path.isdir(model) else "hub id"
+        raise ModelNotFoundError(
+            f"model {model!r} ({where}) could not be loaded as a diffusers pipeline: no "
+            f"readable model_index.json ({type(exc).__name__}: {exc})", param="model",
+        ) from exc
+
+
+class DiffusersT2IPipeline(BasePipeline):
+    """Runs waves of text-to-image requests through one diffusers pipeline call each."""
+
+    supports_request_batch: ClassVar[bool] = True
+    # The diffusers class to load with; None auto-detects it from model_index.json.
+    diffusers_class: ClassVar[type | None] = None
+
+    def __init__(self, pipe: Any, *, device: str = "cpu",
+                 defaults: dict[str, Any] | None = None) -> None:
+        self.pipe = pipe
+        self.device = device
+        self.defaults = dict(defaults or {})
+        self._call_params = inspect.signature(type(pipe).__call__).parameters
+        self._loras: dict[str, str] = {}  # adapter name -> path it was loaded from
+        self._lora_enabled = False
+        self._info = self._make_info()
+
+    # -- loading ---------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, model: str, *, device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None, diffusers_class: type | None = None,
+        **kwargs: Any,
+    ) -> DiffusersT2IPipeline:
+        """Load a diffusers pipeline from a local folder or a hub id.
+
+        Args:
+            model: a diffusers folder (with model_index.json) or a hub id; resolve
+                built-in names first with `registry.resolve_model_path`.
+            device: where to run; None picks "cuda" when available, else "cpu".
+            dtype: weights dtype (torch.dtype or "float32"/"bf16"/...); None = float32.
+            diffusers_class: the diffusers class to load with; None reads it from
+                model_index.json (`DiffusionPipeline.from_pretrained`).
+            **kwargs: passed on to diffusers' `from_pretrained`.
+        """
+        from diffusers import DiffusionPipeline
+
+        device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+        _disable_progress_bars()
+        # 1. Read model_index.json: which components the folder leaves out (SD3 without
+        #    T5, SD without safety checker) must be passed as None explicitly.
+        index = _load_model_index(model)
+        for name, value in index.items():
+            if not name.startswith("_") and isinstance(value, list | tuple) \
+                    and list(value) == [None, None]:
+                kwargs.setdefault(name, None)
+        loader = diffusers_class or cls.diffusers_class or DiffusionPipeline
+        target = loader if loader is not DiffusionPipeline else _index_class(index)
+        init_params = inspect.signature(target.__init__).parameters if target else {}
+        if "safety_checker" in init_params:
+            kwargs.setdefault("safety_checker", None)
+        if "requires_safety_checker" in init_params:
+            kwargs.setdefault("requires_safety_checker", False)
+        # 2. Load, move, silence the per-step progress bar.
+        pipe = loader.from_pretrained(model, **{_dtype_kwarg(): torch_dtype}, **kwargs)
+        pipe = pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        defaults: dict[str, Any] = {}
+        if os.path.isfile(os.path.join(model, DEFAULTS_FILE)):
+            with open(os.path.join(model, DEFAULTS_FILE), encoding="utf-8") as f:
+                defaults = json.load(f)
+        logger.info("loaded %s from %s on %s (%s)", type(pipe).__name__, model, device,
+                    torch_dtype)
+        return cls(pipe, device=device, defaults=defaults)
+
+    # -- info ------------------------------------------------------------------------
+    def info(self) -> PipelineInfo:
+        return self._info
+
+    def _make_info(self) -> PipelineInfo:
+        pipe, d = self.pipe, self.defaults
+        vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
+        unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
+        denoiser = unet if unet is not None else transformer
+        if unet is not None:  # every down block but the last halves the latent
+            down = 2 ** (len(unet.config.block_out_channels) - 1)
+        elif transformer is not None:
+            down = int(transformer.config.get("patch_size", 1) or 1)
+            if hasattr(type(pipe), "_pack_latents"):  # Flux packs 2x2 latent patches
+                down *= 2
+        else:
+            down = 1
+        sample = getattr(pipe, "default_sample_size", None)
+        if sample is None and denoiser is not None:
+            sample = denoiser.config.get("sample_size")
+        size = int(sample) * vae_scale if isinstance(sample, int) else 512
+        # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
+        # is embedded in the model and never doubles the batch.
+        embedded = "true_cfg_scale" in self._call_params
+        return PipelineInfo(
+            name=type(pipe).__name__,
+            default_height=int(d.get("height", size)),
+            default_width=int(d.get("width", size)),
+            default_num_inference_steps=int(d.get(
+                "num_inference_steps", self._call_default("num_inference_steps", 50))),
+            default_guidance_scale=float(d.get(
+                "guidance_scale", self._call_default("guidance_scale", 1.0))),
+            size_multiple=int(d.get("size_multiple", vae_scale * down)),
+            device=self.device,
+            cfg_threshold=d.get("cfg_threshold", None if embedded else 1.0),
+        )
+
+    def _call_default(self, name: str, fallback: Any) -> Any:
+        param = self._call_params.get(name)
+        if param is None or param.default is inspect.Parameter.empty or param.default is None:
+            return fallback
+        return param.default
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        """Run the wave as one diffusers call and split the images per request.
+
+        Args:
+            batch: the wave; all requests share one `SamplingParamsKey`, and
+                `batch.generators` holds B*n generators (request 0's n first).
+
+        Returns:
+            One `DiffusionOutput` per request, in order, with `images` a CPU float32
+            tensor [n, C, H, W] in [0, 1].
+        """
+        # 1. Check the wave.
+        n = batch.num_outputs_per_prompt
+        keys = {r.key for r in batch.requests}
+        if len(keys) != 1:
+            raise ValueError(f"a wave must share one SamplingParamsKey, got {len(keys)} keys")
+        if batch.generators and len(batch.generators) != len(batch) * n:
+            raise ValueError(
+                f"the wave has {len(batch)} requests x {n} images but "
+                f"{len(batch.generators)} generators; pass one generator per image"
+            )
+        # 2. One diffusers call for the whole wave.
+        kwargs = self.call_kwargs(batch)
+        images = self.pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
+        if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
+            raise ValueError(
+                f"{self._info.name} returned {getattr(images, 'shape', type(images))}, "
+                f"expected a tensor with {len(batch) * n} images"
+            )
+        # 3. Split per request (clone: a view would carry the whole wave's storage).
+        images = images.detach().to("cpu", torch.float32)
+        return [
+            DiffusionOutput(request_id=r.request_id, images=images[i * n:(i + 1) * n].clone())
+            for i, r in enumerate(batch.requests)
+        ]
+
+    def call_kwargs(self, batch: DiffusionRequestBatch) -> dict[str, Any]:
+        """The keyword arguments of the wave's one diffusers call (without running it)."""
+        params = batch.requests[0].sampling_params
+        key = batch.key
+        extra = dict(params.extra)
+        kwargs: dict[str, Any] = {
+            "prompt": batch.prompts,
+            "num_images_per_prompt": batch.num_outputs_per_prompt,
+            "generator": list(batch.generators) or None,
+            "output_type": "pt",
+            "return_dict": True,
+        }
+        # 1. Shape and schedule from the wave key (the requests' resolved params).
+        for name in ("height", "width", "num_inference_steps", "guidance_scale"):
+            value = getattr(key, name) if key is not None else getattr(params, name)
+            if value is not None:
+                kwargs[name] = value
+        multiple = self._info.size_multiple
+        for name in ("height", "width"):  # NOTE: Flux would silently resize, PixArt crash
+            if name in kwargs and kwargs[name] % multiple:
+                raise InvalidRequestError(
+                    f"`{name}` must be a multiple of {multiple} for {self._info.name}, "
+                    f"got {kwargs[name]}", param=name,
+                )
+        for name in ("sigmas", "timesteps"):
+            value = getattr(params, name)
+            if value is not None:
+                if name not in self._call_params:
+                    raise InvalidRequestError(
+                        f"`{name}` is not supported by {self._info.name}", param=name
+                    )
+                kwargs[name] = list(value)
+        # 2. Model-specific extras, only the ones this pipeline's __call__ names.
+        for name in extra:
+            if name in _RESERVED or name not in self._call_params:
+                raise InvalidRequestError(
+                    f"`extra` argument {name!r} is not accepted by {self._info.name}"
+                    + (" (diffbatch sets it itself)" if name in _RESERVED else ""),
+                    param="extra",
+                )
+        kwargs.update(extra)
+        # 3. Per-request negative prompts (None -> ""), a list like the prompts (SD
+        #    rejects a string negative prompt beside a list prompt).
+        if "negative_prompt" in self._call_params and self._uses_negative_prompt(extra):
+            kwargs["negative_prompt"] = [p or "" for p in batch.negative_prompts]
+        # 4. Pipeline quirks.
+        self._apply_quirks(kwargs, extra)
+        return kwargs
+
+    def _uses_negative_prompt(self, extra: dict[str, Any]) -> bool:
+        # NOTE: Flux uses negative prompts only with true CFG (true_cfg_scale > 1);
+        # passing them otherwise is wasted encoding at best.
+        if "true_cfg_scale" in self._call_params:
+            return float(extra.get("true_cfg_scale", 1.0)) > 1.0
+        return True
+
+    def _apply_quirks(self, kwargs: dict[str, Any], extra: dict[str, Any]) -> None:
+        transformer = getattr(self.pipe, "transformer", None)
+        # PixArt: resolution binning exists only for the released sample sizes and
+        # raises "Invalid sample size" for any other (e.g. tiny) transformer.
+        if "use_resolution_binning" in self._call_params and "use_resolution_binning" \
+                not in extra and transformer is not None \
+                and transformer.config.get("sample_size") not in _PIXART_BIN_SAMPLE_SIZES:
+            kwargs["use_resolution_binning"] = False
+        # PixArt: clean_caption=True without bs4/ftfy falls back to False with a
+        # warning on every call; pass the fallback explicitly.
+        if "clean_caption" in self._call_params and "clean_caption" not in extra:
+            from diffusers.utils import is_bs4_available, is_ftfy_available
+
+            if not (is_bs4_available() and is_ftfy_available()):
+                kwargs["clean_caption"] = False
+
+    # -- LoRA ------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the adapter at `path` under `name`, once per name."""
+        if name in self._loras:
+            if self._loras[name] != path:
+                raise ValueError(
+                    f"LoRA adapter name {name!r} is already loaded from {self._loras[name]!r}, "
+                    f"not {path!r}"
+                )
+            return
+        if not hasattr(self.pipe, "load_lora_weights"):
+            raise NotImplementedError(f"{self._info.name} does not support LoRA adapters")
+        self.pipe.load_lora_weights(path, adapter_name=name)
+        self._loras[name] = path
+        self._lora_enabled = True
+
+    def set_lora(self, name: str | None, scale: float) -> None:
+        """Activate adapter `name` at `scale`; None disables every adapter."""
+        if name is None:
+            if self._lora_enabled:
+                self.pipe.disable_lora()
+                self._lora_enabled = False
+            return
+        if name not in self._loras:
+            raise ModelNotFoundError(
+                f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._loras)}",
+                param="lora",
+            )
+        self.pipe.enable_lora()
+        self.pipe.set_adapters([name], [float(scale)])
+        self._lora_enabled = True
+
+
+class DiffusersPerRequestPipeline(DiffusersT2IPipeline):
+    """The diffusers adapter on the per-request path: one request per forward."""
+
+    supports_request_batch: ClassVar[bool] = False
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        if len(batch) != 1:
+            raise ValueError(
+                f"{type(self).__name__} runs one request per forward "
+                f"(supports_request_batch=False), got a batch of {len(batch)}; use "
+                "DiffusersT2IPipeline or max_num_seqs=1"
+            )
+        return super().forward(batch)
+
+
+def _dtype_kwarg() -> str:
+    """diffusers >= 0.36 takes `dtype` and deprecates `torch_dtype`."""
+    from diffusers.pipelines import pipeline_utils
+
+    return "dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"
+
+
+def _index_class(index: dict[str, Any]) -> type | None:
+    """The diffusers class model_index.json names, or None if diffusers lacks it."""
+    import diffusers
+
+    name = index.get("_class_name")
+    return getattr(diffusers, name, None) if isinstance(name, str) else None

@@ -1,0 +1,166 @@
+"""Model names and pipeline classes: what `model` and `pipeline_class` may be, resolved.
+
+A model is one of:
+
+- a built-in name: a tiny model built on first use (`tiny-sd`, `tiny-sd3`, `tiny-flux`,
+  `tiny-pixart`), or a model shipped inside the package as a diffusers folder
+  `diffbatch/models/<name>/` (found automatically, e.g. `shapes`);
+- a local diffusers folder (with model_index.json);
+- a hub id `org/name`, handed to diffusers unchanged.
+
+A pipeline class is None (the batch-capable `DiffusersT2IPipeline`), a class, or a
+dotted name (`pkg.mod.Cls` or `pkg.mod:Cls`). A raw diffusers `DiffusionPipeline`
+subclass has no `supports_request_batch`, so it runs on the per-request path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from diffbatch.errors import ConfigError, ModelNotFoundError
+from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, DiffusersT2IPipeline
+from diffbatch.pipelines.interface import BasePipeline
+from diffbatch.pipelines.tiny import ensure_tiny_model
+
+DEFAULT_MODEL = "tiny-sd"
+# Built-in tiny model name -> builder that ensures it is built and returns its folder.
+BUILTIN_MODELS: dict[str, Callable[[], str]] = {
+    name: (lambda name=name: ensure_tiny_model(name))
+    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart")
+}
+# Models shipped inside the package: diffbatch/models/<name>/model_index.json.
+PACKAGED_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
+_PER_REQUEST_CLASSES: dict[type, type[DiffusersPerRequestPipeline]] = {}
+
+
+def packaged_models() -> dict[str, str]:
+    """Name -> folder of every diffusers model shipped under diffbatch/models/."""
+    if not PACKAGED_MODELS_DIR.is_dir():
+        return {}
+    return {
+        p.name: str(p) for p in sorted(PACKAGED_MODELS_DIR.iterdir())
+        if (p / "model_index.json").is_file()
+    }
+
+
+def builtin_model_names() -> list[str]:
+    """Every built-in model name: the tiny ones, then the packaged ones."""
+    return [*BUILTIN_MODELS, *(n for n in packaged_models() if n not in BUILTIN_MODELS)]
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Turn a model spec into what `from_pretrained` takes: a folder or a hub id.
+
+    None -> the default model; a built-in name -> its folder (built if needed); an
+    existing local folder -> its absolute path; `org/name` -> unchanged (a hub id).
+
+    Raises:
+        ModelNotFoundError: anything else, listing the built-in names.
+    """
+    if model is None:
+        model = DEFAULT_MODEL
+    if not isinstance(model, str) or not model:
+        raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}",
+                                 param="model")
+    if model in BUILTIN_MODELS:
+        return BUILTIN_MODELS[model]()
+    packaged = packaged_models()
+    if model in packaged:
+        return packaged[model]
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        return os.path.abspath(expanded)
+    if _HUB_ID.match(model) and ".." not in model and not os.path.isabs(model):
+        return model
+    raise ModelNotFoundError(
+        f"model {model!r} is not a built-in name, an existing local folder or a hub id "
+        f"(org/name); built-in models: {', '.join(builtin_model_names())}",
+        param="model",
+    )
+
+
+def resolve_pipeline_class(spec: Any) -> type:
+    """Turn a pipeline class spec (None, a class or a dotted name) into a class.
+
+    Raises:
+        ConfigError: the name does not import, or the object lacks `from_pretrained`
+            and `forward`.
+    """
+    if spec is None:
+        return DiffusersT2IPipeline
+    obj = _import_dotted(spec) if isinstance(spec, str) else spec
+    if _is_diffusers_pipeline(obj):
+        return per_request_class(obj)
+    if not isinstance(obj, type) or not callable(getattr(obj, "from_pretrained", None)) \
+            or not callable(getattr(obj, "forward", None)):
+        raise ConfigError(
+            f"pipeline_class {spec!r} must be a pipeline class with `from_pretrained` and "
+            "`forward` (e.g. a diffbatch.pipelines.interface.BasePipeline subclass) or a "
+            f"diffusers DiffusionPipeline subclass, got {obj!r}"
+        )
+    return obj
+
+
+def per_request_class(diffusers_class: type) -> type[DiffusersPerRequestPipeline]:
+    """A `DiffusersPerRequestPipeline` subclass bound to `diffusers_class` (cached)."""
+    if diffusers_class not in _PER_REQUEST_CLASSES:
+        _PER_REQUEST_CLASSES[diffusers_class] = type(
+            f"PerRequest{diffusers_class.__name__}",
+            (DiffusersPerRequestPipeline,),
+            {"diffusers_class": diffusers_class, "__module__": __name__},
+        )
+    return _PER_REQUEST_CLASSES[diffusers_class]
+
+
+def load_pipeline(
+    model: str | None, pipeline_class: Any = None, *, device: str | None = None,
+    dtype: str | None = None, **kwargs: Any,
+) -> BasePipeline:
+    """Resolve `model` and `pipeline_class`, then load the pipeline.
+
+    `device` and `dtype` are passed to `from_pretrained` only when given, so a custom
+    class that does not take them still loads.
+    """
+    path = resolve_model_path(model)
+    cls = resolve_pipeline_class(pipeline_class)
+    if device is not None:
+        kwargs["device"] = device
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return cls.from_pretrained(path, **kwargs)
+
+
+def _import_dotted(spec: str) -> Any:
+    """Import "pkg.mod.Cls" or "pkg.mod:Cls"."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"pipeline_class {spec!r} must be a dotted name 'pkg.module.Class' or "
+            "'pkg.module:Class'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # ImportError, AttributeError, or the module failed to import
+        raise ConfigError(
+            f"pipeline_class {spec!r} could not be imported: expected a class importable "
+            f"as {module_name}.{attr} ({type(exc).__name__}: {exc})"
+        ) from exc
+    return obj
+
+
+def _is_diffusers_pipeline(obj: Any) -> bool:
+    if not isinstance(obj, type) or hasattr(obj, "supports_request_batch"):
+        return False
+    from diffusers import DiffusionPipeline
+
+    return issubclass(obj, DiffusionPipeline)
