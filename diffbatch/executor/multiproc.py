@@ -1,0 +1,398 @@
+"""`MultiprocExecutor`: the runner in a worker process, results through shared memory.
+
+The default executor for serving. It keeps the pipeline (and torch's threads) out
+of the engine process, so a crash in native code kills only the worker:
+
+- start-up spawns `diffbatch.worker.worker.worker_main` and waits for its
+  `WorkerReady`; a load error is raised here as the same diffbatch error class
+  (or a RuntimeError quoting the worker), so start-up fails clearly;
+- each execute call sends one `WorkerCall` and waits on the pipe *and* the
+  process sentinel (no polling), then unpacks the reply's shared-memory tensors;
+- a worker that dies makes the pending call raise `EngineDeadError` at once; the
+  executor turns unhealthy, sweeps the dead worker's segments and starts a
+  replacement in the background; `check_health()` passes again once it is ready.
+
+Threads: the engine loop makes the execute calls (one at a time, `_call_lock`);
+`check_health()`, `is_healthy`, `wait_healthy()` and `shutdown()` may come from
+any thread. `_lock` guards which worker is serving.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+import weakref
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
+
+from diffbatch.errors import EngineClosedError, EngineDeadError
+from diffbatch.executor.abstract import Executor
+from diffbatch.ipc import shm
+from diffbatch.ipc.messages import WorkerCall, WorkerError, WorkerMethod, WorkerReady, WorkerReply
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
+from diffbatch.worker.worker import worker_main
+
+if TYPE_CHECKING:
+    from diffbatch.config import EngineConfig
+    from diffbatch.request import DiffusionRequest
+    from diffbatch.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0  # imports (~6 s) plus loading a real model from disk
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # per stage: graceful exit, then terminate, then kill
+
+
+def _describe_exit(code: int | None) -> str:
+    """ "exit code 3", or "exit code -9 (SIGKILL)" for a signal."""
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class _Worker:
+    """One worker process and the engine's end of its pipe."""
+
+    def __init__(self, ctx: Any, config: EngineConfig, runner_factory: str | None) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=worker_main,
+            args=(config, child_conn, runner_factory),
+            name="diffbatch-worker",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()  # so a dead worker reads as EOF here
+        self.pid: int = self.process.pid
+        self.send_lock = threading.Lock()  # a call and shutdown() may send concurrently
+        self._proc_lock = threading.Lock()  # serialises join/terminate/kill (waitpid)
+        self._cleaned = False
+
+    def exited(self) -> bool:
+        """Whether the process has exited (thread-safe: reads the sentinel only)."""
+        return bool(wait([self.process.sentinel], timeout=0))
+
+    def wait_ready(self, timeout_s: float) -> WorkerReady:
+        """Wait for `WorkerReady`; on a load error, exit or timeout, stop and raise."""
+        ready = wait([self.conn, self.process.sentinel], timeout=timeout_s)
+        message: Any = None
+        if self.conn in ready:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+        if isinstance(message, WorkerReady) and message.ok:
+            return message
+        self.stop(graceful=False, timeout_s=DEFAULT_SHUTDOWN_TIMEOUT_S)
+        self.cleanup()
+        if isinstance(message, WorkerReady) and message.error is not None:
+            logger.debug("worker %d load traceback:\n%s", self.pid, message.error.traceback)
+            raise message.error.to_exception("worker failed to load the pipeline")
+        if not ready:
+            raise RuntimeError(
+                f"worker process {self.pid} did not become ready within {timeout_s:.0f} s"
+            )
+        raise RuntimeError(
+            f"worker process {self.pid} exited during start-up "
+            f"({_describe_exit(self.exitcode())}); see its log above"
+        )
+
+    def send(self, call: WorkerCall) -> None:
+        with self.send_lock:
+            self.conn.send(call)
+
+    def exitcode(self) -> int | None:
+        with self._proc_lock:
+            self.process.join(timeout=DEFAULT_SHUTDOWN_TIMEOUT_S)
+            return self.process.exitcode
+
+    def stop(self, *, graceful: bool, timeout_s: float) -> None:
+        """Ask the worker to exit (if `graceful`), escalate to SIGTERM then SIGKILL."""
+        if graceful and not self.exited():
+            with contextlib.suppress(OSError, EOFError, ValueError):  # already gone
+                self.send(WorkerCall(0, "shutdown"))
+        with self._proc_lock:
+            process = self.process
+            process.join(timeout_s if graceful else 0)
+            if process.exitcode is None:
+                process.terminate()
+                process.join(timeout_s)
+            if process.exitcode is None:
+                logger.warning("worker process %d ignored SIGTERM; killing it", self.pid)
+                process.kill()
+                process.join(timeout_s)
+
+    def cleanup(self) -> None:
+        """After exit: drop unread replies (and their segments), close, sweep. Idempotent."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        try:
+            while self.conn.poll(0):
+                message = self.conn.recv()
+                shm.release(getattr(message, "result", None))
+        except (EOFError, OSError):
+            pass
+        self.conn.close()
+        shm.sweep(shm.segment_prefix(self.pid))
+
+
+class MultiprocExecutor(Executor):
+    """Runs the `ModelRunner` in a spawned worker process; see the module docstring.
+
+    `runner_factory` ("module:attr") replaces `ModelRunner` in the worker; tests use
+    it to inject a fake runner.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner_factory: str | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+        restart_on_death: bool = True,
+    ) -> None:
+        super().__init__(config)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._runner_factory = runner_factory
+        self._startup_timeout_s = startup_timeout_s
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._restart_on_death = restart_on_death
+        self._lock = threading.Lock()
+        self._health = threading.Condition(self._lock)  # notified when serving changes
+        self._call_lock = threading.Lock()  # one call on the pipe at a time
+        self._call_ids = itertools.count(1)
+        self._worker: _Worker | None = None  # the serving worker; None while dead
+        self._starting: _Worker | None = None  # a replacement being started
+        self._restart_thread: threading.Thread | None = None
+        self._dead_reason = "no worker process is running"  # why `_worker` is None
+        self._closed = False
+        self.num_restarts = 0  # replacement workers started after a death
+
+        worker, ready = self._start_worker()
+        assert ready.info is not None
+        self.info = ready.info
+        self._worker = worker
+        _live_executors.add(self)
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The serving worker's process id; None while it is dead or restarting."""
+        with self._lock:
+            return self._worker.pid if self._worker is not None else None
+
+    @property
+    def is_healthy(self) -> bool:
+        with self._lock:
+            worker = None if self._closed else self._worker
+        return worker is not None and not worker.exited()
+
+    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        what = f"wave {scheduler_output.wave_id} ({scheduler_output.num_requests} requests)"
+        reply = self._call("execute_batch", scheduler_output, what)
+        if reply.error is not None:
+            return BatchRunnerOutput(
+                outputs={rid: DiffusionOutput.from_error(rid, reply.error.error)
+                         for rid in scheduler_output.req_ids},
+                num_forwards=0,
+            )
+        return reply.result
+
+    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
+        reply = self._call("execute_request", request, f"request {request.request_id}")
+        if reply.error is not None:
+            return DiffusionOutput.from_error(request.request_id, reply.error.error)
+        return reply.result
+
+    def check_health(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the executor is shut down")
+            worker = self._worker
+            if worker is None:
+                raise EngineDeadError(self._dead_message())
+        if worker.exited():
+            # Died while idle. If a call is in flight, it handles the death itself.
+            if self._call_lock.acquire(blocking=False):
+                try:
+                    raise self._on_death(worker, "no call (it was idle)")
+                finally:
+                    self._call_lock.release()
+            raise EngineDeadError(f"worker process {worker.pid} died")
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        """Wait until a worker serves (e.g. a replacement), the executor closes, or a
+        restart fails; True if healthy. For tests and callers that can wait."""
+        deadline = time.monotonic() + timeout_s
+        with self._health:
+            self._health.wait_for(
+                lambda: self._closed or self._worker is not None or not self._restarting(),
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+        return self.is_healthy
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker, starting = self._worker, self._starting
+            thread = self._restart_thread
+            self._worker = None
+            self._dead_reason = "the executor is shut down"
+            self._health.notify_all()
+        _live_executors.discard(self)
+        if starting is not None:
+            starting.process.terminate()  # the restart thread sees it exit and cleans up
+        if worker is not None:
+            worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
+            # A call in flight now sees the reply or the exit and returns; then no one
+            # reads the pipe and it is safe to drain it.
+            if self._call_lock.acquire(timeout=self._shutdown_timeout_s):
+                try:
+                    worker.cleanup()
+                finally:
+                    self._call_lock.release()
+            else:
+                shm.sweep(shm.segment_prefix(worker.pid))
+        if thread is not None:
+            thread.join(self._shutdown_timeout_s)
+        logger.info("multiproc executor shut down")
+
+    # ------------------------------------------------------------------ internals
+
+    def _start_worker(self, *, replacement: bool = False) -> tuple[_Worker, WorkerReady]:
+        start = time.monotonic()
+        worker = _Worker(self._ctx, self.config, self._runner_factory)
+        with self._lock:
+            closed = self._closed
+            if replacement and not closed:
+                self._starting = worker
+        if closed:
+            worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
+            worker.cleanup()
+            raise EngineClosedError("the executor was shut down while a worker was starting")
+        logger.info("started worker process %d; waiting for it to load the pipeline", worker.pid)
+        try:
+            ready = worker.wait_ready(self._startup_timeout_s)
+        finally:
+            with self._lock:
+                if self._starting is worker:
+                    self._starting = None
+        logger.info("worker process %d ready in %.1f s", worker.pid, time.monotonic() - start)
+        return worker, ready
+
+    def _call(self, method: WorkerMethod, arg: Any, what: str) -> WorkerReply:
+        """Send one call, wait for its reply (or the worker's death), unpack the result."""
+        with self._call_lock:
+            with self._lock:
+                if self._closed:
+                    raise EngineClosedError(f"the executor is shut down; cannot run {what}")
+                worker = self._worker
+                if worker is None:
+                    raise EngineDeadError(f"cannot run {what}: {self._dead_message()}")
+            call_id = next(self._call_ids)
+            try:
+                worker.send(WorkerCall(call_id, method, arg))
+            except (BrokenPipeError, EOFError, OSError):
+                raise self._on_death(worker, what) from None
+            except Exception as exc:  # the argument does not pickle; nothing was sent
+                return WorkerReply(call_id, error=WorkerError.from_exception(exc))
+            while True:
+                ready = wait([worker.conn, worker.process.sentinel])
+                if worker.conn not in ready:
+                    raise self._on_death(worker, what)
+                try:
+                    reply = worker.conn.recv()
+                except (EOFError, OSError):
+                    raise self._on_death(worker, what) from None
+                if isinstance(reply, WorkerReply) and reply.call_id == call_id:
+                    break
+                # A reply to an earlier call whose caller gave up: drop it, free its shm.
+                logger.warning("dropping a stale worker reply %r", getattr(reply, "call_id", None))
+                shm.release(getattr(reply, "result", None))
+        if reply.error is not None:
+            logger.error("worker failed while running %s: %s", what, reply.error.exc_type)
+            logger.debug("worker traceback:\n%s", reply.error.traceback)
+        reply.result = shm.unpack(reply.result)
+        return reply
+
+    def _on_death(self, worker: _Worker, what: str) -> EngineDeadError:
+        """Handle a dead worker (caller holds `_call_lock`); returns the error to raise."""
+        if not worker.exited():  # EOF but still running: make sure it is gone
+            worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
+        exit_text = _describe_exit(worker.exitcode())
+        worker.cleanup()
+        with self._lock:
+            closed = self._closed
+            if self._worker is worker:
+                self._worker = None
+                self._dead_reason = f"worker process {worker.pid} died ({exit_text})"
+                if self._restart_on_death and not closed:
+                    self._restart_thread = threading.Thread(
+                        target=self._restart, name="diffbatch-worker-restart", daemon=True
+                    )
+                    self._restart_thread.start()
+                self._health.notify_all()
+        if closed:
+            return EngineClosedError(f"the executor was shut down while running {what}")
+        logger.error("worker process %d died (%s) while running %s", worker.pid, exit_text, what)
+        return EngineDeadError(f"worker process died ({exit_text}) while running {what}")
+
+    def _restart(self) -> None:
+        """Background thread: start a replacement worker and make it the serving one."""
+        logger.warning("starting a replacement worker process")
+        try:
+            worker, ready = self._start_worker(replacement=True)
+        except Exception as exc:
+            with self._lock:
+                if not self._closed:
+                    self._dead_reason += f"; starting a replacement failed: {exc}"
+                    logger.error("could not start a replacement worker: %s", exc)
+                self._restart_thread = None
+                self._health.notify_all()
+            return
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._worker = worker
+                self.num_restarts += 1
+                if ready.info != self.info:
+                    logger.warning("replacement worker reports different pipeline info")
+            self._restart_thread = None
+            self._health.notify_all()
+        if closed:
+            worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
+            worker.cleanup()
+
+    def _restarting(self) -> bool:
+        thread = self._restart_thread
+        return thread is not None and thread.is_alive()
+
+    def _dead_message(self) -> str:
+        if self._restarting():
+            return f"{self._dead_reason}; a replacement worker is starting"
+        return self._dead_reason
+
+
+# Executors that were never shut down are shut down at interpreter exit, before
+# multiprocessing's own exit hook (registered earlier, so run later) kills daemons.
+_live_executors: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_executors() -> None:
+    for executor in list(_live_executors):
+        executor.shutdown()

@@ -1,0 +1,295 @@
+"""Tests for MultiprocExecutor: the worker process, shm results, death, restart, shutdown.
+
+Most tests inject a small fake runner at the runner seam (`runner_factory`); one
+runs the real `ModelRunner` on the built-in `tiny-sd` model. Every test here starts
+worker processes, which pay torch's import time, so all are marked slow.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffbatch.config import EngineConfig
+from diffbatch.errors import EngineClosedError, EngineDeadError, ModelNotFoundError
+from diffbatch.executor.multiproc import MultiprocExecutor
+from diffbatch.ipc import shm
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
+from diffbatch.pipelines.interface import PipelineInfo
+from diffbatch.request import DiffusionRequest
+from diffbatch.sampling_params import SamplingParams
+from diffbatch.sched.output import SchedulerOutput
+
+pytestmark = pytest.mark.slow
+
+SHM_DIR = Path("/dev/shm")
+IMAGE_SHAPE = (1, 3, 512, 512)  # float32: 3 MiB, above the 1 MiB shm threshold
+DEADLINE_S = 120.0  # upper bound for waits on worker start-up (imports torch)
+
+
+# --- fake runners, built inside the worker by dotted name -------------------------------
+
+
+class FakeRunner:
+    """Behaviour per prompt: "fail" -> error output, "raise" -> the call raises,
+    "block" -> touch the marker file in `extra["marker"]` and hang, else a 3 MiB image."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def info(self) -> PipelineInfo:
+        return PipelineInfo(
+            name="FakeRunnerPipeline", default_height=64, default_width=64,
+            default_num_inference_steps=2, default_guidance_scale=5.0, size_multiple=8,
+        )
+
+    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
+        return self._one(request, 0)
+
+    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        outputs = [self._one(r, i) for i, r in enumerate(scheduler_output.requests)]
+        return BatchRunnerOutput(outputs={o.request_id: o for o in outputs})
+
+    def _one(self, request: DiffusionRequest, index: int) -> DiffusionOutput:
+        if request.prompt == "raise":
+            raise RuntimeError("unexpected runner bug")
+        if request.prompt == "fail":
+            return DiffusionOutput.from_error(request.request_id, ValueError("pipeline broke"))
+        if request.prompt == "block":
+            Path(request.sampling_params.extra["marker"]).write_text(str(os.getpid()))
+            threading.Event().wait()
+        images = torch.full(IMAGE_SHAPE, float(index))
+        return DiffusionOutput(request.request_id, images=images, batch_size=index,
+                               metadata={"pid": os.getpid()})
+
+
+class MissingModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        raise ModelNotFoundError(f"model {config.model!r} is not served here", param="model")
+
+
+class BrokenRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        raise ValueError("weights are corrupt")
+
+
+FAKE = f"{__name__}:FakeRunner"
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def make_config(**kwargs) -> EngineConfig:
+    return EngineConfig(model="fake", warmup=False, torch_num_threads=1, **kwargs)
+
+
+def request(request_id: str, prompt: str = "a cat", **extra) -> DiffusionRequest:
+    return DiffusionRequest(request_id, prompt, SamplingParams(seed=1, extra=extra))
+
+
+def wave(wave_id: int, *requests: DiffusionRequest) -> SchedulerOutput:
+    return SchedulerOutput(wave_id=wave_id, requests=list(requests), key=None)
+
+
+def segments_of(pid: int) -> list[str]:
+    return [p.name for p in SHM_DIR.iterdir() if p.name.startswith(shm.segment_prefix(pid))]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def wait_for_file(path: Path, timeout_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def worker_children() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children() if p.name == "diffbatch-worker"}
+
+
+@pytest.fixture(scope="module")
+def executor():
+    ex = MultiprocExecutor(make_config(), runner_factory=FAKE)
+    yield ex
+    ex.shutdown()
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def test_ready_sets_info_and_is_healthy(executor):
+    assert executor.info.name == "FakeRunnerPipeline"
+    assert executor.info.default_height == 64
+    assert executor.worker_pid not in (None, os.getpid())
+    assert executor.is_healthy
+    executor.check_health()
+
+
+def test_execute_batch_returns_per_request_outputs_through_shm(executor, monkeypatch):
+    seen = []
+    real_unpack = shm.unpack
+
+    def spy(obj):
+        handles = shm.handles(obj)
+        seen.append([(h.nbytes, (SHM_DIR / h.name).exists()) for h in handles])
+        return real_unpack(obj)
+
+    monkeypatch.setattr(shm, "unpack", spy)
+    result = executor.execute_batch(wave(1, request("r1"), request("r2"), request("r3")))
+
+    assert isinstance(result, BatchRunnerOutput)
+    assert result.req_ids == ["r1", "r2", "r3"]
+    for i, rid in enumerate(result.req_ids):
+        out = result.outputs[rid]
+        assert out.ok and out.batch_size == i
+        assert out.metadata["pid"] == executor.worker_pid
+        assert torch.equal(out.images, torch.full(IMAGE_SHAPE, float(i)))
+    assert seen == [[(3 * 512 * 512 * 4, True)] * 3]  # three images crossed in shm
+    assert segments_of(executor.worker_pid) == []  # and were unlinked on arrival
+
+
+def test_execute_request(executor):
+    out = executor.execute_request(request("solo"))
+    assert out.request_id == "solo" and out.ok
+    assert out.images.shape == IMAGE_SHAPE
+
+
+def test_runner_errors_become_error_outputs_and_worker_keeps_serving(executor):
+    pid = executor.worker_pid
+    result = executor.execute_batch(wave(2, request("ok"), request("bad", "fail")))
+    assert result.outputs["ok"].ok
+    assert result.outputs["bad"].error.message == "ValueError: pipeline broke"
+
+    # The runner itself raising fails every request of the call, not the worker.
+    result = executor.execute_batch(wave(3, request("x1", "raise"), request("x2")))
+    assert result.req_ids == ["x1", "x2"]
+    for out in result.outputs.values():
+        assert out.error.message == "RuntimeError: unexpected runner bug"
+        assert out.error.status_code == 500
+    out = executor.execute_request(request("x3", "raise"))
+    assert out.error.message == "RuntimeError: unexpected runner bug"
+
+    assert executor.execute_request(request("after")).ok
+    assert executor.worker_pid == pid
+    executor.check_health()
+
+
+@pytest.mark.parametrize(
+    ("factory", "exc_type", "message"),
+    [
+        ("MissingModelRunner", ModelNotFoundError, "model 'fake' is not served here"),
+        ("BrokenRunner", RuntimeError, "ValueError: weights are corrupt"),
+    ],
+)
+def test_load_failure_fails_startup_with_the_workers_message(factory, exc_type, message):
+    before = worker_children()
+    with pytest.raises(exc_type, match=message) as info:
+        MultiprocExecutor(make_config(), runner_factory=f"{__name__}:{factory}")
+    if exc_type is ModelNotFoundError:
+        assert info.value.param == "model" and info.value.status_code == 404
+    assert worker_children() <= before  # the failed worker was reaped
+
+
+def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
+    ex = MultiprocExecutor(make_config(), runner_factory=FAKE)
+    try:
+        old_pid = ex.worker_pid
+        marker = tmp_path / "running"
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(ex.execute_batch,
+                                  wave(7, request("b1", "block", marker=str(marker))))
+            wait_for_file(marker)  # the worker is inside the runner now
+            os.kill(old_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match=r"exit code -9 \(SIGKILL\).*wave 7"):
+                pending.result(timeout=60)
+
+        # Unhealthy until the replacement is up; calls meanwhile fail clearly.
+        assert not ex.is_healthy
+        with pytest.raises(EngineDeadError, match="died"):
+            ex.check_health()
+        with pytest.raises(EngineDeadError, match="replacement worker is starting"):
+            ex.execute_request(request("during-restart"))
+
+        assert ex.wait_healthy(DEADLINE_S)
+        ex.check_health()
+        assert ex.worker_pid not in (None, old_pid) and ex.num_restarts == 1
+        assert ex.execute_batch(wave(8, request("again"))).outputs["again"].ok
+        assert process_gone(old_pid) and segments_of(old_pid) == []
+
+        # A worker that dies while idle is caught by check_health too.
+        idle_pid = ex.worker_pid
+        os.kill(idle_pid, signal.SIGKILL)
+        ex._worker.process.join(DEADLINE_S)  # wait until it is gone, not a fixed sleep
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            ex.check_health()
+        assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, idle_pid)
+        assert ex.execute_request(request("third")).ok
+    finally:
+        ex.shutdown()
+
+
+def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
+    ex = MultiprocExecutor(make_config(), runner_factory=FAKE, shutdown_timeout_s=2.0)
+    pid = ex.worker_pid
+    # A segment of a reply that never arrived (as if the worker packed, then died).
+    orphan = SharedMemory(name=f"{shm.segment_prefix(pid)}orphan", create=True, size=64)
+    orphan.close()
+    assert segments_of(pid) == [f"{shm.segment_prefix(pid)}orphan"]
+
+    marker = tmp_path / "running"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(ex.execute_request, request("b", "block", marker=str(marker)))
+        wait_for_file(marker)
+        ex.shutdown()  # the worker is stuck in the runner: shutdown escalates to SIGTERM
+        with pytest.raises(EngineClosedError, match="shut down while running request b"):
+            pending.result(timeout=60)
+
+    assert process_gone(pid)
+    assert pid not in worker_children()
+    assert segments_of(pid) == []
+    assert not ex.is_healthy and ex.worker_pid is None
+    ex.shutdown()  # twice is fine
+    with pytest.raises(EngineClosedError):
+        ex.check_health()
+    with pytest.raises(EngineClosedError):
+        ex.execute_request(request("late"))
+
+
+def test_real_model_runner_on_tiny_sd_matches_inproc():
+    pytest.importorskip("diffbatch.pipelines.registry", reason="pipeline registry not merged")
+    from diffbatch.executor.inproc import InprocExecutor
+
+    config = EngineConfig(model="tiny-sd", warmup=False, torch_num_threads=1)
+    params = SamplingParams(height=64, width=64, num_inference_steps=2, guidance_scale=5.0,
+                            seed=3, num_outputs_per_prompt=2, output_type="pt")
+    requests = [DiffusionRequest(f"r{i}", prompt, params.clone(seed=10 + i))
+                for i, prompt in enumerate(["a red circle", "a blue square"])]
+    ex = MultiprocExecutor(config)
+    try:
+        assert ex.info.size_multiple >= 1
+        got = ex.execute_batch(wave(1, *requests))
+    finally:
+        ex.shutdown()
+    want = InprocExecutor(config).execute_batch(wave(1, *requests))
+    assert got.req_ids == want.req_ids == ["r0", "r1"]
+    for rid in got.req_ids:
+        assert got.outputs[rid].ok, got.outputs[rid].error
+        assert got.outputs[rid].images.shape == (2, 3, 64, 64)
+        torch.testing.assert_close(got.outputs[rid].images, want.outputs[rid].images,
+                                   atol=1e-5, rtol=1e-4)
