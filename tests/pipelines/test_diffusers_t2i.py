@@ -1,0 +1,210 @@
+"""Tests of the diffusers adapter: one call per wave, batch invariance, quirks, LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffbatch.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from diffbatch.pipelines.diffusers_t2i import (
+    DiffusersPerRequestPipeline,
+    DiffusersT2IPipeline,
+    resolve_dtype,
+)
+from diffbatch.pipelines.registry import resolve_model_path
+from diffbatch.pipelines.tiny import make_tiny_lora
+from tests.pipelines.conftest import SIZE, TINY_NAMES, TOLERANCE, make_batch, make_request
+
+PROMPTS = [("a red cat", None), ("a blue dog", "blurry"), ("a green tree photo", "ugly bad")]
+# Flux takes negative prompts only with true CFG; without it they are not used at all.
+FLUX_TRUE_CFG = {"true_cfg_scale": 2.0}
+
+
+def _wave(pipeline: DiffusersT2IPipeline, name: str, n: int = 1, **params: object) -> list:
+    extra = dict(FLUX_TRUE_CFG) if name == "tiny-flux" else {}
+    return [
+        make_request(pipeline, f"req-{i}", prompt, seed=100 + 10 * i, negative_prompt=negative,
+                     n=n, extra=dict(extra), **params)
+        for i, (prompt, negative) in enumerate(PROMPTS)
+    ]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_info(name: str, load_tiny) -> None:
+    info = load_tiny(name).info()
+    expected = {"tiny-sd": "StableDiffusionPipeline", "tiny-sd3": "StableDiffusion3Pipeline",
+                "tiny-flux": "FluxPipeline", "tiny-pixart": "PixArtSigmaPipeline"}[name]
+    assert info.name == expected
+    assert (info.default_height, info.default_width) == (64, 64)
+    assert info.default_num_inference_steps == 4
+    assert info.size_multiple == 16  # VAE x8 times UNet blocks / patch size / Flux packing
+    assert info.device == "cpu"
+    assert info.cfg_threshold == (None if name == "tiny-flux" else 1.0)
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_wave_returns_one_output_per_request(name: str, load_tiny) -> None:
+    pipeline = load_tiny(name)
+    requests = _wave(pipeline, name)
+    outputs = pipeline.forward(make_batch(requests))
+    assert [o.request_id for o in outputs] == ["req-0", "req-1", "req-2"]
+    for out in outputs:
+        assert out.ok
+        assert out.images.shape == (1, 3, SIZE, SIZE)
+        assert out.images.dtype == torch.float32
+        assert out.images.min() >= 0.0 and out.images.max() <= 1.0
+    assert _max_diff(outputs[0].images, outputs[1].images) > 1e-2
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_batch_invariance(name: str, load_tiny) -> None:
+    """Each request's images equal the same request run alone (different negatives too)."""
+    pipeline = load_tiny(name)
+    requests = _wave(pipeline, name)
+    batched = pipeline.forward(make_batch(requests))
+    for request, out in zip(requests, batched, strict=True):
+        alone = pipeline.forward(make_batch([request]))[0]
+        assert _max_diff(out.images, alone.images) <= TOLERANCE, request.request_id
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_negative_prompts_are_per_request(name: str, load_tiny) -> None:
+    pipeline = load_tiny(name)
+    extra = dict(FLUX_TRUE_CFG) if name == "tiny-flux" else {}
+    requests = [
+        make_request(pipeline, f"r{i}", "a red cat", seed=5, negative_prompt=neg, extra=dict(extra))
+        for i, neg in enumerate([None, "blurry ugly", ""])
+    ]
+    kwargs = pipeline.call_kwargs(make_batch(requests))
+    assert kwargs["negative_prompt"] == ["", "blurry ugly", ""]
+    out = pipeline.forward(make_batch(requests))
+    assert _max_diff(out[0].images, out[1].images) > 1e-3  # same seed, other negative
+    assert _max_diff(out[0].images, out[2].images) <= TOLERANCE  # None means ""
+
+
+def test_flux_ignores_negative_prompts_without_true_cfg(load_tiny) -> None:
+    pipeline = load_tiny("tiny-flux")
+    request = make_request(pipeline, "r", "a red cat", negative_prompt="blurry")
+    assert "negative_prompt" not in pipeline.call_kwargs(make_batch([request]))
+    assert not pipeline.cfg_enabled(request.sampling_params)
+
+
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux"])
+def test_n_images_per_prompt(name: str, load_tiny) -> None:
+    pipeline = load_tiny(name)
+    requests = _wave(pipeline, name, n=2)[:2]
+    batched = pipeline.forward(make_batch(requests))
+    for request, out in zip(requests, batched, strict=True):
+        assert out.images.shape == (2, 3, SIZE, SIZE)
+        assert _max_diff(out.images[0], out.images[1]) > 1e-2  # own generator per image
+        alone = pipeline.forward(make_batch([request]))[0]
+        assert _max_diff(out.images, alone.images) <= TOLERANCE
+
+
+def test_sd3_custom_sigmas(load_tiny) -> None:
+    pipeline = load_tiny("tiny-sd3")
+    default = make_request(pipeline, "a", "a red cat", seed=3)
+    custom = make_request(pipeline, "b", "a red cat", seed=3, sigmas=(1.0, 0.3))
+    assert pipeline.call_kwargs(make_batch([custom]))["sigmas"] == [1.0, 0.3]
+    a = pipeline.forward(make_batch([default]))[0].images
+    b = pipeline.forward(make_batch([custom]))[0].images
+    assert _max_diff(a, b) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"height": 72}, "multiple of 16"),
+        ({"timesteps": (999, 500)}, "`timesteps` is not supported"),
+        ({"extra": {"no_such_knob": 1}}, "no_such_knob"),
+        ({"extra": {"prompt_embeds": None}}, "sets it itself"),
+    ],
+)
+def test_bad_params_are_invalid_requests(params: dict, match: str, load_tiny) -> None:
+    pipeline = load_tiny("tiny-sd3")
+    request = make_request(pipeline, "r", "a red cat", **params)
+    with pytest.raises(InvalidRequestError, match=match):
+        pipeline.forward(make_batch([request]))
+
+
+def test_generator_count_must_match(load_tiny) -> None:
+    pipeline = load_tiny("tiny-sd")
+    batch = make_batch([make_request(pipeline, "r", "a red cat", n=2)])
+    batch.generators = batch.generators[:1]
+    with pytest.raises(ValueError, match="1 requests x 2 images but 1 generators"):
+        pipeline.forward(batch)
+
+
+def test_mixed_keys_are_refused(load_tiny) -> None:
+    pipeline = load_tiny("tiny-sd")
+    a = make_request(pipeline, "a", "a red cat")
+    b = make_request(pipeline, "b", "a red cat", guidance_scale=2.0)
+    with pytest.raises(ValueError, match="one SamplingParamsKey"):
+        pipeline.forward(make_batch([a, b]))
+
+
+def test_lora_changes_images_and_disabling_restores_them(load_tiny, tmp_path: Path) -> None:
+    pipeline = load_tiny("tiny-sd")
+    lora = make_tiny_lora(resolve_model_path("tiny-sd"), tmp_path / "lora")
+    requests = _wave(pipeline, "tiny-sd")[:2]
+    base = pipeline.forward(make_batch(requests))
+    pipeline.load_lora("tiny_lora", lora)
+    pipeline.load_lora("tiny_lora", lora)  # once per name: a second load is a no-op
+    try:
+        pipeline.set_lora("tiny_lora", 1.0)
+        full = pipeline.forward(make_batch(requests))
+        pipeline.set_lora("tiny_lora", 0.5)
+        half = pipeline.forward(make_batch(requests))
+        alone = pipeline.forward(make_batch(requests[1:]))
+    finally:
+        pipeline.set_lora(None, 1.0)
+    after = pipeline.forward(make_batch(requests))
+    for i in range(2):
+        assert _max_diff(full[i].images, base[i].images) > 1e-2
+        assert _max_diff(half[i].images, full[i].images) > 1e-3
+        assert torch.equal(after[i].images, base[i].images)  # exactly unaffected
+    assert _max_diff(half[1].images, alone[0].images) <= TOLERANCE
+
+
+def test_lora_errors(load_tiny, tmp_path: Path) -> None:
+    sd = load_tiny("tiny-sd")
+    with pytest.raises(ModelNotFoundError, match="not loaded"):
+        sd.set_lora("never_loaded", 1.0)
+    lora = make_tiny_lora(resolve_model_path("tiny-sd"), tmp_path / "lora")
+    sd.load_lora("errors_lora", lora)
+    sd.set_lora(None, 1.0)
+    with pytest.raises(ValueError, match="already loaded"):
+        sd.load_lora("errors_lora", str(tmp_path / "other"))
+    with pytest.raises(NotImplementedError, match="PixArtSigmaPipeline"):
+        load_tiny("tiny-pixart").load_lora("x", lora)
+
+
+def test_per_request_pipeline_refuses_a_batch_of_two(model_cache_dir: str, load_tiny) -> None:
+    pipeline = DiffusersPerRequestPipeline.from_pretrained(resolve_model_path("tiny-sd"))
+    assert DiffusersPerRequestPipeline.supports_request_batch is False
+    requests = _wave(pipeline, "tiny-sd")[:2]
+    with pytest.raises(ValueError, match="got a batch of 2"):
+        pipeline.forward(make_batch(requests))
+    one = pipeline.forward(make_batch(requests[:1]))
+    batched = load_tiny("tiny-sd").forward(make_batch(requests))
+    assert _max_diff(one[0].images, batched[0].images) <= TOLERANCE
+
+
+def test_folder_without_model_index_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match=r"model_index\.json"):
+        DiffusersT2IPipeline.from_pretrained(str(tmp_path))
+
+
+def test_resolve_dtype() -> None:
+    assert resolve_dtype(None) is torch.float32
+    assert resolve_dtype("bf16") is torch.bfloat16
+    assert resolve_dtype("torch.float16") is torch.float16
+    assert resolve_dtype(torch.float64) is torch.float64
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        resolve_dtype("float8")
