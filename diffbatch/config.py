@@ -9,8 +9,9 @@ from typing import Any, Literal
 from diffbatch.errors import ConfigError
 
 ExecutorKind = Literal["mp", "inproc"]
-SchedulingPolicy = Literal["fifo"]
-SCHEDULING_POLICIES: tuple[str, ...] = ("fifo",)
+SchedulingPolicy = Literal["fifo", "grouped"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "grouped")
+BatchErrorIsolation = Literal["bisect", "none"]
 DEFAULT_SHM_THRESHOLD_BYTES = 1 << 20  # 1 MiB: larger tensors cross processes via shm
 
 
@@ -31,6 +32,13 @@ class EngineConfig:
         lora_dir: folder that LoRA adapter names resolve in (None = only paths given
             through the Python API).
         warmup: run one small request through the whole path at start-up.
+        scheduling_policy: "fifo" (the seed's conservative waves: an incompatible head
+            blocks) or "grouped" (waves from the best compatible group; see sched/grouped.py).
+        max_head_wait_ms: "grouped" only: once the oldest request waited this long, its
+            group goes next (no starvation).
+        max_wave_pixels: "grouped" only: cap on a wave's output pixels B*n*H*W (None = none).
+        batch_error_isolation: "bisect" re-runs a failing wave in halves so only the
+            failing request(s) get an error; "none" fails the whole wave.
         shm_threshold_bytes: tensors above this cross processes in shared memory.
         torch_num_threads: torch threads in the worker (None = torch's default).
         pipeline_kwargs: extra keyword arguments for the pipeline's `from_pretrained`.
@@ -48,6 +56,9 @@ class EngineConfig:
     lora_dir: str | None = None
     warmup: bool = True
     scheduling_policy: SchedulingPolicy = "fifo"
+    max_head_wait_ms: float = 2000.0
+    max_wave_pixels: int | None = None
+    batch_error_isolation: BatchErrorIsolation = "bisect"
     shm_threshold_bytes: int = DEFAULT_SHM_THRESHOLD_BYTES
     torch_num_threads: int | None = None
     step_execution: bool = False  # step-wise continuous batching is not implemented
@@ -75,6 +86,22 @@ class EngineConfig:
             raise ConfigError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        head = self.max_head_wait_ms
+        if isinstance(head, bool) or not isinstance(head, int | float) or not math.isfinite(head) \
+                or head < 0:
+            raise ConfigError(f"max_head_wait_ms must be a finite number >= 0, got {head!r}")
+        if self.max_wave_pixels is not None and (
+            isinstance(self.max_wave_pixels, bool) or not isinstance(self.max_wave_pixels, int)
+            or self.max_wave_pixels < 1
+        ):
+            raise ConfigError(
+                f"max_wave_pixels must be an integer >= 1 or None, got {self.max_wave_pixels!r}"
+            )
+        if self.batch_error_isolation not in ("bisect", "none"):
+            raise ConfigError(
+                "batch_error_isolation must be 'bisect' or 'none', "
+                f"got {self.batch_error_isolation!r}"
             )
         if not isinstance(self.shm_threshold_bytes, int) or self.shm_threshold_bytes < 0:
             raise ConfigError(

@@ -19,7 +19,7 @@ from diffbatch.engine.admission import AdmissionWait
 from diffbatch.errors import DiffbatchError, EngineClosedError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
-from diffbatch.sched.scheduler import Scheduler
+from diffbatch.sched.policy import make_scheduler
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -49,7 +49,7 @@ class EngineCore:
         self.supports_request_batch = supports_request_batch
         self.deliver = deliver
         self.metrics = metrics
-        self.scheduler = Scheduler(config.max_num_seqs)
+        self.scheduler = make_scheduler(config)
         self.admission = AdmissionWait(config.request_batch_max_wait_ms, config.max_num_seqs)
         self.cond = threading.Condition()
         self._stopped = False

@@ -21,6 +21,7 @@ from diffbatch.sched.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from diffbatch.outputs import BatchRunnerOutput
+    from diffbatch.sampling_params import SamplingParamsKey
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,14 @@ class Scheduler(SchedulerInterface):
         else:
             self._pop_finished_heads()
         return done
+
+    def num_waiting_by_key(self) -> dict[SamplingParamsKey, int]:
+        """Waiting requests per key (O(active requests); for metrics, not the hot path)."""
+        counts: dict[SamplingParamsKey, int] = {}
+        for request in self.requests.values():
+            if request.status == RequestStatus.WAITING and request.key is not None:
+                counts[request.key] = counts.get(request.key, 0) + 1
+        return counts
 
     def _finish(self, request: DiffusionRequest, status: RequestStatus) -> None:
         request.status = status

@@ -1,0 +1,141 @@
+"""The `grouped` scheduler: waves from the best compatible group, without head-of-line blocking.
+
+Waiting requests are kept in one group per `SamplingParamsKey`. A wave is formed
+from a single group, so it stays homogeneous, but an incompatible request at the
+head of the queue no longer stops compatible requests behind it. Rules, in order:
+
+1. No starvation: once the oldest waiting request has waited longer than
+   `max_head_wait_ms`, its group goes next (`close_reason` "starvation" marks it).
+2. Otherwise the group of the best waiting request goes next, best meaning lowest
+   `priority`, then earliest arrival. With equal priorities that is arrival order.
+3. Inside the group, requests are taken best first, up to `max_num_seqs`, and while
+   the wave's total output pixels (B*n*H*W) stay within `max_wave_pixels` (a wave
+   always takes at least one request).
+
+Every structure is a heap or deque with lazy deletion of finished requests, so one
+`schedule()` costs O(wave size * log(queue)) and never sorts the whole queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from diffbatch.request import DiffusionRequest, RequestStatus
+from diffbatch.sched.output import SchedulerOutput
+from diffbatch.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from diffbatch.sampling_params import SamplingParamsKey
+
+_Entry = tuple[int, int, DiffusionRequest]  # (priority, arrival seq, request)
+
+
+def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
+    """Output pixels of a wave of `num_requests` requests with `key`: B*n*H*W."""
+    return num_requests * key.num_outputs_per_prompt * key.height * key.width
+
+
+class GroupedScheduler(Scheduler):
+    """Groups by key, picks groups by priority and age; see the module docstring."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        *,
+        max_head_wait_ms: float = 2000.0,
+        max_wave_pixels: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_num_seqs)
+        if max_head_wait_ms < 0:
+            raise ValueError(f"max_head_wait_ms must be >= 0, got {max_head_wait_ms}")
+        if max_wave_pixels is not None and max_wave_pixels < 1:
+            raise ValueError(f"max_wave_pixels must be >= 1 or None, got {max_wave_pixels}")
+        self.max_head_wait_ms = max_head_wait_ms
+        self.max_wave_pixels = max_wave_pixels
+        self.clock = clock
+        self._seq = itertools.count()
+        self._best: list[_Entry] = []  # every waiting request, best first
+        self._groups: dict[SamplingParamsKey, list[_Entry]] = {}  # key -> its best-first heap
+        # `self.waiting` (from Scheduler) stays the arrival-order deque, for the starvation rule.
+        self.num_heap_ops = 0  # work counter: heap pushes and pops (tests count work with it)
+
+    def add_request(self, request: DiffusionRequest) -> None:
+        super().add_request(request)
+        entry = (request.priority, next(self._seq), request)
+        heapq.heappush(self._best, entry)
+        heapq.heappush(self._groups.setdefault(request.key, []), entry)
+        self.num_heap_ops += 2
+
+    def _pop_finished(self, heap: list[_Entry]) -> None:
+        while heap and heap[0][2].status != RequestStatus.WAITING:
+            heapq.heappop(heap)
+            self.num_heap_ops += 1
+
+    def _pick_key(self) -> tuple[SamplingParamsKey, str] | None:
+        self._pop_finished_heads()
+        if not self.waiting:
+            return None
+        oldest = self.waiting[0]
+        waited_ms = (self.clock() - oldest.arrival_time) * 1000.0
+        if waited_ms > self.max_head_wait_ms:
+            return oldest.key, "starvation"
+        self._pop_finished(self._best)
+        return self._best[0][2].key, ""
+
+    def schedule(self) -> SchedulerOutput:
+        picked = self._pick_key()
+        if picked is None:
+            return SchedulerOutput.make_empty()
+        key, forced = picked
+        group = self._groups[key]
+        wave: list[DiffusionRequest] = []
+        close_reason = "group_empty"
+        while True:
+            self._pop_finished(group)
+            if not group:
+                break
+            if len(wave) >= self.max_num_seqs:
+                close_reason = "capacity"
+                break
+            if wave and self.max_wave_pixels is not None and \
+                    wave_pixels(key, len(wave) + 1) > self.max_wave_pixels:
+                close_reason = "pixel_cap"
+                break
+            request = heapq.heappop(group)[2]
+            self.num_heap_ops += 1
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+            self._num_waiting -= 1
+            wave.append(request)
+        if not group:
+            del self._groups[key]
+        self._pop_finished_heads()  # drop scheduled requests from the arrival deque head
+        if self._num_waiting == 0:
+            self.waiting.clear()
+            self._best.clear()
+            self._groups.clear()
+        wave_id = self._next_wave_id
+        self._next_wave_id += 1
+        return SchedulerOutput(wave_id=wave_id, requests=wave, key=key,
+                               close_reason=forced or close_reason)
+
+    def _pop_finished_heads(self) -> None:
+        while self.waiting and self.waiting[0].status != RequestStatus.WAITING:
+            self.waiting.popleft()
+
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus
+    ) -> list[DiffusionRequest]:
+        done = super().finish_requests(request_ids, status)
+        if self._num_waiting == 0:
+            self._best.clear()
+            self._groups.clear()
+        return done
+
+
+__all__ = ["GroupedScheduler", "wave_pixels"]
