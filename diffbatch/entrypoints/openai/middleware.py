@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from diffbatch.entrypoints.openai.errors import error_response
+from diffbatch.entrypoints.openai.protocol import OUTPUT_FORMATS
 from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
 
 if TYPE_CHECKING:
@@ -166,6 +167,8 @@ class HTTPMetrics:
             ["format"], registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
         )
+        for output_format in OUTPUT_FORMATS:
+            self.encode_s.labels(output_format)
         self.disconnects = Counter(
             "diffbatch_http_client_disconnects",
             "HTTP requests whose client went away before the answer.",

@@ -1,0 +1,123 @@
+"""Fixtures of the HTTP tests: real uvicorn servers on free loopback ports.
+
+`serve_in_thread` runs uvicorn in a thread of the test process, so a test can read
+the engine's state (`num_waiting`, metrics) directly. The listening socket is
+bound and put in listen mode before uvicorn starts, so the readiness check is a
+single `GET /health` that the kernel queues until uvicorn accepts it (bounded by
+a deadline), not a sleep-and-retry loop.
+
+Gated servers use `GatedPipeline` (executor "inproc") with events of their own:
+a forward blocks until the test sets `release`, so tests control timing exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from diffbatch import Engine
+from diffbatch.entrypoints.openai.api_server import build_app
+from tests.fake_pipelines import GatedPipeline
+
+READY_TIMEOUT_S = 120.0  # a cold start builds the tiny model and starts a worker
+API_KEY = "test-key"
+
+
+@dataclass
+class RunningServer:
+    """A served app: its base URL, engine and app."""
+
+    url: str
+    engine: Engine
+    app: Any
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample of the engine's Prometheus registry (0 when absent)."""
+        return self.engine.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, *, ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        # Readiness: the connection waits in the listen backlog until uvicorn serves it.
+        response = httpx.get(f"{url}/health", timeout=ready_timeout_s)
+        assert response.status_code == 200, response.text
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+        assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+def make_gate() -> type[GatedPipeline]:
+    """A `GatedPipeline` subclass with fresh `entered`/`release` events."""
+    return type(
+        "TestGate", (GatedPipeline,),
+        {"entered": threading.Event(), "release": threading.Event(), "__module__": __name__},
+    )
+
+
+@contextlib.contextmanager
+def gated_server(**app_kwargs: Any) -> Iterator[tuple[RunningServer, type[GatedPipeline]]]:
+    """A served in-process engine whose forwards block until the gate is released."""
+    engine_kwargs = {
+        k: app_kwargs.pop(k) for k in ("max_num_seqs", "max_queue_size", "lora_dir")
+        if k in app_kwargs
+    }
+    gate = make_gate()
+    engine = Engine(pipeline_class=gate, executor="inproc", **engine_kwargs)
+    try:
+        app = build_app(engine, served_model_name="gated", **app_kwargs)
+        with serve_in_thread(app) as url:
+            try:
+                yield RunningServer(url, engine, app, app_kwargs.get("api_key")), gate
+            finally:
+                gate.release.set()  # never leave a forward blocked at teardown
+    finally:
+        gate.release.set()
+        engine.close()
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 30.0,
+               what: str = "condition") -> None:
+    """Poll `predicate` every 10 ms until it holds; fail after `timeout_s`.
+
+    A bounded check of state that changes on another thread (e.g. an abort reaching
+    the engine); the deadline only bounds a broken test, nothing asserts on timing.
+    """
+    idle = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        idle.wait(0.01)

@@ -1,0 +1,225 @@
+"""The app in-process (httpx's ASGI transport) on an in-process fake-pipeline engine.
+
+Fast checks of every answer's shape: successes in each output format, every error
+in the OpenAI shape with the right status and `param`, auth, and metrics. The
+same behaviour over a real socket and the real model is in test_server.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+from PIL import Image
+
+from diffbatch import Engine
+from diffbatch.entrypoints.openai.api_server import build_app
+from tests.fake_pipelines import POISON, FakeBatchPipeline
+
+API_KEY = "unit-key"
+ROUTE = "/v1/images/generations"
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("loras")
+    os.makedirs(folder / "style")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def engine(lora_dir: str) -> Iterator[Engine]:
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
+                lora_dir=lora_dir) as engine:
+        yield engine
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+
+
+@pytest.fixture
+async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(engine, served_model_name="fake", max_image_pixels=32 * 32,
+                    max_body_bytes=64 * 1024, close_engine_on_shutdown=False)
+    async with _client(app) as client:
+        yield client
+
+
+@pytest.fixture
+async def keyed_client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(engine, served_model_name="fake", api_key=API_KEY,
+                    close_engine_on_shutdown=False)
+    async with _client(app) as client:
+        yield client
+
+
+def decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    assert body["error"]["param"] == param
+    return body["error"]
+
+
+@pytest.mark.parametrize(("fmt", "pil_format"), [("png", "PNG"), ("jpeg", "JPEG"),
+                                                 ("webp", "WEBP")])
+async def test_generates_each_output_format(client, fmt: str, pil_format: str) -> None:
+    response = await client.post(ROUTE, json={
+        "prompt": "a red circle", "n": 2, "size": "16x8", "seed": 3, "output_format": fmt,
+    }, headers={"x-request-id": "my-id"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["output_format"], body["size"]) == (fmt, "16x8")
+    assert isinstance(body["created"], int)
+    assert len(body["data"]) == 2
+    for item in body["data"]:
+        assert item["revised_prompt"] is None
+        image = decode(item["b64_json"])
+        assert (image.format, image.size) == (pil_format, (16, 8))
+    assert response.headers["x-request-id"] == "my-id"
+    assert int(response.headers["x-diffbatch-batch-size"]) >= 1
+
+
+async def test_default_size_and_equal_seeds_give_equal_images(client) -> None:
+    bodies = []
+    for _ in range(2):
+        response = await client.post(ROUTE, json={"prompt": "a cat", "seed": 11})
+        assert response.status_code == 200, response.text
+        bodies.append(response.json())
+    assert bodies[0]["size"] == "16x16"
+    assert bodies[0]["data"] == bodies[1]["data"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"n": 1}, 400, "prompt"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x" * 10_001}, 400, "prompt"),
+        ({"prompt": "p", "n": 0}, 400, "n"),
+        ({"prompt": "p", "n": 11}, 400, "n"),
+        ({"prompt": "p", "size": "abc"}, 400, "size"),
+        ({"prompt": "p", "size": "12x16"}, 400, "size"),
+        ({"prompt": "p", "size": "64x64"}, 413, "size"),
+        ({"prompt": "p", "num_inference_steps": 0}, 400, "num_inference_steps"),
+        ({"prompt": "p", "num_inference_steps": 10_000}, 400, "num_inference_steps"),
+        ({"prompt": "p", "model": "other"}, 404, "model"),
+        ({"prompt": "p", "lora": "../style"}, 400, "lora"),
+        ({"prompt": "p", "lora": "/etc"}, 400, "lora"),
+        ({"prompt": "p", "lora": "missing"}, 400, "lora"),
+        ({"prompt": "p", "response_format": "url"}, 400, "response_format"),
+        ({"prompt": "p", "unknown_field": 1}, 400, "unknown_field"),
+        ([{"prompt": "p"}], 400, None),
+    ],
+)
+async def test_bad_input_is_an_openai_error(client, body, status: int, param: str | None) -> None:
+    error = assert_openai_error(await client.post(ROUTE, json=body), status, param)
+    assert error["type"] in ("invalid_request_error", "not_found_error")
+
+
+async def test_nan_guidance_is_rejected(client) -> None:
+    # The JSON token NaN (accepted by Python's json module) must not reach the engine.
+    response = await client.post(ROUTE, content=b'{"prompt": "p", "guidance_scale": NaN}',
+                                 headers={"content-type": "application/json"})
+    assert "finite" in assert_openai_error(response, 400, "guidance_scale")["message"]
+
+
+async def test_valid_lora_inside_the_folder_is_served(client) -> None:
+    response = await client.post(ROUTE, json={"prompt": "p", "lora": "style", "seed": 1})
+    assert response.status_code == 200, response.text
+
+
+async def test_malformed_json_wrong_type_and_oversized_bodies(client) -> None:
+    json_header = {"content-type": "application/json"}
+    error = assert_openai_error(
+        await client.post(ROUTE, content=b'{"prompt": ', headers=json_header), 400
+    )
+    assert "not valid JSON" in error["message"]
+    error = assert_openai_error(
+        await client.post(ROUTE, content=b"prompt=a", headers={"content-type": "text/plain"}), 415
+    )
+    assert "application/json" in error["message"]
+    assert_openai_error(await client.post(ROUTE, content=b'{"prompt": "a"}'), 415)
+    big = b'{"prompt": "' + b"a" * (64 * 1024) + b'"}'
+    assert_openai_error(await client.post(ROUTE, content=big, headers=json_header), 413)
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted while read
+        for _ in range(80):
+            yield b" " * 1024
+
+    assert_openai_error(await client.post(ROUTE, content=chunks(), headers=json_header), 413)
+
+
+async def test_unknown_route_and_method(client) -> None:
+    assert_openai_error(await client.get("/v1/nothing"), 404)
+    assert_openai_error(await client.get(ROUTE), 405)
+
+
+async def test_pipeline_failure_is_a_500(client) -> None:
+    response = await client.post(ROUTE, json={"prompt": f"{POISON} apple"})
+    assert assert_openai_error(response, 500)["type"] == "server_error"
+    assert (await client.post(ROUTE, json={"prompt": "fine"})).status_code == 200
+
+
+async def test_api_key(keyed_client) -> None:
+    body = {"prompt": "a cat"}
+    error = assert_openai_error(await keyed_client.post(ROUTE, json=body), 401)
+    assert error["code"] == "invalid_api_key"
+    wrong = {"Authorization": "Bearer nope"}
+    assert_openai_error(await keyed_client.post(ROUTE, json=body, headers=wrong), 401)
+    assert_openai_error(await keyed_client.get("/v1/models", headers=wrong), 401)
+    # The key is checked before the body: no key + malformed JSON is still a 401.
+    assert_openai_error(await keyed_client.post(ROUTE, content=b"{"), 401)
+    right = {"Authorization": f"Bearer {API_KEY}"}
+    assert (await keyed_client.post(ROUTE, json=body, headers=right)).status_code == 200
+    for open_path in ("/health", "/metrics", "/docs", "/openapi.json"):
+        assert (await keyed_client.get(open_path)).status_code == 200, open_path
+
+
+async def test_models(client) -> None:
+    body = (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["fake"]
+    assert body["data"][0]["object"] == "model"
+    assert (await client.get("/v1/models/fake")).json()["id"] == "fake"
+    assert_openai_error(await client.get("/v1/models/other"), 404, "model")
+
+
+async def test_rejections_are_counted_and_metrics_cover_both_layers(client, engine) -> None:
+    def rejected() -> float:
+        return engine.metrics.count("rejected")
+
+    before = rejected()
+    await client.post(ROUTE, json={"prompt": "p", "n": 0})  # protocol
+    await client.post(ROUTE, json={"prompt": "p", "size": "12x16"})  # serving check
+    await client.post(ROUTE, json={"prompt": "p", "lora": "missing"})  # engine check
+    await client.post(ROUTE, content=b"x", headers={"content-type": "text/plain"})  # guard
+    assert rejected() == before + 4
+    text = (await client.get("/metrics")).text
+    for name in ("diffbatch_requests_total", "diffbatch_wave_size_requests_bucket",
+                 "diffbatch_num_requests_waiting", "diffbatch_http_requests_total",
+                 "diffbatch_image_encode_seconds_bucket"):
+        assert name in text, name
+    assert 'route="/v1/images/generations"' in text
+
+
+async def test_closed_engine_answers_503() -> None:
+    engine = Engine(pipeline_class=FakeBatchPipeline, executor="inproc")
+    app = build_app(engine, served_model_name="fake")
+    engine.close()
+    async with _client(app) as client:
+        error = assert_openai_error(await client.get("/health"), 503)
+        assert error["type"] == "engine_unavailable"
+        assert_openai_error(await client.post(ROUTE, json={"prompt": "p"}), 503)

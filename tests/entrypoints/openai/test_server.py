@@ -1,0 +1,160 @@
+"""End to end: a real uvicorn server, the real engine, worker process and `tiny-sd`.
+
+One server for the module (`--max-num-seqs 4 --request-batch-max-wait-ms 50`, an
+API key, `--max-image-pixels 128*128`, a LoRA folder), driven by the official
+`openai` client and by plain httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffbatch import Engine
+from diffbatch.entrypoints.openai.api_server import build_app
+from tests.entrypoints.openai.conftest import API_KEY, RunningServer, serve_in_thread
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-sd"
+ROUTE = "/v1/images/generations"
+# Batch invariance: a request's image in a wave of 4 equals the image it gets alone
+# up to float reordering in batched kernels, far below one 8-bit level on average.
+MAX_PIXEL_DIFF = 3  # out of 255, per channel; measured <= 1
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    lora_dir = tmp_path_factory.mktemp("loras")
+    engine = Engine(MODEL, max_num_seqs=4, request_batch_max_wait_ms=50, executor="mp",
+                    lora_dir=str(lora_dir))
+    try:
+        assert engine.info.size_multiple > 1 and 64 % engine.info.size_multiple == 0
+        assert (engine.info.default_width, engine.info.default_height) == (64, 64)
+        app = build_app(engine, served_model_name=MODEL, api_key=API_KEY,
+                        max_image_pixels=128 * 128)
+        with serve_in_thread(app) as url:
+            yield RunningServer(url, engine, app, API_KEY)
+    finally:
+        engine.close()
+
+
+def decode(b64: str) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    image.load()
+    return image
+
+
+def test_official_openai_client(server: RunningServer) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    result = client.images.generate(
+        model=MODEL, prompt="a red circle on a blue background", n=2, size="64x64",
+        response_format="b64_json", extra_body={"seed": 1, "num_inference_steps": STEPS},
+    )
+    assert len(result.data) == 2
+    images = [decode(item.b64_json) for item in result.data]
+    for image in images:
+        assert (image.format, image.size) == ("PNG", (64, 64))
+    assert np.asarray(images[0]).tolist() != np.asarray(images[1]).tolist()  # own noise each
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+async def _generate(client: httpx.AsyncClient, prompt: str, seed: int) -> np.ndarray:
+    response = await client.post(ROUTE, json={
+        "prompt": prompt, "seed": seed, "num_inference_steps": STEPS, "size": "64x64",
+    })
+    assert response.status_code == 200, response.text
+    return np.asarray(decode(response.json()["data"][0]["b64_json"]), dtype=np.int16)
+
+
+def _waves_over_one(server: RunningServer) -> float:
+    """Waves with more than one request, from the wave-size histogram."""
+    name = "diffbatch_wave_size_requests"
+    total = server.metric(f"{name}_count")
+    return total - server.metric(f"{name}_bucket", {"le": "1.0"})
+
+
+async def test_concurrent_requests_batch_and_match_solo_runs(server: RunningServer) -> None:
+    prompts = [(f"shape number {i}", 100 + i) for i in range(8)]
+    waves_before = _waves_over_one(server)
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
+                                 timeout=120) as client:
+        batched = await asyncio.gather(*(_generate(client, p, s) for p, s in prompts))
+        metrics_text = (await client.get("/metrics")).text
+        assert "diffbatch_wave_size_requests_bucket" in metrics_text
+        assert _waves_over_one(server) > waves_before, "no wave had more than one request"
+        for (prompt, seed), image in zip(prompts, batched, strict=True):
+            alone = await _generate(client, prompt, seed)  # one at a time: waves of one
+            assert np.abs(image - alone).max() <= MAX_PIXEL_DIFF, prompt
+
+
+BAD_INPUTS = [
+    ({"n": 1}, 400, "prompt"),
+    ({"prompt": ["a cat", "a dog"]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x" * 10_001}, 400, "prompt"),
+    ({"prompt": "p", "n": 0}, 400, "n"),
+    ({"prompt": "p", "n": 11}, 400, "n"),
+    ({"prompt": "p", "size": "abc"}, 400, "size"),
+    ({"prompt": "p", "size": "256x256"}, 413, "size"),  # over --max-image-pixels
+    ({"prompt": "p", "num_inference_steps": 0}, 400, "num_inference_steps"),
+    ({"prompt": "p", "num_inference_steps": 10_000}, 400, "num_inference_steps"),
+    ({"prompt": "p", "model": "no-such-model"}, 404, "model"),
+    ({"prompt": "p", "lora": "../outside"}, 400, "lora"),
+    ({"prompt": "p", "lora": "missing-adapter"}, 400, "lora"),
+    ({"prompt": "p", "response_format": "url"}, 400, "response_format"),
+]
+
+
+def _assert_openai_error(response: httpx.Response, status: int, param: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+
+
+def test_bad_input_gets_4xx_in_openai_shape_then_a_valid_request_works(
+    server: RunningServer,
+) -> None:
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as client:
+        for body, status, param in BAD_INPUTS:
+            _assert_openai_error(client.post(ROUTE, json=body), status, param)
+        odd = 64 - server.engine.info.size_multiple // 2  # not a multiple the model takes
+        _assert_openai_error(client.post(ROUTE, json={"prompt": "p", "size": f"{odd}x64"}),
+                             400, "size")
+        json_header = {"content-type": "application/json"}
+        nan = b'{"prompt": "p", "guidance_scale": NaN}'
+        _assert_openai_error(client.post(ROUTE, content=nan, headers=json_header), 400,
+                             "guidance_scale")
+        _assert_openai_error(client.post(ROUTE, content=b'{"prompt": "p"',
+                                         headers=json_header), 400, None)
+        _assert_openai_error(client.post(ROUTE, content=b'{"prompt": "p"}',
+                                         headers={"content-type": "text/plain"}), 415, None)
+        _assert_openai_error(client.post(ROUTE, json={"prompt": "p"},
+                                         headers={"Authorization": "Bearer wrong"}), 401, None)
+    _assert_openai_error(httpx.post(f"{server.url}{ROUTE}", json={"prompt": "p"}), 401, None)
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as client:
+        response = client.post(ROUTE, json={"prompt": "still works", "seed": 5,
+                                            "num_inference_steps": STEPS})
+        assert response.status_code == 200, response.text
+        assert decode(response.json()["data"][0]["b64_json"]).size == (64, 64)
+
+
+def test_open_routes_and_engine_state(server: RunningServer) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for outcome in ("completed", "error", "aborted", "rejected"):
+        assert f'diffbatch_requests_total{{outcome="{outcome}"}}' in metrics
+    assert server.engine.num_waiting == server.engine.num_running == 0
