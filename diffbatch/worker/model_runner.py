@@ -113,6 +113,7 @@ class ModelRunner:
         self._info = pipeline.info()
         self._loaded_loras: set[str] = set()
         self._active_lora: tuple[str | None, float | None] = (None, None)
+        self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
 
     def info(self) -> PipelineInfo:
         return self._info
@@ -132,6 +133,7 @@ class ModelRunner:
         if not requests:
             return BatchRunnerOutput(outputs={}, forward_time_ms=0.0, num_forwards=0)
         start = time.perf_counter()
+        self._num_forwards = 0
         try:
             outputs = self._run(requests)
         except Exception as exc:  # the pipeline failed: the wave's requests fail, we don't
@@ -139,15 +141,47 @@ class ModelRunner:
                 "wave %d (%d requests) failed: %s: %s",
                 scheduler_output.wave_id, len(requests), type(exc).__name__, exc,
             )
-            error = RequestError.from_exception(exc)
-            outputs = [DiffusionOutput.from_error(r.request_id, error) for r in requests]
+            # NOTE: a broken output contract (PipelineError) is the pipeline's bug at any
+            # batch size; bisecting would only hide it, so only exceptions are isolated.
+            isolate = not isinstance(exc, PipelineError) and len(requests) > 1
+            if self.config.batch_error_isolation == "bisect" and isolate:
+                outputs = self._isolate(requests, exc)
+                logger.warning(
+                    "wave %d: isolated %d failing request(s) with %d extra forwards",
+                    scheduler_output.wave_id, sum(o.error is not None for o in outputs),
+                    self._num_forwards - 1,
+                )
+            else:
+                error = RequestError.from_exception(exc)
+                outputs = [DiffusionOutput.from_error(r.request_id, error) for r in requests]
         forward_ms = (time.perf_counter() - start) * 1000.0
         for out in outputs:
             out.execute_time_ms = forward_ms
             out.batch_size = len(requests)
         return BatchRunnerOutput(
-            outputs={out.request_id: out for out in outputs}, forward_time_ms=forward_ms
+            outputs={out.request_id: out for out in outputs}, forward_time_ms=forward_ms,
+            num_forwards=self._num_forwards,
         )
+
+    def _isolate(
+        self, requests: list[DiffusionRequest], exc: Exception
+    ) -> list[DiffusionOutput]:
+        """Re-run a failed wave in halves until the failing requests are found.
+
+        A half that runs fine keeps its outputs (equal to what the wave would have
+        produced: every image has its own generator); a failing half is split
+        again. One failing request in a wave of B costs about 2*log2(B) forwards.
+        """
+        if len(requests) == 1:
+            return [DiffusionOutput.from_error(requests[0].request_id, exc)]
+        mid = len(requests) // 2
+        outputs: list[DiffusionOutput] = []
+        for half in (requests[:mid], requests[mid:]):
+            try:
+                outputs.extend(self._run(half))
+            except Exception as half_exc:
+                outputs.extend(self._isolate(half, half_exc))
+        return outputs
 
     # -- stages ----------------------------------------------------------------------
     def _run(self, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
@@ -159,6 +193,7 @@ class ModelRunner:
         params = requests[0].sampling_params
         self._activate_lora(params.lora, params.lora_scale)
         # 3. One forward for the whole wave, checked against the contract.
+        self._num_forwards += 1
         with torch.inference_mode():
             outputs = self.pipeline.forward(batch)
         check_outputs(self._info.name, batch, outputs)

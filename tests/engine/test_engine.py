@@ -129,7 +129,7 @@ def test_close_fails_every_open_request(gate):
 
 
 def test_a_failing_wave_fails_only_its_requests_and_the_engine_keeps_serving(gate):
-    with gated_engine() as engine:
+    with gated_engine(batch_error_isolation="none") as engine:
         first = submit(engine, "first", "r0")
         assert gate.entered.wait(30)
         wave = [submit(engine, "poison", "p"), submit(engine, "fine", "f")]
@@ -140,6 +140,18 @@ def test_a_failing_wave_fails_only_its_requests_and_the_engine_keeps_serving(gat
         assert all("poisoned prompt" in o.error.message for o in outs)
         assert engine.generate(["fine again"])[0].ok
         assert engine.metrics.count("error") == 2 and engine.is_healthy
+
+
+def test_bisect_isolation_fails_only_the_poisoned_request(gate):
+    with gated_engine() as engine:
+        first = submit(engine, "first", "r0")
+        assert gate.entered.wait(30)
+        wave = [submit(engine, "poison", "p"), submit(engine, "fine", "f")]
+        gate.release.set()
+        assert first.result(30).ok
+        poisoned, fine = (f.result(30) for f in wave)
+        assert "poisoned prompt" in poisoned.error.message and fine.ok
+        assert fine.batch_size == 2
 
 
 def test_queue_full_is_rejected_at_once(gate):

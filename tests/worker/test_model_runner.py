@@ -97,11 +97,29 @@ def test_check_outputs_names_order_and_container_problems():
         check_outputs("P", batch, [DiffusionOutput("b"), DiffusionOutput("a")])
 
 
-def test_pipeline_exception_fails_the_wave_not_the_runner():
-    runner = runner_with(FakeBatchPipeline())
+def test_pipeline_exception_fails_the_wave_without_isolation():
+    runner = ModelRunner(EngineConfig(executor="inproc", batch_error_isolation="none"),
+                         pipeline=FakeBatchPipeline())
     out = runner.execute_batch(wave(make_request("a"), make_request("b", "poison pill")))
     assert all("poisoned prompt" in o.error.message for o in out.outputs.values())
+    assert out.num_forwards == 1
     assert runner.execute_request(make_request("c")).ok
+
+
+def test_bisect_isolates_the_failing_request_and_keeps_the_others_images():
+    runner = runner_with(FakeBatchPipeline())  # bisect is the default
+    requests = [make_request(f"r{i}", f"prompt {i}", seed=i) for i in range(8)]
+    requests[5] = make_request("r5", "poison pill", seed=5)
+    out = runner.execute_batch(wave(*requests))
+    errors = [rid for rid, o in out.outputs.items() if o.error is not None]
+    assert errors == ["r5"] and "poisoned prompt" in out.outputs["r5"].error.message
+    assert out.req_ids == [f"r{i}" for i in range(8)]
+    assert out.num_forwards - 1 <= 2 * 3  # at most 2*log2(8) extra forwards
+    for i in range(8):
+        if i != 5:
+            alone = runner.execute_request(make_request(f"solo{i}", f"prompt {i}", seed=i))
+            assert torch.equal(out.outputs[f"r{i}"].images, alone.images)
+            assert out.outputs[f"r{i}"].batch_size == 8
 
 
 def test_cache_refresh_and_lora_activation_happen_once_per_wave(tmp_path):
