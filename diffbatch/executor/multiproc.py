@@ -51,12 +51,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # per stage: graceful exit, then terminate, t
 
 def _describe_exit(code: int | None) -> str:
     """ "exit code 3", or "exit code -9 (SIGKILL)" for a signal."""
-    if code is not None and code < 0:
-        try:
-            return f"exit code {code} ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return f"exit code {code}"
+    names = {-sig.value: sig.name for sig in signal.Signals}
+    return f"exit code {code}" + (f" ({names[code]})" if code in names else "")
 
 
 class _Worker:
@@ -64,12 +60,8 @@ class _Worker:
 
     def __init__(self, ctx: Any, config: EngineConfig, runner_factory: str | None) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=worker_main,
-            args=(config, child_conn, runner_factory),
-            name="diffbatch-worker",
-            daemon=True,
-        )
+        self.process = ctx.Process(target=worker_main, args=(config, child_conn, runner_factory),
+                                   name="diffbatch-worker", daemon=True)
         self.process.start()
         child_conn.close()  # so a dead worker reads as EOF here
         self.pid: int = self.process.pid
@@ -185,8 +177,6 @@ class MultiprocExecutor(Executor):
         self._worker = worker
         _live_executors.add(self)
 
-    # ----------------------------------------------------------------- public API
-
     @property
     def worker_pid(self) -> int | None:
         """The serving worker's process id; None while it is dead or restarting."""
@@ -195,12 +185,14 @@ class MultiprocExecutor(Executor):
 
     @property
     def is_healthy(self) -> bool:
+        """Whether a live worker is serving (never blocks on a running call)."""
         with self._lock:
             worker = None if self._closed else self._worker
         return worker is not None and not worker.exited()
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        what = f"wave {scheduler_output.wave_id} ({scheduler_output.num_requests} requests)"
+        n = scheduler_output.num_requests
+        what = f"wave {scheduler_output.wave_id} ({n} request{'s' if n != 1 else ''})"
         reply = self._call("execute_batch", scheduler_output, what)
         if reply.error is not None:
             return BatchRunnerOutput(
@@ -227,7 +219,7 @@ class MultiprocExecutor(Executor):
             # Died while idle. If a call is in flight, it handles the death itself.
             if self._call_lock.acquire(blocking=False):
                 try:
-                    raise self._on_death(worker, "no call (it was idle)")
+                    raise self._on_death(worker, "")
                 finally:
                     self._call_lock.release()
             raise EngineDeadError(f"worker process {worker.pid} died")
@@ -236,9 +228,11 @@ class MultiprocExecutor(Executor):
         """Wait until a worker serves (e.g. a replacement), the executor closes, or a
         restart fails; True if healthy. For tests and callers that can wait."""
         deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(EngineDeadError):
+            self.check_health()  # notices a worker that died while idle (and restarts it)
         with self._health:
             self._health.wait_for(
-                lambda: self._closed or self._worker is not None or not self._restarting(),
+                lambda: self._closed or self._worker is not None or self._restart_thread is None,
                 timeout=max(0.0, deadline - time.monotonic()),
             )
         return self.is_healthy
@@ -270,8 +264,6 @@ class MultiprocExecutor(Executor):
         if thread is not None:
             thread.join(self._shutdown_timeout_s)
         logger.info("multiproc executor shut down")
-
-    # ------------------------------------------------------------------ internals
 
     def _start_worker(self, *, replacement: bool = False) -> tuple[_Worker, WorkerReady]:
         start = time.monotonic()
@@ -318,42 +310,55 @@ class MultiprocExecutor(Executor):
                     reply = worker.conn.recv()
                 except (EOFError, OSError):
                     raise self._on_death(worker, what) from None
+                except Exception as exc:  # a reply that does not unpickle here
+                    reply = WorkerReply(call_id, error=WorkerError.from_exception(exc))
                 if isinstance(reply, WorkerReply) and reply.call_id == call_id:
                     break
                 # A reply to an earlier call whose caller gave up: drop it, free its shm.
                 logger.warning("dropping a stale worker reply %r", getattr(reply, "call_id", None))
                 shm.release(getattr(reply, "result", None))
+            # Unpack under the call lock: shutdown() sweeps this worker's segments.
+            reply.result = shm.unpack(reply.result)
         if reply.error is not None:
             logger.error("worker failed while running %s: %s", what, reply.error.exc_type)
             logger.debug("worker traceback:\n%s", reply.error.traceback)
-        reply.result = shm.unpack(reply.result)
         return reply
 
     def _on_death(self, worker: _Worker, what: str) -> EngineDeadError:
-        """Handle a dead worker (caller holds `_call_lock`); returns the error to raise."""
+        """Handle a dead worker (caller holds `_call_lock`); returns the error to raise.
+
+        `what` names the call that was running ("" if the worker was idle). The first
+        caller for a given worker marks it dead and starts the replacement.
+        """
         if not worker.exited():  # EOF but still running: make sure it is gone
             worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
         exit_text = _describe_exit(worker.exitcode())
         worker.cleanup()
+        during = f"while running {what}" if what else "while idle"
+        thread = None
         with self._lock:
             closed = self._closed
-            if self._worker is worker:
+            first = self._worker is worker
+            if first:
                 self._worker = None
                 self._dead_reason = f"worker process {worker.pid} died ({exit_text})"
                 if self._restart_on_death and not closed:
-                    self._restart_thread = threading.Thread(
+                    thread = threading.Thread(
                         target=self._restart, name="diffbatch-worker-restart", daemon=True
                     )
-                    self._restart_thread.start()
+                    self._restart_thread = thread  # set before start: "restarting" from now
                 self._health.notify_all()
         if closed:
-            return EngineClosedError(f"the executor was shut down while running {what}")
-        logger.error("worker process %d died (%s) while running %s", worker.pid, exit_text, what)
-        return EngineDeadError(f"worker process died ({exit_text}) while running {what}")
+            return EngineClosedError(f"the executor was shut down {during}")
+        if first:
+            logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
+                         "; starting a replacement" if thread is not None else "")
+        if thread is not None:
+            thread.start()
+        return EngineDeadError(f"worker process died ({exit_text}) {during}")
 
     def _restart(self) -> None:
         """Background thread: start a replacement worker and make it the serving one."""
-        logger.warning("starting a replacement worker process")
         try:
             worker, ready = self._start_worker(replacement=True)
         except Exception as exc:
@@ -377,12 +382,8 @@ class MultiprocExecutor(Executor):
             worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
             worker.cleanup()
 
-    def _restarting(self) -> bool:
-        thread = self._restart_thread
-        return thread is not None and thread.is_alive()
-
     def _dead_message(self) -> str:
-        if self._restarting():
+        if self._restart_thread is not None:
             return f"{self._dead_reason}; a replacement worker is starting"
         return self._dead_reason
 

@@ -23,11 +23,14 @@ from diffbatch.config import EngineConfig
 from diffbatch.errors import EngineClosedError, EngineDeadError, ModelNotFoundError
 from diffbatch.executor.multiproc import MultiprocExecutor
 from diffbatch.ipc import shm
+from diffbatch.ipc.messages import WorkerCall, WorkerReady
+from diffbatch.ipc.shm import ShmTensorHandle
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
 from diffbatch.sched.output import SchedulerOutput
+from diffbatch.worker.worker import worker_main
 
 pytestmark = pytest.mark.slow
 
@@ -240,6 +243,10 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
             ex.check_health()
         assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, idle_pid)
         assert ex.execute_request(request("third")).ok
+
+        process = ex._worker.process
+        ex.shutdown()
+        assert process.exitcode == 0  # an idle worker exits on the shutdown call
     finally:
         ex.shutdown()
 
@@ -269,6 +276,33 @@ def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
         ex.check_health()
     with pytest.raises(EngineClosedError):
         ex.execute_request(request("late"))
+
+
+def test_worker_answers_calls_and_exits_when_the_pipe_closes():
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    process = ctx.Process(target=worker_main, args=(make_config(), child_conn, FAKE), daemon=True)
+    process.start()
+    child_conn.close()
+    try:
+        ready = conn.recv()
+        assert isinstance(ready, WorkerReady) and ready.ok and ready.pid == process.pid
+        conn.send(WorkerCall(1, "check_health"))
+        reply = conn.recv()
+        assert reply.call_id == 1 and reply.ok and reply.result is None
+        conn.send(WorkerCall(2, "no_such_method"))
+        reply = conn.recv()
+        assert reply.call_id == 2 and "unknown worker method" in reply.error.message
+        conn.send(WorkerCall(3, "execute_request", request("r")))
+        reply = conn.recv()
+        assert isinstance(reply.result.images, ShmTensorHandle)
+        shm.release(reply.result)
+        conn.close()  # as if the engine process died
+        process.join(DEADLINE_S)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
 
 
 def test_real_model_runner_on_tiny_sd_matches_inproc():
