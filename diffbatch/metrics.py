@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 OUTCOMES = ("completed", "error", "aborted", "rejected")
 _WAVE_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -18,11 +20,31 @@ _LATENCY_BUCKETS_S = (
 )
 
 
+class _WaitingByKey(Collector):
+    """`diffbatch_num_requests_waiting_by_key{key=...}`, read from the scheduler on scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self.read = read
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        family = GaugeMetricFamily(
+            "diffbatch_num_requests_waiting_by_key",
+            "Waiting requests per batch key (short form: WxH/steps/guidance/n[/lora]).",
+            labels=["key"],
+        )
+        for key, count in sorted(self.read().items()):
+            family.add_metric([key], count)
+        yield family
+
+
 class EngineMetrics:
     """The engine's gauges, histograms and counters."""
 
     def __init__(
-        self, num_waiting: Callable[[], int], num_running: Callable[[], int]
+        self,
+        num_waiting: Callable[[], int],
+        num_running: Callable[[], int],
+        waiting_by_key: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -39,8 +61,11 @@ class EngineMetrics:
             buckets=_WAVE_SIZE_BUCKETS, registry=r,
         )
         self.waves = Counter(
-            "diffbatch_waves", "Scheduler waves run, by why the wave stopped growing.",
-            ["close_reason"], registry=r,
+            "diffbatch_waves",
+            "Scheduler waves run, by why the wave stopped growing (close_reason: capacity, "
+            "key, queue_empty, group_empty, pixel_cap, starvation) and why the admission "
+            "wait before it ended (admission: capacity, stable, deadline, stopped, none).",
+            ["close_reason", "admission"], registry=r,
         )
         self.queue_time = Histogram(
             "diffbatch_request_queue_time_seconds", "Arrival to start of the request's wave.",
@@ -59,10 +84,15 @@ class EngineMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
+        if waiting_by_key is not None:
+            r.register(_WaitingByKey(waiting_by_key))
 
-    def observe_wave(self, size: int, close_reason: str, forward_s: float) -> None:
+    def observe_wave(
+        self, size: int, close_reason: str, admission: str, forward_s: float
+    ) -> None:
         self.wave_size.observe(size)
-        self.waves.labels(close_reason=close_reason or "unknown").inc()
+        self.waves.labels(close_reason=close_reason or "unknown",
+                          admission=admission or "none").inc()
         self.forward_time.observe(forward_s)
 
     def observe_finished(self, outcome: str, queue_s: float | None, e2e_s: float) -> None:

@@ -130,7 +130,10 @@ class Engine:
         self.core.start()
         if config.warmup:
             self._warmup()
-        self.metrics = EngineMetrics(lambda: self.core.num_waiting, lambda: self.core.num_running)
+        self.metrics = EngineMetrics(
+            lambda: self.core.num_waiting, lambda: self.core.num_running,
+            self.core.num_waiting_by_key,
+        )
         self.core.metrics = self.metrics
         logger.info(
             "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%d wait=%gms executor=%s",

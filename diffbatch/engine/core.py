@@ -113,6 +113,12 @@ class EngineCore:
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    def num_waiting_by_key(self) -> dict[str, int]:
+        """Waiting requests per key, keys in short form (for metrics)."""
+        with self.cond:
+            counts = self.scheduler.num_waiting_by_key()
+        return {key.short(): n for key, n in counts.items()}
+
     # -- the loop --------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
@@ -137,6 +143,7 @@ class EngineCore:
                 self.cond.wait()
             if self._stopped:
                 return False
+            self.last_admission_reason = ""
             if self.admission.should_wait(
                 supports_request_batch=self.supports_request_batch,
                 step_execution=self.config.step_execution,
@@ -190,9 +197,11 @@ class EngineCore:
         queue_wait_ms = max((wave_start - r.arrival_time) * 1000.0 for r in wave.requests)
         forward_ms = runner_output.forward_time_ms
         logger.info(
-            "wave %d: %d request(s) key=%s closed=%s max_queue_wait=%.1fms forward=%.1fms",
+            "wave %d: %d request(s) key=%s closed=%s admission=%s max_queue_wait=%.1fms "
+            "forward=%.1fms",
             wave.wave_id, wave.num_requests, wave.key.short() if wave.key else "-",
-            wave.close_reason, queue_wait_ms, forward_ms,
+            wave.close_reason, self.last_admission_reason or "none", queue_wait_ms, forward_ms,
         )
         if self.metrics is not None:
-            self.metrics.observe_wave(wave.num_requests, wave.close_reason, forward_ms / 1000.0)
+            self.metrics.observe_wave(wave.num_requests, wave.close_reason,
+                                      self.last_admission_reason, forward_ms / 1000.0)

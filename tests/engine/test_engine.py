@@ -92,8 +92,15 @@ def test_waves_fill_while_a_wave_runs(gate):
         assert gate.entered.wait(30)
         rest = [submit(engine, f"p{i}", f"r{i}") for i in range(1, 6)]
         assert engine.num_waiting == 5 and engine.num_running == 1
+        registry = engine.metrics.registry
+        depth = registry.get_sample_value("diffbatch_num_requests_waiting_by_key",
+                                          {"key": "16x16/s2/g5/n1"})
+        assert depth == 5
         gate.release.set()
         outs = [f.result(30) for f in [first, *rest]]
+        assert registry.get_sample_value(
+            "diffbatch_waves_total", {"close_reason": "capacity", "admission": "none"}) == 1
+        assert registry.get_sample_value("diffbatch_wave_size_requests_count") == 3
     assert [o.batch_size for o in outs] == [1, 4, 4, 4, 4, 1]
 
 
