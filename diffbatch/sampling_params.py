@@ -158,7 +158,9 @@ class SamplingParamsKey:
     width: int
     num_frames: int | None  # video-capable pipelines only; None for images
     num_inference_steps: int
-    guidance_scale: float
+    # None when the pipeline applies per-request guidance and CFG is on: then requests
+    # that differ only in guidance_scale share a wave.
+    guidance_scale: float | None
     cfg_enabled: bool  # whether classifier-free guidance doubles the batch
     sigmas: tuple[float, ...] | None
     timesteps: tuple[int, ...] | None
@@ -169,8 +171,14 @@ class SamplingParamsKey:
     extra: tuple[tuple[str, Any], ...]  # frozen, sorted model-specific kwargs
 
     @classmethod
-    def from_params(cls, params: SamplingParams, *, cfg_enabled: bool) -> SamplingParamsKey:
-        """Build the key of already-resolved params (height, width, steps, guidance set)."""
+    def from_params(
+        cls, params: SamplingParams, *, cfg_enabled: bool, per_request_guidance: bool = False
+    ) -> SamplingParamsKey:
+        """Build the key of already-resolved params (height, width, steps, guidance set).
+
+        With `per_request_guidance` (the pipeline applies each request's own scale) and
+        CFG on, the guidance scale is left out of the key.
+        """
         assert params.height is not None and params.width is not None
         assert params.num_inference_steps is not None and params.guidance_scale is not None
         extra = dict(params.extra)
@@ -180,7 +188,8 @@ class SamplingParamsKey:
             width=params.width,
             num_frames=num_frames,
             num_inference_steps=params.num_inference_steps,
-            guidance_scale=float(params.guidance_scale),
+            guidance_scale=None if per_request_guidance and cfg_enabled
+            else float(params.guidance_scale),
             cfg_enabled=cfg_enabled,
             sigmas=params.sigmas,
             timesteps=params.timesteps,
@@ -193,7 +202,8 @@ class SamplingParamsKey:
 
     def short(self) -> str:
         """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1`."""
-        text = f"{self.width}x{self.height}/s{self.num_inference_steps}/g{self.guidance_scale:g}"
+        guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
+        text = f"{self.width}x{self.height}/s{self.num_inference_steps}/g{guidance}"
         text += f"/n{self.num_outputs_per_prompt}"
         if self.lora is not None:
             text += f"/lora={self.lora}@{self.lora_scale:g}"

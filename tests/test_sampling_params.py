@@ -94,3 +94,18 @@ def test_invalid_params_fail_on_construction_naming_the_field(kwargs, param):
 def test_short_form_names_shape_steps_guidance():
     assert key().short() == "64x64/s4/g5/n1"
     assert "lora=/a@0.5" in key(lora="/a", lora_scale=0.5).short()
+
+
+def test_per_request_guidance_pipelines_share_keys_across_guidance_scales():
+    a = SamplingParams(height=64, width=64, num_inference_steps=4, guidance_scale=5.0)
+    b = a.clone(guidance_scale=7.5)
+    assert SamplingParamsKey.from_params(a, cfg_enabled=True, per_request_guidance=True) == \
+        SamplingParamsKey.from_params(b, cfg_enabled=True, per_request_guidance=True)
+    assert SamplingParamsKey.from_params(a, cfg_enabled=True) != \
+        SamplingParamsKey.from_params(b, cfg_enabled=True)
+    # CFG off vs on never share, even with per-request guidance
+    off = a.clone(guidance_scale=1.0)
+    assert SamplingParamsKey.from_params(off, cfg_enabled=False, per_request_guidance=True) != \
+        SamplingParamsKey.from_params(a, cfg_enabled=True, per_request_guidance=True)
+    assert SamplingParamsKey.from_params(a, cfg_enabled=True, per_request_guidance=True) \
+        .short() == "64x64/s4/g*/n1"

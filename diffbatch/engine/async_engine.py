@@ -214,7 +214,10 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         request = DiffusionRequest(request_id, prompt, resolved, priority=priority)
         cfg_enabled = self._cfg_enabled(resolved)
-        request.key = SamplingParamsKey.from_params(resolved, cfg_enabled=cfg_enabled)
+        request.key = SamplingParamsKey.from_params(
+            resolved, cfg_enabled=cfg_enabled,
+            per_request_guidance=self.info.supports_per_request_guidance,
+        )
         return request
 
     def _add(

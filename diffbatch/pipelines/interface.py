@@ -42,6 +42,9 @@ class PipelineInfo:
     # guidance_scale > this turns classifier-free guidance on; None: guidance is
     # embedded in the model (Flux) and never doubles the batch.
     cfg_threshold: float | None = 1.0
+    # forward() applies each request's own guidance_scale (a per-sample scale in the
+    # CFG combine), so requests that differ only in guidance_scale may share a wave.
+    supports_per_request_guidance: bool = False
 
 
 class BasePipeline(ABC):
