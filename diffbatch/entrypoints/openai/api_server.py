@@ -170,13 +170,16 @@ def run_server(args: argparse.Namespace) -> None:
         engine.close()
         raise
     logger.info("listening on http://%s:%d (docs at /docs)", args.host, args.port)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        engine.close()  # the lifespan closed it already unless uvicorn failed to start
 
 
 def served_name_of(engine: Engine, model: str | None) -> str:

@@ -1,0 +1,186 @@
+"""diffbatch on Ray Serve: many replicas, each with its own engine, behind one API.
+
+Two ways to start the same application (see docs/scaling.md):
+
+- `diffbatch serve MODEL --ray --num-replicas N [--ray-address ADDR]` with every
+  usual serve flag (`add_ray_args` adds the Ray flags, `run_ray_server` runs it);
+- Ray Serve's application builder convention, `build_app(args) -> Application`:
+
+      serve run diffbatch.entrypoints.ray_serve:build_app model=tiny-sd num_replicas=2
+
+  or in a Serve config file:
+
+      applications:
+        - name: diffbatch
+          route_prefix: /
+          import_path: diffbatch.entrypoints.ray_serve:build_app
+          args: {model: tiny-sd, num_replicas: 2, max_num_seqs: 4}
+
+Ray Serve is the distributed part: it places replicas on the cluster's nodes,
+routes each HTTP request to one replica, restarts replicas that die or fail their
+health check, and scales between the autoscaling bounds. Each replica batches its
+own share of the traffic. This module imports Ray only when called, so the plain
+install (without the `[ray]` extra) can still import the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from diffbatch.entrypoints.ray.args import RayServeArgs
+from diffbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_APP_NAME = "diffbatch"
+REPLICA_HEADER = "x-diffbatch-replica"  # also defined in ray/deployment.py (imports Ray)
+_INSTALL_HINT = "Ray Serve is not installed; install the extra: pip install 'diffbatch[ray]'"
+
+# `diffbatch serve` flags (argparse dests) that become `RayServeArgs` fields as is.
+_SERVE_FLAGS = (
+    "model", "max_num_seqs", "request_batch_max_wait_ms", "executor", "max_queue_size",
+    "lora_dir", "seed", "device", "dtype", "served_model_name", "api_key", "request_timeout",
+    "max_image_pixels",
+)
+_RAY_FLAGS = (
+    "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
+    "max_ongoing_requests", "num_cpus_per_replica", "num_gpus_per_replica",
+)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder: validate `args` and bind the deployment.
+
+    Args:
+        args: `RayServeArgs` fields by name (strings are converted), e.g.
+            `{"model": "tiny-sd", "num_replicas": "2", "max_num_seqs": "4"}`.
+
+    Returns:
+        The bound application, for `serve.run`, `serve run` or a Serve config file.
+    """
+    validated = args if isinstance(args, RayServeArgs) else RayServeArgs.from_dict(dict(args))
+    _require_ray()
+    from diffbatch.entrypoints.ray.deployment import build_deployment
+
+    return build_deployment(validated)
+
+
+def _require_ray() -> None:
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(_INSTALL_HINT) from exc
+
+
+# -- CLI ---------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    """Add the Ray Serve flags (`--ray`, `--num-replicas`, ...) to `diffbatch serve`."""
+    group = parser.add_argument_group(
+        "ray", "scale out on Ray Serve (needs the `[ray]` extra); every replica runs "
+        "its own engine with the engine flags above and batches its own share of traffic",
+    )
+    group.add_argument("--ray", action="store_true",
+                       help="serve on Ray Serve: many replicas behind one API")
+    group.add_argument(
+        "--ray-address", default=None, metavar="ADDR",
+        help="address of a running Ray cluster, e.g. 10.0.0.1:6379 or 'auto' "
+        "(default: $RAY_ADDRESS, else start a local cluster)",
+    )
+    group.add_argument("--num-replicas", type=_positive_int, default=1,
+                       help="replicas (engines); the initial count when autoscaling")
+    group.add_argument("--min-replicas", type=int, default=None,
+                       help="autoscaling lower bound (needs --max-replicas)")
+    group.add_argument("--max-replicas", type=_positive_int, default=None,
+                       help="autoscaling upper bound; setting it turns autoscaling on")
+    group.add_argument("--target-ongoing-requests", type=float, default=None,
+                       help="autoscaling target of requests per replica")
+    group.add_argument(
+        "--max-ongoing-requests", type=_positive_int, default=None,
+        help="most requests Ray routes to one replica at once; caps its wave size "
+        "(default: max(5, 2 * --max-num-seqs))",
+    )
+    group.add_argument("--num-cpus-per-replica", type=_non_negative_float, default=1.0,
+                       help="CPUs Ray reserves for each replica")
+    group.add_argument("--num-gpus-per-replica", type=_non_negative_float, default=0.0,
+                       help="GPUs Ray reserves for each replica (fractions allowed)")
+
+
+def args_from_namespace(args: argparse.Namespace) -> RayServeArgs:
+    """The `RayServeArgs` of a parsed `diffbatch serve --ray ...` command line."""
+    values = {name: getattr(args, name) for name in (*_SERVE_FLAGS, *_RAY_FLAGS)
+              if getattr(args, name, None) is not None}
+    return RayServeArgs.from_dict(values)
+
+
+def run_ray_server(args: argparse.Namespace) -> None:
+    """Deploy on Ray Serve from CLI `args` and serve until interrupted.
+
+    Connects to `--ray-address` (else `$RAY_ADDRESS`, else the cluster last started
+    on this machine, else a new local cluster), starts the Serve proxy on
+    `--host:--port`, deploys the replicas and waits until they are healthy, then
+    blocks until SIGINT or SIGTERM. On exit it deletes the application (each replica
+    closes its engine) and disconnects; a local cluster it started goes away with it.
+    """
+    ray_args = args_from_namespace(args)  # 1. Validate before touching Ray.
+    _require_ray()
+    import ray
+    from ray import serve
+
+    # 2. Connect (or start a local cluster), start the proxy, deploy.
+    ray.init(address=args.ray_address, logging_level=args.log_level.upper())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(ray_args), name=DEFAULT_APP_NAME, route_prefix="/")
+        logger.info(
+            "listening on http://%s:%d: %d replica(s) of %r on Ray Serve (docs at /docs)",
+            args.host, args.port, ray_args.num_replicas, ray_args.model,
+        )
+        # 3. Serve until interrupted.
+        _wait_for_signal()
+    finally:
+        logger.info("shutting down: deleting the Ray Serve application %r", DEFAULT_APP_NAME)
+        try:
+            serve.delete(DEFAULT_APP_NAME)
+        finally:
+            ray.shutdown()
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = ["DEFAULT_APP_NAME", "RayServeArgs", "add_ray_args", "build_app", "run_ray_server"]

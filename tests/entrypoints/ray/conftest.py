@@ -1,0 +1,108 @@
+"""Fixtures of the Ray Serve tests: one local Ray cluster on loopback for the session.
+
+`ray_cluster` starts Ray once (`ray.init(num_cpus=2, include_dashboard=False)`) and
+Serve's proxy on a free loopback port; every Ray test module deploys its own
+application on it, under its own route prefix, and deletes it afterwards. Teardown
+always runs `serve.shutdown()` and `ray.shutdown()`.
+
+`FileGatedPipeline` is the Ray twin of the in-process `GatedPipeline`: replicas are
+other processes, so the gate is a folder. A real wave writes
+`entered-<replica id>-<n>` there, then waits until a `release` file exists, so a
+test can act while a replica holds requests mid-wave (kill it, disconnect a client).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diffbatch.sched.output import DiffusionRequestBatch
+from tests.fake_pipelines import FakeBatchPipeline
+
+RAY_NUM_CPUS = 2
+GATE_WAIT_S = 60.0  # a forward never waits longer than this for `release`
+_REPO_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+class FileGatedPipeline(FakeBatchPipeline):
+    """Blocks each real wave until `<gate_dir>/release` exists; see the module doc.
+
+    Loaded by name in replicas: `pipeline_kwargs={"gate_dir": ...}` names the folder.
+    """
+
+    _waves = itertools.count()
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[Any]:
+        gate_dir = self.kwargs.get("gate_dir")
+        if gate_dir and batch.prompts != ["warm-up"]:
+            from ray import serve
+
+            replica_id = serve.get_replica_context().replica_tag
+            marker = Path(gate_dir, f"entered-{replica_id}-{next(self._waves)}")
+            marker.write_text(str(len(batch)))
+            release = Path(gate_dir, "release")
+            idle = threading.Event()
+            deadline = time.monotonic() + GATE_WAIT_S
+            while not release.exists() and time.monotonic() < deadline:
+                idle.wait(0.01)  # the replica's stand-in for a long forward
+        return super().forward(batch)
+
+
+@dataclass
+class RayCluster:
+    """The session's Ray cluster: where Serve's proxy listens."""
+
+    url: str  # http://127.0.0.1:<port>
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(cache_dir: str) -> Iterator[RayCluster]:
+    """A local Ray cluster and Serve proxy on loopback, shared by all Ray tests."""
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    # Replicas are Ray workers: they inherit this environment (offline hub, the
+    # session's model cache) and need the repository on their path for test pipelines.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p
+    )
+    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
+             configure_logging=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield RayCluster(url=f"http://127.0.0.1:{port}")
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 60.0,
+               what: str = "condition") -> None:
+    """Poll `predicate` every 50 ms until it holds; fail after `timeout_s`.
+
+    Bounds a check of state that changes in other processes (replicas, Serve's
+    controller); nothing asserts on how long it took.
+    """
+    idle = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        idle.wait(0.05)
