@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 from diffbatch.errors import EngineClosedError, EngineDeadError
 from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
-from diffbatch.ipc.messages import WorkerCall, WorkerError, WorkerMethod, WorkerReady, WorkerReply
+from diffbatch.ipc.messages import (
+    WorkerCall,
+    WorkerError,
+    WorkerMethod,
+    WorkerReady,
+    WorkerReply,
+    recv_message,
+    send_message,
+)
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
 from diffbatch.worker.worker import worker_main
 
@@ -78,10 +86,8 @@ class _Worker:
         ready = wait([self.conn, self.process.sentinel], timeout=timeout_s)
         message: Any = None
         if self.conn in ready:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                message = None
+            with contextlib.suppress(Exception):  # EOF (it died first) or an unpickling error
+                message = recv_message(self.conn)
         if isinstance(message, WorkerReady) and message.ok:
             return message
         self.stop(graceful=False, timeout_s=DEFAULT_SHUTDOWN_TIMEOUT_S)
@@ -90,17 +96,14 @@ class _Worker:
             logger.debug("worker %d load traceback:\n%s", self.pid, message.error.traceback)
             raise message.error.to_exception("worker failed to load the pipeline")
         if not ready:
-            raise RuntimeError(
-                f"worker process {self.pid} did not become ready within {timeout_s:.0f} s"
-            )
-        raise RuntimeError(
-            f"worker process {self.pid} exited during start-up "
-            f"({_describe_exit(self.exitcode())}); see its log above"
-        )
+            raise RuntimeError(f"worker process {self.pid} did not become ready within "
+                               f"{timeout_s:.0f} s")
+        raise RuntimeError(f"worker process {self.pid} exited during start-up "
+                           f"({_describe_exit(self.exitcode())}); see its log above")
 
     def send(self, call: WorkerCall) -> None:
         with self.send_lock:
-            self.conn.send(call)
+            send_message(self.conn, call)
 
     def exitcode(self) -> int | None:
         with self._proc_lock:
@@ -128,12 +131,9 @@ class _Worker:
         if self._cleaned:
             return
         self._cleaned = True
-        try:
+        with contextlib.suppress(Exception):  # EOF ends the drain; sweep() catches the rest
             while self.conn.poll(0):
-                message = self.conn.recv()
-                shm.release(getattr(message, "result", None))
-        except (EOFError, OSError):
-            pass
+                shm.release(getattr(recv_message(self.conn), "result", None))
         self.conn.close()
         shm.sweep(shm.segment_prefix(self.pid))
 
@@ -307,7 +307,7 @@ class MultiprocExecutor(Executor):
                 if worker.conn not in ready:
                     raise self._on_death(worker, what)
                 try:
-                    reply = worker.conn.recv()
+                    reply = recv_message(worker.conn)
                 except (EOFError, OSError):
                     raise self._on_death(worker, what) from None
                 except Exception as exc:  # a reply that does not unpickle here

@@ -11,10 +11,12 @@ Results are packed with `diffbatch.ipc.shm.pack` before they are sent, so a repl
 carries shared-memory handles instead of large tensors; the receiver unpacks (or
 releases) them. Errors cross as `WorkerError` (plain strings and a `RequestError`)
 rather than as pickled exceptions, which may not unpickle on the other side.
+Messages go through `send_message` / `recv_message`, never `Connection.send`.
 """
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +25,8 @@ from diffbatch import errors
 from diffbatch.outputs import RequestError
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from diffbatch.pipelines.interface import PipelineInfo
 
 WorkerMethod = Literal["execute_batch", "execute_request", "check_health", "shutdown"]
@@ -98,3 +102,22 @@ class WorkerReply:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+# NOTE: `Connection.send` pickles with multiprocessing's ForkingPickler, for which
+# `import torch` registers a tensor reducer that moves every tensor, however small,
+# into a fresh shared-memory file and passes its descriptor through a background
+# "resource sharer" thread. Plain pickle keeps small tensors inline as the design
+# says; large ones were already moved to shm by `shm.pack`.
+
+
+def send_message(conn: Connection, message: Any) -> None:
+    """Pickle `message` with plain pickle and send it. Pickling errors raise before
+    anything is written; a closed pipe raises OSError (BrokenPipeError)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_message(conn: Connection) -> Any:
+    """Receive one message; EOFError/OSError if the pipe closed, another exception if
+    the bytes do not unpickle here (the stream stays in sync either way)."""
+    return pickle.loads(conn.recv_bytes())

@@ -24,7 +24,15 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.ipc import shm
-from diffbatch.ipc.messages import WORKER_METHODS, WorkerCall, WorkerError, WorkerReady, WorkerReply
+from diffbatch.ipc.messages import (
+    WORKER_METHODS,
+    WorkerCall,
+    WorkerError,
+    WorkerReady,
+    WorkerReply,
+    recv_message,
+    send_message,
+)
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -84,7 +92,7 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int) -> None:
     """The call loop; returns on a shutdown call or a closed pipe."""
     while True:
         try:
-            call = conn.recv()
+            call = recv_message(conn)
         except (EOFError, OSError):
             logger.info("worker %d: pipe closed, the engine process is gone", os.getpid())
             return
@@ -138,7 +146,7 @@ def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
     Returns False if the engine process is gone (the segments are released then).
     """
     try:
-        conn.send(reply)
+        send_message(conn, reply)
     except (BrokenPipeError, EOFError, OSError):
         shm.release(reply.result)  # nobody will read these segments
         logger.info("worker %d: pipe closed while replying, the engine process is gone",
@@ -156,7 +164,7 @@ def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
 def _send_quietly(conn: Connection, message: Any) -> bool:
     """Send `message`; False (instead of raising) if the engine process is gone."""
     try:
-        conn.send(message)
+        send_message(conn, message)
     except (BrokenPipeError, EOFError, OSError):
         logger.info("worker %d: pipe closed while sending, the engine process is gone",
                     os.getpid())

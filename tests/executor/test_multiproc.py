@@ -23,7 +23,7 @@ from diffbatch.config import EngineConfig
 from diffbatch.errors import EngineClosedError, EngineDeadError, ModelNotFoundError
 from diffbatch.executor.multiproc import MultiprocExecutor
 from diffbatch.ipc import shm
-from diffbatch.ipc.messages import WorkerCall, WorkerReady
+from diffbatch.ipc.messages import WorkerCall, WorkerReady, recv_message, send_message
 from diffbatch.ipc.shm import ShmTensorHandle
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
 from diffbatch.pipelines.interface import PipelineInfo
@@ -285,16 +285,16 @@ def test_worker_answers_calls_and_exits_when_the_pipe_closes():
     process.start()
     child_conn.close()
     try:
-        ready = conn.recv()
+        ready = recv_message(conn)
         assert isinstance(ready, WorkerReady) and ready.ok and ready.pid == process.pid
-        conn.send(WorkerCall(1, "check_health"))
-        reply = conn.recv()
+        send_message(conn, WorkerCall(1, "check_health"))
+        reply = recv_message(conn)
         assert reply.call_id == 1 and reply.ok and reply.result is None
-        conn.send(WorkerCall(2, "no_such_method"))
-        reply = conn.recv()
+        send_message(conn, WorkerCall(2, "no_such_method"))
+        reply = recv_message(conn)
         assert reply.call_id == 2 and "unknown worker method" in reply.error.message
-        conn.send(WorkerCall(3, "execute_request", request("r")))
-        reply = conn.recv()
+        send_message(conn, WorkerCall(3, "execute_request", request("r")))
+        reply = recv_message(conn)
         assert isinstance(reply.result.images, ShmTensorHandle)
         shm.release(reply.result)
         conn.close()  # as if the engine process died

@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections import namedtuple
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from diffbatch.ipc import shm
+from diffbatch.ipc.messages import recv_message, send_message
 from diffbatch.ipc.shm import ShmTensorHandle
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
 
@@ -184,28 +186,55 @@ def test_sweep_only_touches_the_given_prefix():
     assert not segment_exists(packed)
 
 
+def test_messages_keep_small_tensors_inline_in_the_pickle():
+    # Connection.send would hand every tensor to torch's fd-sharing reducer (a fresh
+    # shm file plus a "resource sharer" thread); send_message pickles plainly.
+    small = torch.arange(16, dtype=torch.float16)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    threads_before = {t.name for t in threading.enumerate()}
+    send_message(writer, {"images": small})
+    got = recv_message(reader)["images"]
+    assert torch.equal(got, small) and got.dtype == torch.float16
+    assert {t.name for t in threading.enumerate()} == threads_before
+    reader.close()
+    writer.close()
+
+
 # --- across processes --------------------------------------------------------------
 # A spawned child packs; this (or a helper) process unpacks, releases or sweeps. Run
 # in a fresh interpreter so the resource tracker's exit-time warnings can be captured.
 
 
-def _child_pack(conn, mode: str) -> None:
-    tensors = {"bf16": torch.arange(600_000, dtype=torch.float32).to(torch.bfloat16),
-               "image": torch.arange(3 * 64 * 64, dtype=torch.float32).reshape(1, 3, 64, 64)}
-    conn.send((os.getpid(), shm.pack(tensors, threshold_bytes=1024)))
-    if mode == "die":
-        os._exit(3)  # as if the worker died after packing: nobody reads the reply
-    conn.recv()  # wait until the parent is done
+def _sample() -> dict[str, torch.Tensor]:
+    return {"bf16": torch.arange(600_000, dtype=torch.float32).to(torch.bfloat16),
+            "image": torch.arange(3 * 64 * 64, dtype=torch.float32).reshape(1, 3, 64, 64)}
+
+
+def _child_pack(conn) -> None:
+    """Pack three results (to be unpacked, released, and never read), then die."""
+    for mode in ("unpack", "release", "die"):
+        send_message(conn, (mode, os.getpid(), shm.pack(_sample(), threshold_bytes=1024)))
+    recv_message(conn)
+    os._exit(3)  # as if the worker died with the third reply unread
 
 
 def _independent_producer() -> None:
     """Pack in a separate interpreter (its own resource tracker) and exit at once."""
-    packed = shm.pack({"image": torch.arange(1000.0), "ids": torch.arange(300)}, 1024)
-    print(pickle.dumps(packed).hex())
+    print(pickle.dumps(shm.pack(_sample(), threshold_bytes=1024)).hex())
+
+
+def _report(packed, ok: bool, existed: bool) -> dict:
+    found = shm.handles(packed)
+    left = [h.name for h in found if (SHM_DIR / h.name).exists()]
+    return {"handles": len(found), "existed": existed, "ok": ok, "left": left}
+
+
+def _matches_sample(out) -> bool:
+    want = _sample()
+    return all(torch.equal(out[k], want[k]) and out[k].dtype == want[k].dtype for k in want)
 
 
 def _cross_process_main() -> None:
-    ctx = multiprocessing.get_context("spawn")
     report = {}
     # A producer whose resource tracker is not ours and that exits before we read:
     # its tracker must not unlink (or warn about) the segments it handed over.
@@ -216,34 +245,26 @@ def _cross_process_main() -> None:
     )
     sys.stderr.write(proc.stderr)
     packed = pickle.loads(bytes.fromhex(proc.stdout.strip().splitlines()[-1]))
-    found = shm.handles(packed)
-    existed = all((SHM_DIR / h.name).exists() for h in found)
-    out = shm.unpack(packed)
-    ok = bool(torch.equal(out["image"], torch.arange(1000.0)) and
-              torch.equal(out["ids"], torch.arange(300)))
-    left = [h.name for h in found if (SHM_DIR / h.name).exists()]
-    report["exited"] = {"handles": len(found), "existed": existed, "ok": ok, "left": left}
-    for mode in ("unpack", "release", "die"):
-        parent_conn, child_conn = ctx.Pipe()
-        child = ctx.Process(target=_child_pack, args=(child_conn, mode), daemon=True)
-        child.start()
-        pid, packed = parent_conn.recv()
-        found = shm.handles(packed)
-        existed = all((SHM_DIR / h.name).exists() for h in found)
+    existed = all((SHM_DIR / h.name).exists() for h in shm.handles(packed))
+    report["exited"] = _report(packed, _matches_sample(shm.unpack(packed)), existed)
+
+    # A spawned child (sharing our resource tracker, like the worker).
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_child_pack, args=(child_conn,), daemon=True)
+    child.start()
+    for _ in range(3):
+        mode, pid, packed = recv_message(parent_conn)
+        existed = all((SHM_DIR / h.name).exists() for h in shm.handles(packed))
         if mode == "unpack":
-            out = shm.unpack(packed)
-            ok = bool(torch.equal(out["bf16"], torch.arange(600_000).to(torch.bfloat16))
-                      and torch.equal(out["image"].reshape(-1), torch.arange(3 * 64 * 64.0)))
+            ok = _matches_sample(shm.unpack(packed))
         elif mode == "release":
             ok = shm.release(packed) == 2
         else:
+            send_message(parent_conn, "go")
             child.join()
             ok = child.exitcode == 3 and shm.sweep(shm.segment_prefix(pid)) == 2
-        if mode != "die":
-            parent_conn.send("done")
-        child.join()
-        left = [p.name for p in SHM_DIR.iterdir() if p.name.startswith(shm.segment_prefix(pid))]
-        report[mode] = {"handles": len(found), "existed": existed, "ok": ok, "left": left}
+        report[mode] = _report(packed, ok, existed)
     print(json.dumps(report))
 
 
@@ -256,6 +277,7 @@ def test_cross_process_round_trip_release_and_sweep_leave_nothing():
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(report) == ["die", "exited", "release", "unpack"]
     for mode, result in report.items():
         assert result == {"handles": 2, "existed": True, "ok": True, "left": []}, mode
     # The resource tracker complains at exit about segments it thinks leaked, and
