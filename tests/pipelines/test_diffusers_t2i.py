@@ -14,7 +14,6 @@ from diffbatch.pipelines.diffusers_t2i import (
     resolve_dtype,
 )
 from diffbatch.pipelines.registry import resolve_model_path
-from diffbatch.pipelines.tiny import make_tiny_lora
 from tests.pipelines.conftest import SIZE, TINY_NAMES, TOLERANCE, make_batch, make_request
 
 PROMPTS = [("a red cat", None), ("a blue dog", "blurry"), ("a green tree photo", "ugly bad")]
@@ -149,9 +148,8 @@ def test_mixed_keys_are_refused(load_tiny) -> None:
         pipeline.forward(make_batch([a, b]))
 
 
-def test_lora_changes_images_and_disabling_restores_them(load_tiny, tmp_path: Path) -> None:
-    pipeline = load_tiny("tiny-sd")
-    lora = make_tiny_lora(resolve_model_path("tiny-sd"), tmp_path / "lora")
+def test_lora_changes_images_and_disabling_restores_them(load_tiny, tiny_lora: str) -> None:
+    pipeline, lora = load_tiny("tiny-sd"), tiny_lora
     requests = _wave(pipeline, "tiny-sd")[:2]
     base = pipeline.forward(make_batch(requests))
     pipeline.load_lora("tiny_lora", lora)
@@ -172,11 +170,10 @@ def test_lora_changes_images_and_disabling_restores_them(load_tiny, tmp_path: Pa
     assert _max_diff(half[1].images, alone[0].images) <= TOLERANCE
 
 
-def test_lora_errors(load_tiny, tmp_path: Path) -> None:
-    sd = load_tiny("tiny-sd")
+def test_lora_errors(load_tiny, tiny_lora: str, tmp_path: Path) -> None:
+    sd, lora = load_tiny("tiny-sd"), tiny_lora
     with pytest.raises(ModelNotFoundError, match="not loaded"):
         sd.set_lora("never_loaded", 1.0)
-    lora = make_tiny_lora(resolve_model_path("tiny-sd"), tmp_path / "lora")
     sd.load_lora("errors_lora", lora)
     sd.set_lora(None, 1.0)
     with pytest.raises(ValueError, match="already loaded"):
