@@ -49,7 +49,14 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "black": (0, 0, 0),
 }
 SHAPE_COLOURS: tuple[str, ...] = (
-    "red", "orange", "yellow", "green", "cyan", "blue", "purple", "pink",
+    "red",
+    "orange",
+    "yellow",
+    "green",
+    "cyan",
+    "blue",
+    "purple",
+    "pink",
 )
 BACKGROUNDS: tuple[str, ...] = ("white", "gray", "black")
 SIZES: tuple[str, ...] = ("small", "large")
@@ -218,7 +225,7 @@ def parse_caption(caption: str) -> dict[str, str | None]:
     m = re.search(r"\b(\w+) background\b", text)
     if m and m.group(1) in COLOURS:
         out["background"] = m.group(1)
-        text = text[: m.start()] + text[m.end():]
+        text = text[: m.start()] + text[m.end() :]
     words = text.split()
     for w in words:
         if w in SHAPES and out["shape"] is None:
@@ -360,8 +367,14 @@ def judge(image: Any) -> dict[str, Any]:
     area = int(region.sum())
     scale = (arr.shape[0] * arr.shape[1]) / (IMAGE_SIZE * IMAGE_SIZE)
     if area < MIN_BLOB_PIXELS * scale:
-        return {"background": background, "colour": "none", "shape": "none", "fill": 0.0,
-                "area": area, "center": None}
+        return {
+            "background": background,
+            "colour": "none",
+            "shape": "none",
+            "fill": 0.0,
+            "area": area,
+            "center": None,
+        }
     colour = _nearest(np.median(arr[region], axis=0), list(COLOURS))
     ys, xs = np.nonzero(region)
     bbox = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
@@ -373,8 +386,14 @@ def judge(image: Any) -> dict[str, Any]:
     else:
         shape = "circle"
     center = (float(xs.mean()), float(ys.mean()))
-    return {"background": background, "colour": colour, "shape": shape, "fill": fill,
-            "area": area, "center": center}
+    return {
+        "background": background,
+        "colour": colour,
+        "shape": shape,
+        "fill": fill,
+        "area": area,
+        "center": center,
+    }
 
 
 def judge_colour(image: Any) -> str:
