@@ -153,10 +153,12 @@ def run_ray_server(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
+    from diffbatch.entrypoints.ray.proxy import serve_start_options
+
     # 2. Connect (or start a local cluster), start the proxy, deploy.
     ray.init(address=args.ray_address, logging_level=args.log_level.upper())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(**serve_start_options(args.host, args.port))
         serve.run(build_app(ray_args), name=DEFAULT_APP_NAME, route_prefix="/")
         logger.info(
             "listening on http://%s:%d: %d replica(s) of %r on Ray Serve (docs at /docs)",

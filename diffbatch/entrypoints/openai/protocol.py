@@ -83,7 +83,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         response_format: Only "b64_json"; "url" is rejected (this server hosts no files).
         output_format: Image encoding: "png" (default), "jpeg" or "webp".
         output_compression: Quality 0-100 of jpeg/webp (100 = best, the default).
-        user: End-user id; accepted and only logged at DEBUG.
+        user: End-user id; accepted and ignored.
         negative_prompt: Extension: what the image should not show.
         num_inference_steps: Extension: denoising steps (None = the model's default).
         guidance_scale: Extension: classifier-free guidance scale (None = default).

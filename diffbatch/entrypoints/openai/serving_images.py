@@ -212,6 +212,7 @@ class OpenAIServingImages:
             "x-request-id": request_id,
             "x-diffbatch-queue-ms": f"{output.queue_time_ms:.2f}",
             "x-diffbatch-execute-ms": f"{output.execute_time_ms:.2f}",
+            "x-diffbatch-engine-ms": f"{output.total_time_ms:.2f}",  # arrival -> delivered
             "x-diffbatch-encode-ms": f"{encode_s * 1e3:.2f}",
             "x-diffbatch-batch-size": str(output.batch_size),
         }

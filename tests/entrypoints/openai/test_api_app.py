@@ -89,6 +89,8 @@ async def test_generates_each_output_format(client, fmt: str, pil_format: str) -
         assert (image.format, image.size) == (pil_format, (16, 8))
     assert response.headers["x-request-id"] == "my-id"
     assert int(response.headers["x-diffbatch-batch-size"]) >= 1
+    for timing in ("queue", "execute", "engine", "encode"):
+        assert float(response.headers[f"x-diffbatch-{timing}-ms"]) >= 0
 
 
 async def test_default_size_and_equal_seeds_give_equal_images(client) -> None:

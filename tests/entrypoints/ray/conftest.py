@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from diffbatch.entrypoints.ray.proxy import serve_start_options
 from diffbatch.sched.output import DiffusionRequestBatch
 from tests.fake_pipelines import FakeBatchPipeline
 
@@ -84,7 +85,7 @@ def ray_cluster(cache_dir: str) -> Iterator[RayCluster]:
              configure_logging=False)
     try:
         port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(**serve_start_options("127.0.0.1", port))
         yield RayCluster(url=f"http://127.0.0.1:{port}")
     finally:
         try:

@@ -1,0 +1,98 @@
+"""Middleware for Ray Serve's HTTP proxy: a clear error when a replica fails mid-request.
+
+When the replica that holds a request dies (killed, out of memory, node lost),
+Ray Serve's proxy ends the request without an answer and its HTTP server fills in a
+bare `500 Internal Server Error` in plain text. `ReplicaFailureMiddleware` answers
+such requests instead with diffbatch's OpenAI-shaped error, as `diffbatch serve`
+does when its worker process dies:
+
+    503 {"error": {"message": "the replica serving this request failed ...",
+                   "type": "engine_unavailable", "code": "replica_failed"}}
+
+Ray Serve loads proxy middleware from the import path in the proxy's environment
+variable `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`; `serve_start_options()` sets it
+through the Serve controller's environment, which the proxies inherit. Only answers
+the proxy left empty are touched, so it is safe for other applications on the same
+cluster, and a client that went away gets nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from starlette.middleware import Middleware
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "diffbatch.entrypoints.ray.proxy:proxy_middlewares"
+REPLICA_FAILED_MESSAGE = (
+    "the replica serving this request failed before it answered (it died or was "
+    "stopped); Ray Serve replaces failed replicas, so the request can be retried"
+)
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """The proxy callback Ray Serve calls (see the module docstring)."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(ReplicaFailureMiddleware)]
+
+
+def serve_start_options(host: str, port: int) -> dict[str, Any]:
+    """Keyword arguments of `serve.start` for diffbatch: the proxy on `host:port`,
+    with `ReplicaFailureMiddleware` installed in every proxy.
+
+    Like all of `serve.start`'s options they apply when Serve first starts on a
+    cluster; a Serve instance already running keeps its own.
+    """
+    return {
+        "http_options": {"host": host, "port": port},
+        "controller_options": {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK}}},
+    }
+
+
+class ReplicaFailureMiddleware:
+    """Answer 503 in the OpenAI error shape where the proxy would send a bare 500."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+        disconnected = False
+
+        async def watch_receive() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
+
+        async def watch_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        open("/tmp/rayexp/mw.log", "a").write(f"call {scope['path']}\n")
+        try:
+            await self.app(scope, watch_receive, watch_send)
+            open("/tmp/rayexp/mw.log", "a").write(f"ret {started} {disconnected}\n")
+        except BaseException as e:
+            open("/tmp/rayexp/mw.log", "a").write(f"exc {e!r} {started} {disconnected}\n")
+            if started:
+                raise
+            logger.warning("request to %s failed in the proxy", scope.get("path"), exc_info=True)
+        if started or disconnected:
+            return
+        from diffbatch.entrypoints.openai.errors import error_response
+
+        response = error_response(
+            503, REPLICA_FAILED_MESSAGE, type="engine_unavailable", code="replica_failed"
+        )
+        await response(scope, receive, send)
