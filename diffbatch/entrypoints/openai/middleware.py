@@ -11,7 +11,8 @@ can refuse from headers and size alone, in this order:
 2. content type of a `/v1` POST that is not JSON -> 415;
 3. body over `max_body_bytes` (by `Content-Length`, or counted while reading) -> 413.
 
-`HTTPMetricsMiddleware` counts every answer by route and status and times it.
+`HTTPMetricsMiddleware` counts every answer by route and status, times it, and
+logs each failed answer in one DEBUG line (method, path, status, duration).
 """
 
 from __future__ import annotations
@@ -210,6 +211,10 @@ class HTTPMetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
+            if status >= 400 or not status:
+                # Successful image requests get their one DEBUG line from serving_images.
+                logger.debug("%s %s -> %s in %.1f ms", scope["method"], scope["path"],
+                             status or "no answer", (time.perf_counter() - start) * 1e3)
             label = str(status) if status else "disconnected"
             self.metrics.requests.labels(route, scope["method"], label).inc()
             if status == CLIENT_CLOSED_STATUS:

@@ -191,8 +191,7 @@ class OpenAIServingImages:
                 f"{self.request_timeout_s:g} s and was aborted; retry later or ask for "
                 "fewer or smaller images"
             ) from None
-        if output.error is not None:
-            logger.debug("request %s failed: %s", request_id, output.error.message)
+        if output.error is not None:  # logged by the metrics middleware with its status
             return request_error_response(output.error)
         # 4. Encode off the event loop.
         encode_start = time.perf_counter()
