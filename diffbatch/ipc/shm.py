@@ -9,33 +9,39 @@ copies each tensor out and unlinks its segment.
 
 Segment lifetime, the contract this file keeps:
 
-- the producer creates a segment, fills it, closes its mapping and forgets it;
+- the producer creates a segment, writes it, closes its descriptor and forgets it;
 - the consumer owns it from then on: `unpack()` (success) or `release()` (a reply
   that is dropped unread: abort, error, shutdown) unlinks it;
 - a segment whose reply never arrives (the worker died after packing) is found by
   its name, `diffbatch_<producer pid>_<random>`, and removed by `sweep()`, which the
   executor runs when its worker dies or shuts down.
 
-NOTE: on Python < 3.13 `SharedMemory` registers every segment it creates or attaches
-with multiprocessing's resource tracker, which unlinks whatever is still registered
-when the tracker's processes are gone and prints "leaked shared_memory" warnings.
-The producer therefore unregisters right after creating (ownership moves to the
-consumer); the consumer's attach/unlink pair registers and unregisters in balance.
-On 3.13+ the producer passes `track=False` instead.
+NOTE: segments are written with `pwrite` and read with `preadv` on the segment's file
+descriptor, not through `multiprocessing.shared_memory.SharedMemory` mappings:
+- it is ~3x faster for image-sized tensors: a fresh mapping page-faults on every
+  4 KiB page in both processes, while one syscall copies straight in or out;
+- a full /dev/shm (Docker's default is 64 MiB) fails the write with ENOSPC, and the
+  tensor stays inline, where writing through a mapping would kill the worker with
+  SIGBUS;
+- `SharedMemory` registers segments with multiprocessing's resource tracker, which
+  unlinks them when the *producer's* processes exit (the consumer may not have read
+  them yet) and prints "leaked shared_memory" warnings; plain `shm_open` does not,
+  since the consumer owns unlinking.
+`_posixshmem` is the C module behind `SharedMemory`. Reading and writing a shm
+descriptor is Linux behaviour (macOS shm objects only map), like the engine's target.
 """
 
 from __future__ import annotations
 
+import _posixshmem
 import copy
 import dataclasses
+import errno
 import logging
 import os
 import secrets
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Literal
 
 import numpy as np
@@ -47,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "diffbatch_"  # every segment name starts with this
 _SHM_DIR = "/dev/shm"  # where Linux shows POSIX segments (used by `sweep` only)
+_FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)  # no room: keep the tensor inline
+_warned_full = False
 
 
 @dataclass(frozen=True)
@@ -134,41 +142,52 @@ def handles(obj: Any) -> list[ShmTensorHandle]:
 # ---------------------------------------------------------------------------
 
 
-def _create_segment(nbytes: int) -> SharedMemory:
-    """Create a fresh segment that the resource tracker does not own (see module NOTE)."""
+def _write_segment(data: np.ndarray) -> str:
+    """Create a fresh segment holding the bytes of `data` ([nbytes] uint8); its name."""
     name = f"{segment_prefix()}{secrets.token_hex(6)}"
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name=name, create=True, size=nbytes, track=False)
-    segment = SharedMemory(name=name, create=True, size=nbytes)
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    return segment
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, data.nbytes)
+        view, done = memoryview(data), 0
+        while done < data.nbytes:
+            done += os.pwrite(fd, view[done:], done)
+    except BaseException:
+        _posixshmem.shm_unlink("/" + name)
+        raise
+    finally:
+        os.close(fd)
+    return name
 
 
 def _to_shm(value: Any, threshold_bytes: int, created: list[ShmTensorHandle]) -> Any:
     """Move one tensor or array above the threshold into a segment; leave anything else."""
+    global _warned_full
     if isinstance(value, torch.Tensor) and value.layout == torch.strided:
         nbytes = value.numel() * value.element_size()
         if nbytes <= threshold_bytes:
             return value
         src = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        src_bytes = src.reshape(-1).view(torch.uint8)  # [nbytes]
+        data = src.reshape(-1).view(torch.uint8).numpy()  # [nbytes], shares src's memory
         kind, dtype = "torch", str(value.dtype)
     elif type(value) is np.ndarray and not value.dtype.hasobject:
         nbytes = value.nbytes
         if nbytes <= threshold_bytes:
             return value
-        src_bytes = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+        data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
         kind, dtype = "numpy", value.dtype.str
     else:
         return value
-    segment = _create_segment(nbytes)
     try:
-        dst = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
-        dst.copy_(src_bytes)
-        del dst  # drop the buffer export before close()
-    finally:
-        segment.close()
-    handle = ShmTensorHandle(segment.name, tuple(value.shape), dtype, nbytes, kind)
+        name = _write_segment(data)
+    except OSError as exc:
+        if exc.errno not in _FULL_ERRNOS:
+            raise
+        if not _warned_full:
+            _warned_full = True
+            logger.warning("shared memory is full (%s); sending tensors of %d+ bytes inline "
+                           "(slower); give the container a larger /dev/shm", exc, nbytes)
+        return value
+    handle = ShmTensorHandle(name, tuple(value.shape), dtype, nbytes, kind)
     created.append(handle)
     return handle
 
@@ -194,16 +213,26 @@ def pack(obj: Any, threshold_bytes: int = DEFAULT_SHM_THRESHOLD_BYTES) -> Any:
 
 def _from_shm(handle: ShmTensorHandle) -> torch.Tensor | np.ndarray:
     """Copy one tensor out of its segment, then unlink the segment."""
-    segment = SharedMemory(name=handle.name)
-    try:
-        data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=handle.nbytes).clone()
-    finally:
-        segment.close()
-        segment.unlink()
     if handle.kind == "numpy":
-        return data.numpy().view(np.dtype(handle.dtype)).reshape(handle.shape)
-    dtype = getattr(torch, handle.dtype.removeprefix("torch."))
-    return data.view(dtype).reshape(handle.shape)
+        out: Any = np.empty(handle.nbytes, dtype=np.uint8)
+        view = memoryview(out)
+    else:
+        out = torch.empty(handle.nbytes, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+    fd = _posixshmem.shm_open("/" + handle.name, os.O_RDONLY, 0o600)
+    try:
+        done = 0
+        while done < handle.nbytes:
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:
+                raise OSError(errno.EIO, f"shared memory segment {handle.name} is truncated")
+            done += got
+    finally:
+        os.close(fd)
+        _unlink(handle.name)
+    if handle.kind == "numpy":
+        return out.view(np.dtype(handle.dtype)).reshape(handle.shape)
+    return out.view(getattr(torch, handle.dtype.removeprefix("torch."))).reshape(handle.shape)
 
 
 def unpack(obj: Any) -> Any:
@@ -223,12 +252,7 @@ def unpack(obj: Any) -> Any:
 def _unlink(name: str) -> bool:
     """Unlink one segment by name; False if it is already gone."""
     try:
-        segment = SharedMemory(name=name)
-    except FileNotFoundError:
-        return False
-    segment.close()
-    try:
-        segment.unlink()
+        _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
         return False
     return True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import multiprocessing
 import os
 import pickle
@@ -184,6 +186,20 @@ def test_sweep_only_touches_the_given_prefix():
     assert segment_exists(packed)
     assert shm.sweep(shm.segment_prefix()) == 1
     assert not segment_exists(packed)
+
+
+def test_full_shared_memory_keeps_the_tensor_inline(monkeypatch, caplog):
+    def no_space(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "pwrite", no_space)
+    monkeypatch.setattr(shm, "_warned_full", False)
+    tensor = torch.rand(1000)
+    with caplog.at_level(logging.WARNING, logger=shm.__name__):
+        packed = shm.pack({"images": tensor}, threshold_bytes=0)
+    assert packed["images"] is tensor  # sent inline (pickled) instead of failing
+    assert "shared memory is full" in caplog.text
+    # (the autouse fixture checks that the half-made segment was unlinked)
 
 
 def test_messages_keep_small_tensors_inline_in_the_pickle():
