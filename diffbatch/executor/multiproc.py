@@ -68,8 +68,9 @@ class _Worker:
 
     def __init__(self, ctx: Any, config: EngineConfig, runner_factory: str | None) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker_main, args=(config, child_conn, runner_factory),
-                                   name="diffbatch-worker", daemon=True)
+        log_level = logging.getLogger("diffbatch").getEffectiveLevel()
+        self.process = ctx.Process(target=worker_main, name="diffbatch-worker", daemon=True,
+                                   args=(config, child_conn, runner_factory, log_level))
         self.process.start()
         child_conn.close()  # so a dead worker reads as EOF here
         self.pid: int = self.process.pid

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_RUNNER_FACTORY = "diffbatch.worker.model_runner:ModelRunner"
+_LOG_FORMAT = "%(asctime)s %(levelname)s [worker %(process)d] %(name)s: %(message)s"
 
 
 def resolve_runner_factory(name: str) -> Any:
@@ -52,15 +53,23 @@ def resolve_runner_factory(name: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def worker_main(config: EngineConfig, conn: Connection, runner_factory: str | None = None) -> None:
+def worker_main(
+    config: EngineConfig,
+    conn: Connection,
+    runner_factory: str | None = None,
+    log_level: int | None = None,
+) -> None:
     """Run the worker: load, report ready, serve calls until shutdown or pipe close.
 
     `runner_factory` names a callable `factory(config)` returning a runner (default:
-    `ModelRunner`); tests pass a fake here.
+    `ModelRunner`); tests pass a fake here. `log_level` is the engine process's
+    diffbatch log level; a spawned process starts with logging unconfigured.
     """
     # NOTE: Ctrl-C in a terminal reaches the whole process group; the engine process
     # decides when the worker stops, so the worker ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_level is not None and not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     start = time.monotonic()
     try:
         runner = _load_runner(config, runner_factory or DEFAULT_RUNNER_FACTORY)
