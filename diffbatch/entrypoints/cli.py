@@ -121,6 +121,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--lora-dir", type=_directory, default=None,
         help="folder LoRA adapter names resolve in (default: LoRA off over HTTP)",
     )
+    engine.add_argument(
+        "--scheduling-policy", choices=("fifo", "grouped"), default="fifo",
+        help="fifo: waves from the queue head, an incompatible head blocks (the seed's "
+        "policy); grouped: waves from the best compatible group, by priority and age",
+    )
+    engine.add_argument(
+        "--max-head-wait-ms", type=_float_check(0.0, strict=False), default=2000.0,
+        help="grouped: once the oldest request waited this long, its group goes next",
+    )
+    engine.add_argument(
+        "--max-wave-pixels", type=_int_at_least(1), default=None,
+        help="grouped: most output pixels (B*n*H*W) in one wave (default: no cap)",
+    )
+    engine.add_argument(
+        "--batch-error-isolation", choices=("bisect", "none"), default="bisect",
+        help="bisect: re-run a failing wave in halves so only failing requests get an "
+        "error; none: a failing forward fails its whole wave",
+    )
     engine.add_argument("--seed", type=_int_at_least(0), default=None,
                         help="seed of the engine's random source for unseeded requests")
     engine.add_argument("--device", default=None, help="torch device (default: auto)")

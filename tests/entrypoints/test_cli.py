@@ -121,3 +121,17 @@ def test_main_reports_a_start_up_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(api_server, "run_server", failing_run_server)
     assert cli.main(["serve", "nope", "--log-level", "critical"]) == 1
+
+
+def test_scheduling_flags() -> None:
+    args = parse("serve")
+    assert (args.scheduling_policy, args.max_head_wait_ms, args.max_wave_pixels,
+            args.batch_error_isolation) == ("fifo", 2000.0, None, "bisect")
+    args = parse("serve", "--scheduling-policy", "grouped", "--max-head-wait-ms", "250",
+                 "--max-wave-pixels", "65536", "--batch-error-isolation", "none")
+    assert (args.scheduling_policy, args.max_head_wait_ms, args.max_wave_pixels,
+            args.batch_error_isolation) == ("grouped", 250.0, 65536, "none")
+    for bad in (["--scheduling-policy", "lifo"], ["--max-wave-pixels", "0"],
+                ["--max-head-wait-ms", "-1"], ["--batch-error-isolation", "maybe"]):
+        with pytest.raises(SystemExit):
+            parse("serve", *bad)

@@ -157,6 +157,10 @@ def run_server(args: argparse.Namespace) -> None:
         seed=args.seed,
         max_queue_size=args.max_queue_size,
         lora_dir=args.lora_dir,
+        scheduling_policy=args.scheduling_policy,
+        max_head_wait_ms=args.max_head_wait_ms,
+        max_wave_pixels=args.max_wave_pixels,
+        batch_error_isolation=args.batch_error_isolation,
     )
     try:
         app = build_app(

@@ -89,6 +89,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
         guidance_scale: Extension: classifier-free guidance scale (None = default).
         seed: Extension: seed of this request's noise; equal seeds give equal images.
         lora: Extension: name of a LoRA adapter inside the server's `--lora-dir`.
+        priority: Extension: lower runs first under `--scheduling-policy grouped`
+            (ignored by `fifo`, which keeps arrival order exactly).
         lora_scale: Extension: strength of the LoRA adapter.
     """
 
@@ -116,6 +118,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
     lora: str | None = Field(default=None, min_length=1)
     lora_scale: float = Field(default=1.0, allow_inf_nan=False)
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True)
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -180,7 +180,7 @@ class OpenAIServingImages:
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 output = await self.engine.generate_async(
-                    request.prompt, params, request_id=request_id
+                    request.prompt, params, request_id=request_id, priority=request.priority
                 )
         except InvalidRequestError:
             self.engine.record_rejected()  # refused by the engine's own checks (e.g. LoRA)

@@ -48,9 +48,11 @@ def test_extension_fields() -> None:
         "prompt": "a cat", "model": "tiny-sd", "n": 2, "size": "64x32",
         "response_format": "b64_json", "output_format": "webp", "output_compression": 80,
         "user": "u1", "negative_prompt": "blurry", "num_inference_steps": 2,
-        "guidance_scale": 3.5, "seed": 7, "lora": "style", "lora_scale": 0.5,
+        "guidance_scale": 3.5, "seed": 7, "lora": "style", "lora_scale": 0.5, "priority": -2,
     })
     assert request.image_size() == (64, 32)
+    assert request.priority == -2
+    assert ImageGenerationRequest.model_validate({"prompt": "a"}).priority == 0
     assert (request.n, request.seed, request.num_inference_steps) == (2, 7, 2)
     assert (request.output_format, request.output_compression) == ("webp", 80)
 
@@ -72,6 +74,7 @@ def _error_of(body: dict) -> tuple[str, str]:
         ({}, "prompt", "Field required"),
         ({"prompt": ["a", "b"]}, "prompt", "send one request per prompt"),
         ({"prompt": ""}, "prompt", "non-empty"),
+        ({"prompt": "a", "priority": "high"}, "priority", "integer"),
         ({"prompt": "   "}, "prompt", "non-empty"),
         ({"prompt": 5}, "prompt", "must be a string"),
         ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "prompt", f"at most {MAX_PROMPT_CHARS}"),

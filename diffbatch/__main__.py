@@ -1,0 +1,5 @@
+"""`python -m diffbatch ...` is the same as the `diffbatch` command."""
+
+from diffbatch.entrypoints.cli import main
+
+raise SystemExit(main())
