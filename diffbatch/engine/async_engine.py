@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -101,6 +102,10 @@ class Engine:
 
     # -- start-up --------------------------------------------------------------------
     def _start(self, config: EngineConfig) -> None:
+        if config.model is None:  # name the default model, for logs and /v1/models
+            from diffbatch.pipelines.registry import DEFAULT_MODEL
+
+            config = dataclasses.replace(config, model=DEFAULT_MODEL)
         self.config = config
         self._closed = False
         self._lock = threading.Lock()

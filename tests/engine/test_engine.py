@@ -214,3 +214,10 @@ async def test_generate_async_and_cancellation_aborts(gate):
         gate.release.set()
         out = await task
         assert out.ok and out.request_id == "a"
+
+
+def test_default_model_is_named_in_the_config():
+    from diffbatch.pipelines.registry import DEFAULT_MODEL
+
+    with Engine(pipeline_class=FAKE, executor="inproc") as engine:
+        assert engine.config.model == DEFAULT_MODEL
