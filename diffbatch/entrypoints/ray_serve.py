@@ -26,11 +26,14 @@ install (without the `[ray]` extra) can still import the CLI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+from diffbatch.config import EngineConfig
+from diffbatch.entrypoints.ray import REPLICA_HEADER
 from diffbatch.entrypoints.ray.args import RayServeArgs
 from diffbatch.errors import ConfigError
 
@@ -40,19 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_APP_NAME = "diffbatch"
-REPLICA_HEADER = "x-diffbatch-replica"  # also defined in ray/deployment.py (imports Ray)
 _INSTALL_HINT = "Ray Serve is not installed; install the extra: pip install 'diffbatch[ray]'"
-
-# `diffbatch serve` flags (argparse dests) that become `RayServeArgs` fields as is.
-_SERVE_FLAGS = (
-    "model", "max_num_seqs", "request_batch_max_wait_ms", "executor", "max_queue_size",
-    "lora_dir", "seed", "device", "dtype", "served_model_name", "api_key", "request_timeout",
-    "max_image_pixels",
-)
-_RAY_FLAGS = (
-    "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
-    "max_ongoing_requests", "num_cpus_per_replica", "num_gpus_per_replica",
-)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -80,32 +71,16 @@ def _require_ray() -> None:
 
 
 # -- CLI ---------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def add_ray_args(parser: argparse.ArgumentParser) -> None:
     """Add the Ray Serve flags (`--ray`, `--num-replicas`, ...) to `diffbatch serve`."""
+    from diffbatch.entrypoints.cli import _float_check, _int_at_least
+
     group = parser.add_argument_group(
         "ray", "scale out on Ray Serve (needs the `[ray]` extra); every replica runs "
         "its own engine with the engine flags above and batches its own share of traffic",
     )
+    positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
+    non_negative, positive = _float_check(0.0, strict=False), _float_check(0.0, strict=True)
     group.add_argument("--ray", action="store_true",
                        help="serve on Ray Serve: many replicas behind one API")
     group.add_argument(
@@ -113,28 +88,34 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         help="address of a running Ray cluster, e.g. 10.0.0.1:6379 or 'auto' "
         "(default: $RAY_ADDRESS, else start a local cluster)",
     )
-    group.add_argument("--num-replicas", type=_positive_int, default=1,
+    group.add_argument("--num-replicas", type=positive_int, default=1,
                        help="replicas (engines); the initial count when autoscaling")
-    group.add_argument("--min-replicas", type=int, default=None,
+    group.add_argument("--min-replicas", type=non_negative_int, default=None,
                        help="autoscaling lower bound (needs --max-replicas)")
-    group.add_argument("--max-replicas", type=_positive_int, default=None,
+    group.add_argument("--max-replicas", type=positive_int, default=None,
                        help="autoscaling upper bound; setting it turns autoscaling on")
-    group.add_argument("--target-ongoing-requests", type=float, default=None,
-                       help="autoscaling target of requests per replica")
+    group.add_argument("--target-ongoing-requests", type=positive, default=None,
+                       help="autoscaling target of ongoing requests per replica")
     group.add_argument(
-        "--max-ongoing-requests", type=_positive_int, default=None,
+        "--max-ongoing-requests", type=positive_int, default=None,
         help="most requests Ray routes to one replica at once; caps its wave size "
         "(default: max(5, 2 * --max-num-seqs))",
     )
-    group.add_argument("--num-cpus-per-replica", type=_non_negative_float, default=1.0,
+    group.add_argument("--num-cpus-per-replica", type=non_negative, default=1.0,
                        help="CPUs Ray reserves for each replica")
-    group.add_argument("--num-gpus-per-replica", type=_non_negative_float, default=0.0,
+    group.add_argument("--num-gpus-per-replica", type=non_negative, default=0.0,
                        help="GPUs Ray reserves for each replica (fractions allowed)")
 
 
 def args_from_namespace(args: argparse.Namespace) -> RayServeArgs:
-    """The `RayServeArgs` of a parsed `diffbatch serve --ray ...` command line."""
-    values = {name: getattr(args, name) for name in (*_SERVE_FLAGS, *_RAY_FLAGS)
+    """The `RayServeArgs` of a parsed `diffbatch serve --ray ...` command line.
+
+    Every serve flag whose destination is an `EngineConfig` field or a `RayServeArgs`
+    field is taken (unset ones are left to the defaults), so engine flags added to
+    `diffbatch serve` reach the replicas without a change here.
+    """
+    names = [f.name for f in dataclasses.fields(EngineConfig)] + list(RayServeArgs.model_fields)
+    values = {name: getattr(args, name) for name in names
               if getattr(args, name, None) is not None}
     return RayServeArgs.from_dict(values)
 
@@ -185,4 +166,7 @@ def _wait_for_signal() -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["DEFAULT_APP_NAME", "RayServeArgs", "add_ray_args", "build_app", "run_ray_server"]
+__all__ = [
+    "DEFAULT_APP_NAME", "REPLICA_HEADER", "RayServeArgs", "add_ray_args", "build_app",
+    "run_ray_server",
+]

@@ -3,23 +3,40 @@
 `RayServeArgs` is what both ways of starting take: `diffbatch serve --ray` builds it
 from the CLI namespace, and the application builder (`serve run
 diffbatch.entrypoints.ray_serve:build_app model=tiny-sd num_replicas=2`, or a Serve
-config file's `args:`) builds it from a dict whose values may be strings. The names
-are the `diffbatch serve` flags' destinations, so `--max-num-seqs 4` on the CLI is
-`max_num_seqs=4` in the builder. Three groups, split by the methods below:
+config file's `args:`) builds it from a dict whose values may be strings. Names are
+the `diffbatch serve` flags' destinations (`--max-num-seqs 4` is `max_num_seqs=4`).
+Three groups:
 
-- engine: what every replica's `Engine` gets (`engine_kwargs`);
-- server: what every replica's FastAPI app gets (`app_kwargs`);
-- deployment: how many replicas, their resources and health checks
-  (`deployment_options`, Ray Serve's `Deployment.options()` keywords).
+- engine: any `EngineConfig` field (`model`, `max_num_seqs`, `executor`, ...), given
+  to every replica's engine (`engine_config()`). They are not repeated here: each is
+  converted to its `EngineConfig` type and checked by `EngineConfig` itself, so a new
+  engine option works on Ray the day it is added;
+- server: the FastAPI app's options (`app_kwargs()`);
+- deployment: replicas, their resources and health checks (`deployment_options()`,
+  Ray Serve's `Deployment.options()` keywords).
+
+Everything is checked in the process that builds the application, before any
+replica starts; a bad or unknown argument fails with its name and value.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
-from typing import Any, Literal
+import typing
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
+from diffbatch.config import EngineConfig
 from diffbatch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -28,35 +45,23 @@ DEFAULT_DEPLOYMENT_NAME = "diffbatch"
 # Ray Serve's own default of `max_ongoing_requests`.
 RAY_DEFAULT_MAX_ONGOING_REQUESTS = 5
 
-_ENGINE_FIELDS = (
-    "model", "pipeline_class", "max_num_seqs", "request_batch_max_wait_ms", "executor",
-    "max_queue_size", "lora_dir", "seed", "device", "dtype", "torch_num_threads",
-    "pipeline_kwargs",
-)
+
+@functools.cache
+def _engine_field_types() -> dict[str, Any]:
+    """`EngineConfig` field name -> its type (what builder strings convert to)."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
 
 
 class RayServeArgs(BaseModel):
     """Engine, server and deployment arguments of a diffbatch Ray Serve application.
 
     Values given as strings (`serve run ... max_num_seqs=4`) are converted; unknown
-    names are refused, so a typo fails before any replica starts.
+    names are refused, so a typo fails before any replica starts. Engine arguments
+    (any `EngineConfig` field) are kept in `model_extra`.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # -- engine (one per replica) ----------------------------------------------------
-    model: str | None = None  # folder, hub id or built-in name (None = the default)
-    pipeline_class: str | None = None  # dotted name of a custom pipeline class
-    max_num_seqs: int = Field(1, ge=1)  # most requests per wave, per replica
-    request_batch_max_wait_ms: float = Field(0.0, ge=0, allow_inf_nan=False)
-    executor: Literal["mp", "inproc"] = "mp"  # "inproc": the pipeline runs in the replica
-    max_queue_size: int | None = Field(None, ge=1)  # per replica
-    lora_dir: str | None = None  # must exist on every node that runs a replica
-    seed: int | None = Field(None, ge=0)  # seeds each replica's random source alike
-    device: str | None = None
-    dtype: str | None = None
-    torch_num_threads: int | None = Field(None, ge=1)  # None: Ray's OMP_NUM_THREADS
-    pipeline_kwargs: dict[str, Any] = Field(default_factory=dict)  # to `from_pretrained`
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     # -- server (the same FastAPI app in every replica) ------------------------------
     served_model_name: str | None = None  # None: `model`, else the default model
@@ -78,36 +83,65 @@ class RayServeArgs(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
-    def _check_bounds(self) -> RayServeArgs:
-        autoscaling_only = ("min_replicas", "target_ongoing_requests")
-        if self.max_replicas is None:
-            given = [n for n in autoscaling_only if getattr(self, n) is not None]
-            if given:
+    def _check(self) -> RayServeArgs:
+        # 1. Engine arguments: known `EngineConfig` fields, converted to their types.
+        extra = self.model_extra if self.model_extra is not None else {}
+        types = _engine_field_types()
+        for name in list(extra):
+            if name not in types:
                 raise ValueError(
-                    f"`{given[0]}` needs autoscaling: also set `max_replicas`"
+                    f"unknown argument `{name}` (got {extra[name]!r}); engine arguments "
+                    f"are EngineConfig fields: {', '.join(types)}"
                 )
-            return self
-        low = 1 if self.min_replicas is None else self.min_replicas
-        if not low <= self.num_replicas <= self.max_replicas:
-            raise ValueError(
-                "autoscaling bounds must satisfy min_replicas <= num_replicas <= "
-                f"max_replicas, got {low} <= {self.num_replicas} <= {self.max_replicas}"
-            )
+            try:
+                extra[name] = TypeAdapter(types[name]).validate_python(extra[name])
+            except ValidationError as exc:
+                message = exc.errors()[0]["msg"]
+                raise ValueError(f"`{name}`: {message} (got {extra[name]!r})") from None
+        # 2. Autoscaling bounds.
+        if self.max_replicas is None:
+            for name in ("min_replicas", "target_ongoing_requests"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"`{name}` needs autoscaling: also set `max_replicas`")
+        else:
+            low = 1 if self.min_replicas is None else self.min_replicas
+            if not low <= self.num_replicas <= self.max_replicas:
+                raise ValueError(
+                    "autoscaling bounds must satisfy min_replicas <= num_replicas <= "
+                    f"max_replicas, got {low} <= {self.num_replicas} <= {self.max_replicas}"
+                )
         return self
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> RayServeArgs:
-        """Validate builder arguments; raise `ConfigError` naming every bad one."""
+        """Validate builder arguments; raise `ConfigError` naming the bad ones.
+
+        Also builds the `EngineConfig` once, so its own checks run here too.
+        """
         try:
-            return cls.model_validate(args)
+            validated = cls.model_validate(args)
         except ValidationError as exc:
             problems = "; ".join(_describe(error) for error in exc.errors())
             raise ConfigError(f"invalid diffbatch Ray Serve arguments: {problems}") from None
+        validated.engine_config()  # raises ConfigError for a bad engine option
+        return validated
 
     # -- the three groups ------------------------------------------------------------
+    @property
+    def model(self) -> str | None:
+        return self.engine_kwargs().get("model")
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine_kwargs().get("max_num_seqs", 1)
+
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of each replica's `Engine(...)`."""
-        return {name: getattr(self, name) for name in _ENGINE_FIELDS}
+        """The engine arguments given (`EngineConfig` fields)."""
+        return dict(self.model_extra or {})
+
+    def engine_config(self) -> EngineConfig:
+        """Each replica's `EngineConfig` (validated by `EngineConfig` itself)."""
+        return EngineConfig(**self.engine_kwargs())
 
     def app_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of each replica's `build_app(engine, ...)`, but the model name."""
@@ -124,9 +158,9 @@ class RayServeArgs(BaseModel):
         """Requests Ray routes to one replica at once.
 
         NOTE: Ray Serve never gives a replica more than `max_ongoing_requests`
-        requests, so a wave can never be larger than it. The default holds one full
-        wave running plus one full wave waiting (2 * max_num_seqs), and never less
-        than Ray's own default.
+        requests, so no wave can be larger. The default holds one full wave running
+        plus one full wave waiting (2 * max_num_seqs), and never less than Ray's own
+        default of 5.
         """
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
@@ -159,7 +193,7 @@ class RayServeArgs(BaseModel):
 
 
 def _describe(error: Any) -> str:
-    """One pydantic error as "`field`: rule (got value)"; cross-field errors as is."""
+    """One pydantic error as "`field`: rule (got value)"; our own checks as they are."""
     message = str(error["msg"]).removeprefix("Value error, ")
     if not error["loc"]:
         return message

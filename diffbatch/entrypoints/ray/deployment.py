@@ -2,7 +2,7 @@
 
 Each replica
 
-1. starts its own `Engine` from `RayServeArgs.engine_kwargs()` (in a thread, so the
+1. starts its own `Engine` from `RayServeArgs.engine_config()` (in a thread, so the
    replica's event loop stays free while the model loads);
 2. serves the same FastAPI app as `diffbatch serve` (`openai.api_server.build_app`),
    bound late through Ray Serve's `__serve_build_asgi_app__`, so the app holds this
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from ray import serve
 
+from diffbatch.entrypoints.ray import REPLICA_HEADER
 from diffbatch.entrypoints.ray.args import DEFAULT_DEPLOYMENT_NAME, RayServeArgs
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from diffbatch.engine.async_engine import Engine
 
 logger = logging.getLogger(__name__)
-
-REPLICA_HEADER = "x-diffbatch-replica"
 
 
 class ReplicaHeaderMiddleware:
@@ -81,7 +80,7 @@ class DiffbatchDeployment:
 
         self.args = args
         self.replica_id = serve.get_replica_context().replica_tag
-        self.engine: Engine = await asyncio.to_thread(Engine, **args.engine_kwargs())
+        self.engine: Engine = await asyncio.to_thread(Engine.from_config, args.engine_config())
         logger.info("replica %s: engine ready (model=%s)", self.replica_id, args.model)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
@@ -110,11 +109,12 @@ class DiffbatchDeployment:
 def build_deployment(args: RayServeArgs) -> serve.Application:
     """The bound Ray Serve application for `args` (replicas, resources, health checks)."""
     options = args.deployment_options()
+    config = args.engine_config()
     logger.info(
         "diffbatch on Ray Serve: deployment=%s replicas=%s cpus/replica=%g gpus/replica=%g "
-        "max_ongoing_requests=%d max_num_seqs=%d executor=%s",
+        "max_ongoing_requests=%d model=%s max_num_seqs=%d executor=%s",
         options["name"], options.get("num_replicas", options.get("autoscaling_config")),
-        args.num_cpus_per_replica, args.num_gpus_per_replica,
-        options["max_ongoing_requests"], args.max_num_seqs, args.executor,
+        args.num_cpus_per_replica, args.num_gpus_per_replica, options["max_ongoing_requests"],
+        config.model, config.max_num_seqs, config.executor,
     )
     return DiffbatchDeployment.options(**options).bind(args)

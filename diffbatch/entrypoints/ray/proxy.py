@@ -79,12 +79,9 @@ class ReplicaFailureMiddleware:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        open("/tmp/rayexp/mw.log", "a").write(f"call {scope['path']}\n")
         try:
             await self.app(scope, watch_receive, watch_send)
-            open("/tmp/rayexp/mw.log", "a").write(f"ret {started} {disconnected}\n")
-        except BaseException as e:
-            open("/tmp/rayexp/mw.log", "a").write(f"exc {e!r} {started} {disconnected}\n")
+        except Exception:
             if started:
                 raise
             logger.warning("request to %s failed in the proxy", scope.get("path"), exc_info=True)
