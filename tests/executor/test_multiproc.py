@@ -306,7 +306,6 @@ def test_worker_answers_calls_and_exits_when_the_pipe_closes():
 
 
 def test_real_model_runner_on_tiny_sd_matches_inproc():
-    pytest.importorskip("diffbatch.pipelines.registry", reason="pipeline registry not merged")
     from diffbatch.executor.inproc import InprocExecutor
 
     config = EngineConfig(model="tiny-sd", warmup=False, torch_num_threads=1)
