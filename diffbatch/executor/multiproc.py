@@ -35,6 +35,7 @@ from diffbatch.errors import EngineClosedError, EngineDeadError
 from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
+    UNREADABLE_CALL_ID,
     WorkerCall,
     WorkerError,
     WorkerMethod,
@@ -131,7 +132,7 @@ class _Worker:
         """After exit: drop unread replies (and their segments), close, sweep. Idempotent."""
         if self._cleaned:
             return
-        self._cleaned = True
+        self._cleaned = True  # (callers are serialised by the executor's call lock)
         with contextlib.suppress(Exception):  # EOF ends the drain; sweep() catches the rest
             while self.conn.poll(0):
                 shm.release(getattr(recv_message(self.conn), "result", None))
@@ -228,13 +229,12 @@ class MultiprocExecutor(Executor):
     def wait_healthy(self, timeout_s: float) -> bool:
         """Wait until a worker serves (e.g. a replacement), the executor closes, or a
         restart fails; True if healthy. For tests and callers that can wait."""
-        deadline = time.monotonic() + timeout_s
         with contextlib.suppress(EngineDeadError):
             self.check_health()  # notices a worker that died while idle (and restarts it)
         with self._health:
             self._health.wait_for(
                 lambda: self._closed or self._worker is not None or self._restart_thread is None,
-                timeout=max(0.0, deadline - time.monotonic()),
+                timeout=timeout_s,
             )
         return self.is_healthy
 
@@ -313,7 +313,7 @@ class MultiprocExecutor(Executor):
                     raise self._on_death(worker, what) from None
                 except Exception as exc:  # a reply that does not unpickle here
                     reply = WorkerReply(call_id, error=WorkerError.from_exception(exc))
-                if isinstance(reply, WorkerReply) and reply.call_id == call_id:
+                if getattr(reply, "call_id", None) in (call_id, UNREADABLE_CALL_ID):
                     break
                 # A reply to an earlier call whose caller gave up: drop it, free its shm.
                 logger.warning("dropping a stale worker reply %r", getattr(reply, "call_id", None))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
+    UNREADABLE_CALL_ID,
     WORKER_METHODS,
     WorkerCall,
     WorkerError,
@@ -105,8 +106,11 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int) -> None:
         except (EOFError, OSError):
             logger.info("worker %d: pipe closed, the engine process is gone", os.getpid())
             return
-        except Exception as exc:  # a message that does not unpickle; nothing to answer
-            logger.exception("worker %d: could not read a call: %s", os.getpid(), exc)
+        except Exception as exc:  # a call that does not unpickle here: answer with the error
+            logger.error("worker %d: could not read a call: %s", os.getpid(), exc)
+            if not _send_reply(conn, WorkerReply(UNREADABLE_CALL_ID,
+                                                 error=WorkerError.from_exception(exc))):
+                return
             continue
         if not isinstance(call, WorkerCall):
             logger.error("worker %d: ignoring unexpected message %r", os.getpid(), type(call))

@@ -75,6 +75,17 @@ class FakeRunner:
                                metadata={"pid": os.getpid()})
 
 
+class Unreadable:
+    """Pickles here, but refuses to unpickle in the worker."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("cannot rebuild this object here")
+
+
 class MissingModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         raise ModelNotFoundError(f"model {config.model!r} is not served here", param="model")
@@ -187,6 +198,11 @@ def test_runner_errors_become_error_outputs_and_worker_keeps_serving(executor):
         assert out.error.status_code == 500
     out = executor.execute_request(request("x3", "raise"))
     assert out.error.message == "RuntimeError: unexpected runner bug"
+
+    # A call the worker cannot even read is answered with the error too.
+    out = executor.execute_request(request("odd", obj=Unreadable()))
+    assert out.request_id == "odd"
+    assert out.error.message == "RuntimeError: cannot rebuild this object here"
 
     assert executor.execute_request(request("after")).ok
     assert executor.worker_pid == pid
