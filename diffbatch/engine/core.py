@@ -173,23 +173,33 @@ class EngineCore:
 
     def _execute(self, wave: SchedulerOutput) -> BatchRunnerOutput:
         """Run the wave on the batch path or the per-request path."""
-        try:
-            if self.supports_request_batch:
+        if self.supports_request_batch:
+            try:
                 return self.executor.execute_batch(wave)
-            outputs = {r.request_id: self.executor.execute_request(r) for r in wave.requests}
-            return BatchRunnerOutput(
-                outputs=outputs,
-                forward_time_ms=sum(o.execute_time_ms for o in outputs.values()),
-                num_forwards=len(outputs),
-            )
-        except DiffbatchError as exc:  # e.g. the worker process died mid-wave
-            logger.error("wave %d failed in the executor: %s", wave.wave_id, exc.message)
-            error = RequestError.from_exception(exc)
-            return BatchRunnerOutput(
-                outputs={r.request_id: DiffusionOutput.from_error(r.request_id, error)
-                         for r in wave.requests},
-                num_forwards=0,
-            )
+            except DiffbatchError as exc:  # e.g. the worker process died mid-wave
+                return self._failed(wave, wave.requests, exc)
+        outputs: dict[str, DiffusionOutput] = {}
+        for request in wave.requests:  # one call each: a failure fails only that request
+            try:
+                outputs[request.request_id] = self.executor.execute_request(request)
+            except DiffbatchError as exc:
+                outputs.update(self._failed(wave, [request], exc).outputs)
+        return BatchRunnerOutput(
+            outputs=outputs,
+            forward_time_ms=sum(o.execute_time_ms for o in outputs.values()),
+            num_forwards=len(outputs),
+        )
+
+    def _failed(
+        self, wave: SchedulerOutput, requests: list[DiffusionRequest], exc: DiffbatchError
+    ) -> BatchRunnerOutput:
+        logger.error("wave %d failed in the executor: %s", wave.wave_id, exc.message)
+        error = RequestError.from_exception(exc)
+        return BatchRunnerOutput(
+            outputs={r.request_id: DiffusionOutput.from_error(r.request_id, error)
+                     for r in requests},
+            num_forwards=0,
+        )
 
     def _log_wave(
         self, wave: SchedulerOutput, wave_start: float, runner_output: BatchRunnerOutput
