@@ -143,10 +143,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="seed of the engine's random source for unseeded requests")
     engine.add_argument("--device", default=None, help="torch device (default: auto)")
     engine.add_argument("--dtype", default=None, help="torch dtype, e.g. float16 (default: auto)")
+    from diffbatch.entrypoints.ray_serve import add_ray_args  # imports Ray only when run
+
+    add_ray_args(parser)
     parser.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from diffbatch.entrypoints.ray_serve import run_ray_server
+
+        run_ray_server(args)
+        return 0
     from diffbatch.entrypoints.openai.api_server import run_server
 
     run_server(args)
