@@ -1,0 +1,298 @@
+"""What every benchmark script shares: servers on free loopback ports, always torn down.
+
+`running(specs)` starts each server as its own process group (so its worker
+processes go with it), waits until every one answers its health route, yields
+their base URLs and, whatever happens, stops them: SIGINT first (each server shuts
+down cleanly on it), then SIGTERM and SIGKILL to the whole group. Servers bind
+127.0.0.1 only. Their logs go to files whose tail is shown if one fails to start.
+
+Threads: every server gets `OMP_NUM_THREADS` / `MKL_NUM_THREADS` = `threads` (the
+diffbatch worker inherits them; torch reads them at start) and the peers also call
+`torch.set_num_threads(threads)` themselves (Ray would otherwise impose its own).
+`OMP_WAIT_POLICY=PASSIVE` is set for every process: with the default active wait,
+two torch threads on a busy shared 2-core machine slowed a 64x64 tiny-sd call from
+~0.15 s to 4-11 s (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+REPO_ROOT = BENCH_DIR.parent
+PEER_MODULES = {
+    "fastapi": "peers_servers.fastapi_serial",
+    "ray": "peers_servers.ray_serve_batch",
+    "litserve": "peers_servers.litserve_batch",
+}
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+_STOP_TIMEOUT_S = 30.0
+
+
+def set_thread_env(threads: int) -> None:
+    """Thread settings for this process; call before torch is imported."""
+    os.environ.update(server_env_overrides(threads))
+
+
+def server_env_overrides(threads: int) -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server and how to tell it is up."""
+
+    name: str  # label in reports, e.g. "diffbatch" or "ray"
+    cmd: list[str]
+    port: int
+    threads: int
+    health_path: str = "/health"
+    env: dict[str, str] = field(default_factory=dict)  # on top of the thread settings
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def diffbatch_spec(
+    model: str,
+    *,
+    threads: int,
+    max_num_seqs: int,
+    wait_ms: float,
+    executor: str = "mp",
+    name: str = "diffbatch",
+) -> ServerSpec:
+    """`diffbatch serve` with the given batching flags (access log off, like the peers)."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", model,
+        "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+        "--request-batch-max-wait-ms", str(wait_ms), "--executor", executor,
+        "--log-level", "warning",
+    ]
+    return ServerSpec(name, cmd, port, threads)
+
+
+def peer_spec(
+    kind: str, model: str, *, threads: int, max_batch_size: int = 8, wait_ms: float = 20.0
+) -> ServerSpec:
+    """One of the peer servers ("fastapi", "ray" or "litserve")."""
+    if kind not in PEER_MODULES:
+        raise ValueError(f"peer must be one of {sorted(PEER_MODULES)}, got {kind!r}")
+    port = free_port()
+    cmd = [sys.executable, "-m", PEER_MODULES[kind], "--model", model, "--port", str(port),
+           "--threads", str(threads)]
+    if kind == "ray":
+        cmd += ["--max-batch-size", str(max_batch_size), "--batch-wait-ms", str(wait_ms)]
+    elif kind == "litserve":
+        cmd += ["--max-batch-size", str(max_batch_size), "--batch-timeout-ms", str(wait_ms)]
+    return ServerSpec(kind, cmd, port, threads)
+
+
+class Server:
+    """A started server process (its own session and process group)."""
+
+    def __init__(self, spec: ServerSpec, log_dir: str) -> None:
+        self.spec = spec
+        self.log_path = os.path.join(log_dir, f"{spec.name}-{spec.port}.log")
+        env = dict(os.environ)
+        env.update(server_env_overrides(spec.threads))
+        env.update(spec.env)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(BENCH_DIR), str(REPO_ROOT), env.get("PYTHONPATH")) if p
+        )
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.process = subprocess.Popen(
+            spec.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=str(REPO_ROOT), start_new_session=True,
+        )
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by every live process of its session."""
+        return session_cpu_seconds(self.process.pid)
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        with open(self.log_path, "rb") as f:
+            data = f.read()
+        return data[-num_chars:].decode("utf-8", "replace")
+
+    def is_healthy(self, client: httpx.Client) -> bool:
+        try:
+            return client.get(self.spec.base_url + self.spec.health_path).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        """SIGINT, then SIGTERM and SIGKILL to the process group; never raises."""
+        process = self.process
+        try:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(_STOP_TIMEOUT_S)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, sig)  # stragglers of its group (workers)
+                if process.poll() is None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        process.wait(10.0)
+        finally:
+            self.log.close()
+
+
+@contextlib.contextmanager
+def running(
+    specs: Sequence[ServerSpec],
+    *,
+    log_dir: str | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> Iterator[dict[str, Server]]:
+    """Start every server (in parallel), wait until all are healthy, yield name -> Server.
+
+    Raises RuntimeError with the log tail if a server exits or is not healthy in
+    time; every server started is stopped on the way out, in any case.
+    """
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"server names must be unique, got {names}")
+    log_dir = log_dir or tempfile.mkdtemp(prefix="diffbatch-bench-logs-")
+    servers: list[Server] = []
+    try:
+        for spec in specs:
+            servers.append(Server(spec, log_dir))
+        deadline = time.monotonic() + startup_timeout_s
+        pending = list(servers)
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while pending:
+                for server in list(pending):
+                    if server.process.poll() is not None:
+                        raise RuntimeError(
+                            f"server {server.spec.name!r} exited with code "
+                            f"{server.process.returncode} during start-up; log "
+                            f"{server.log_path}:\n{server.log_tail()}"
+                        )
+                    if server.is_healthy(client):
+                        pending.remove(server)
+                if pending and time.monotonic() > deadline:
+                    server = pending[0]
+                    raise RuntimeError(
+                        f"server {server.spec.name!r} not healthy after {startup_timeout_s:.0f}"
+                        f" s; log {server.log_path}:\n{server.log_tail()}"
+                    )
+                if pending:
+                    time.sleep(0.25)  # polling another process' readiness
+        yield {s.spec.name: s for s in servers}
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def session_cpu_seconds(session_id: int) -> float:
+    """CPU seconds (user + system) of the live processes whose session id is `session_id`.
+
+    A server's processes (uvicorn, its workers, a Ray cluster) share the session the
+    harness gave it, so this is what the server costs, whichever process did the work.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
+        if int(fields[3]) == session_id:  # field 6: session
+            total += (int(fields[11]) + int(fields[12])) / ticks  # fields 14-15: utime, stime
+    return total
+
+
+# -- reports -----------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured (load average included: the machine is shared)."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_1_5_15": list(os.getloadavg()),
+    }
+
+
+def report_header(benchmark: str, args: Any) -> dict[str, Any]:
+    """The common head of every benchmark JSON: what, when, where, how."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "command": " ".join([os.path.relpath(sys.executable, REPO_ROOT), *sys.argv]),
+        "args": vars(args),
+    }
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    report["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}", flush=True)
+
+
+def plot_path(json_path: str) -> str:
+    return os.path.splitext(json_path)[0] + ".png"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
