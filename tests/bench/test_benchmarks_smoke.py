@@ -1,0 +1,111 @@
+"""Smoke tests: every benchmark script runs end to end on a minimal setting.
+
+They start real servers (diffbatch, and the peers when the `[bench]` extra is
+installed), so they are `slow`; they check that each script finishes and writes
+its report with the figures it promises, never how fast anything was. The plots
+are drawn when matplotlib is installed and skipped (`--no-plot`) otherwise, and
+the profile is skipped without pyinstrument.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+TIMEOUT_S = 240
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HAS_PYINSTRUMENT = importlib.util.find_spec("pyinstrument") is not None
+MINIMAL = ["--steps", "1"]
+
+
+def run_script(name: str, out: Path, *args: str) -> dict:
+    """Run benchmarks/<name> with `args`; return its JSON report."""
+    cmd = [sys.executable, str(BENCHMARKS / name), *args, "--out", str(out)]
+    if not HAS_MATPLOTLIB:
+        cmd.append("--no-plot")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 0, (
+        f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
+    assert out.is_file()
+    if HAS_MATPLOTLIB:
+        assert out.with_suffix(".png").is_file()
+    report = json.loads(out.read_text())
+    for key in ("benchmark", "date", "machine", "command", "args"):
+        assert key in report
+    return report
+
+
+def test_bench_serve_cli_parses() -> None:
+    """`diffbatch bench serve` flags parse (the subcommand is wired in the CLI)."""
+    import argparse
+
+    from diffbatch.bench.serve import add_bench_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "3",
+        "--request-rate", "inf", "--burstiness", "0.5", "--max-concurrency", "2",
+        "--size", "64x32", "--steps", "1", "--seed", "3", "--warmup-requests", "0",
+        "--output-json", "x.json", "--api-key", "k",
+    ])
+    config = config_from_args(args)
+    assert (config.width, config.height, config.num_prompts) == (64, 32, 3)
+    assert config.request_rate == float("inf") and config.api_key == "k"
+
+
+def test_batch_gain_smoke(tmp_path: Path) -> None:
+    report = run_script("batch_gain.py", tmp_path / "batch_gain.json", *MINIMAL,
+                        "--models", "tiny-sd", "--sizes", "64", "--batch-sizes", "1", "2",
+                        "--num-images", "2", "--repeats", "1")
+    rows = report["results"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["P1"] > 0 and row["P2"] > 0
+
+
+def test_low_load_latency_smoke(tmp_path: Path) -> None:
+    report = run_script("low_load_latency.py", tmp_path / "low_load.json", *MINIMAL,
+                        "--num-requests", "2", "--repeats", "1")
+    assert "P4_ms" in report and "P4_server_queue_ms" in report
+
+
+@pytest.mark.skipif(not HAS_PYINSTRUMENT, reason="pyinstrument ([bench] extra) not installed")
+def test_overhead_smoke(tmp_path: Path) -> None:
+    report = run_script("overhead.py", tmp_path / "overhead.json", *MINIMAL,
+                        "--num-requests", "2", "--repeats", "1", "--profile-requests", "2")
+    assert report["P5_inproc_ms"] is not None and report["P5_http_ms"] is not None
+    assert all(Path(p).is_file() for p in report["profile"])
+
+
+def test_peers_smoke_fastapi(tmp_path: Path) -> None:
+    report = run_script("peers.py", tmp_path / "peers.json", *MINIMAL,
+                        "--servers", "diffbatch", "fastapi", "--num-requests", "2",
+                        "--burst", "3", "--calibration-requests", "2",
+                        "--warmup-requests", "1", "--repeats", "1")
+    assert {r["server"] for r in report["results"]} == {"diffbatch", "fastapi"}
+    assert all(r["failed"] == 0 for r in report["results"])
+    assert len(report["verdicts"]) == 3  # one per load
+
+
+@pytest.mark.parametrize("peer", ["ray", "litserve"])
+def test_peers_smoke_batching_peer(tmp_path: Path, peer: str) -> None:
+    pytest.importorskip({"ray": "ray.serve", "litserve": "litserve"}[peer])
+    report = run_script("peers.py", tmp_path / "peers.json", *MINIMAL,
+                        "--servers", peer, "--num-requests", "2", "--burst", "3",
+                        "--capacity", "5", "--warmup-requests", "1", "--repeats", "1")
+    assert {r["server"] for r in report["results"]} == {peer}
+    assert all(r["failed"] == 0 for r in report["results"])
