@@ -7,6 +7,11 @@ own generator, so a request's images do not depend on its batch mates (batch
 invariance, checked in tests/pipelines/test_diffusers_t2i.py for SD, SD3, Flux and
 PixArt-Sigma).
 
+For pipelines whose CFG combine is `uncond + guidance_scale * (text - uncond)`
+(StableDiffusion, SD3, PixArt-Sigma) the adapter also applies each request's own
+`guidance_scale` per sample (`PerSampleGuidance`), so requests that differ only in
+their guidance scale share a wave (tests/pipelines/test_per_request_guidance.py).
+
 `DiffusersPerRequestPipeline` is the same adapter restricted to one request per
 forward; the registry binds it to a raw diffusers class given as `pipeline_class`.
 """
@@ -17,6 +22,7 @@ import inspect
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -44,6 +50,13 @@ _RESERVED = frozenset({
 })
 # Sample sizes for which PixArt pipelines have resolution bins.
 _PIXART_BIN_SAMPLE_SIZES = (32, 64, 128, 256)
+# diffusers classes (exact, not subclasses: those may override __call__) whose only
+# uses of `guidance_scale` in __call__ are a `> 1` check and the CFG combine
+# `noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)`; read
+# in diffusers 0.42 and tested with the tiny models. Add a class only after doing both.
+_PER_SAMPLE_GUIDANCE_CLASSES = (
+    "StableDiffusionPipeline", "StableDiffusion3Pipeline", "PixArtSigmaPipeline",
+)
 
 
 def resolve_device(device: str | torch.device | None) -> str:
@@ -84,6 +97,66 @@ def _load_model_index(model: str) -> dict[str, Any]:
             f"model {model!r} ({where}) could not be loaded as a diffusers pipeline: no "
             f"readable model_index.json ({type(exc).__name__}: {exc})", param="model",
         ) from exc
+
+
+class PerSampleGuidance(float):
+    """A guidance scale that is one float to the pipeline and one scale per sample to tensors.
+
+    As a float it is the wave's smallest scale, so the pipelines' `guidance_scale > 1`
+    check (CFG on) holds exactly when it holds for every request. Multiplied with a
+    tensor whose first dimension is the wave's B*n samples, it scales sample i by
+    `scales[i]`: `guidance_scale * (noise_pred_text - noise_pred_uncond)` in the CFG
+    combine becomes per-request guidance. Any other tensor op with it (`tensor + g`,
+    `torch.add(t, g)`) raises TypeError via `__torch_function__` instead of silently
+    using one scale; plain-number uses (`float(g)`, `g - 1`) see the smallest scale.
+    """
+
+    scales: torch.Tensor  # [B*n] float32, one guidance scale per output image
+
+    def __new__(cls, scales: Sequence[float]) -> PerSampleGuidance:
+        if not scales:
+            raise ValueError("PerSampleGuidance needs at least one scale")
+        self = super().__new__(cls, min(scales))
+        self.scales = torch.tensor([float(s) for s in scales], dtype=torch.float32)
+        return self
+
+    @classmethod
+    def from_batch(cls, batch: DiffusionRequestBatch) -> PerSampleGuidance:
+        """One scale per output image: each request's scale repeated n times, in order."""
+        n = batch.num_outputs_per_prompt
+        scales: list[float] = []
+        for params in batch.sampling_params_list:
+            if params.guidance_scale is None:
+                raise ValueError("per-sample guidance needs resolved guidance scales, got None")
+            scales += [float(params.guidance_scale)] * n
+        return cls(scales)
+
+    def __mul__(self, other: Any) -> Any:
+        if not isinstance(other, torch.Tensor):
+            return float(self) * other
+        if other.ndim == 0 or other.shape[0] != self.scales.shape[0]:
+            raise ValueError(
+                f"per-sample guidance has {self.scales.shape[0]} scales but was multiplied "
+                f"with a tensor of shape {tuple(other.shape)}; this pipeline uses "
+                "guidance_scale outside the CFG combine and cannot take per-request guidance"
+            )
+        scales = self.scales.to(other.device).view(-1, *([1] * (other.ndim - 1)))
+        # float32 product, then the tensor's dtype: what `float * tensor` computes too
+        return (other * scales).to(other.dtype)
+
+    __rmul__ = __mul__
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # `tensor * self` lands here first; NotImplemented sends Python to __rmul__,
+        # and any other torch op with this value fails loudly instead of using one scale.
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PerSampleGuidance({[round(s, 6) for s in self.scales.tolist()]})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.scales.tolist(),))
 
 
 class DiffusersT2IPipeline(BasePipeline):
@@ -175,6 +248,7 @@ class DiffusersT2IPipeline(BasePipeline):
         # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
         # is embedded in the model and never doubles the batch.
         embedded = "true_cfg_scale" in self._call_params
+        cfg_threshold = d.get("cfg_threshold", None if embedded else 1.0)
         return PipelineInfo(
             name=type(pipe).__name__,
             default_height=int(d.get("height", size)),
@@ -185,8 +259,28 @@ class DiffusersT2IPipeline(BasePipeline):
                 "guidance_scale", self._call_default("guidance_scale", 1.0))),
             size_multiple=int(d.get("size_multiple", vae_scale * down)),
             device=self.device,
-            cfg_threshold=d.get("cfg_threshold", None if embedded else 1.0),
+            cfg_threshold=cfg_threshold,
+            supports_per_request_guidance=self._per_sample_guidance_ok(cfg_threshold),
         )
+
+    def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
+        """Whether `forward` may pass a `PerSampleGuidance` to this diffusers pipeline.
+
+        Only the listed classes (see `_PER_SAMPLE_GUIDANCE_CLASSES`), only with CFG
+        switched on above 1 (the pipelines' own `> 1` check must agree with the key's
+        "CFG on"), and not for an SD UNet that embeds the guidance scale
+        (`time_cond_proj_dim`, LCM-style), which uses the scale outside the combine.
+        """
+        import diffusers
+
+        pipe = self.pipe
+        if not any(type(pipe) is getattr(diffusers, name, None)
+                   for name in _PER_SAMPLE_GUIDANCE_CLASSES):
+            return False
+        if cfg_threshold is None or cfg_threshold < 1.0:
+            return False
+        unet = getattr(pipe, "unet", None)
+        return unet is None or unet.config.get("time_cond_proj_dim") is None
 
     def _call_default(self, name: str, fallback: Any) -> Any:
         param = self._call_params.get(name)
@@ -244,10 +338,13 @@ class DiffusersT2IPipeline(BasePipeline):
             "return_dict": True,
         }
         # 1. Shape and schedule from the wave key (the requests' resolved params).
-        for name in ("height", "width", "num_inference_steps", "guidance_scale"):
+        for name in ("height", "width", "num_inference_steps"):
             value = getattr(key, name) if key is not None else getattr(params, name)
             if value is not None:
                 kwargs[name] = value
+        guidance_scale = self._guidance_scale(batch)
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
         multiple = self._info.size_multiple
         for name in ("height", "width"):  # NOTE: Flux would silently resize, PixArt crash
             if name in kwargs and kwargs[name] % multiple:
@@ -279,6 +376,39 @@ class DiffusersT2IPipeline(BasePipeline):
         # 4. Pipeline quirks.
         self._apply_quirks(kwargs, extra)
         return kwargs
+
+    def _guidance_scale(self, batch: DiffusionRequestBatch) -> float | None:
+        """The wave's `guidance_scale` argument: a float, one scale per sample, or None.
+
+        NOTE: per-request guidance is a value passed as `guidance_scale`, not a
+        subclass of the diffusers pipelines. Overriding the CFG step would mean copying
+        each pipeline's whole `__call__` (the combine sits inside the denoising loop,
+        and PixArt reads the argument, not a property), to drift with every diffusers
+        release. The listed pipelines use the scale only as `guidance_scale > 1` and in
+        `uncond + guidance_scale * (text - uncond)`; `PerSampleGuidance` is a float for
+        the first and a per-sample [B*n, 1, 1, 1] scale for the second, so the loop,
+        guidance rescale (per-sample std) and every other option run unchanged, and a
+        use it does not expect raises instead of mixing scales. A wave whose requests
+        all share one scale gets a plain float: the path a solo run takes.
+        """
+        scales = [p.guidance_scale for p in batch.sampling_params_list]
+        key = batch.key
+        if key is not None and key.guidance_scale is not None:
+            return key.guidance_scale
+        if len(set(scales)) == 1:  # None: unresolved params, the pipeline's default
+            return scales[0]
+        # The key left the scale out: the engine trusts this pipeline with per-request
+        # guidance, and every request of the wave has CFG on.
+        if key is None or not self._info.supports_per_request_guidance \
+                or not key.cfg_enabled:
+            raise ValueError(
+                f"the wave mixes guidance scales {list(dict.fromkeys(scales))} but "
+                f"{self._info.name} cannot apply per-request guidance here "
+                "(supports_per_request_guidance="
+                f"{self._info.supports_per_request_guidance}, "
+                f"cfg_enabled={key.cfg_enabled if key is not None else None})"
+            )
+        return PerSampleGuidance.from_batch(batch)
 
     def _uses_negative_prompt(self, extra: dict[str, Any]) -> bool:
         # NOTE: Flux uses negative prompts only with true CFG (true_cfg_scale > 1);
