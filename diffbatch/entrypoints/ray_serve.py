@@ -26,6 +26,7 @@ install (without the `[ray]` extra) can still import the CLI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -85,25 +86,25 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                        help="serve on Ray Serve: many replicas behind one API")
     group.add_argument(
         "--ray-address", default=None, metavar="ADDR",
-        help="address of a running Ray cluster, e.g. 10.0.0.1:6379 or 'auto' "
-        "(default: $RAY_ADDRESS, else start a local cluster)",
+        help="address of a running Ray cluster, e.g. 10.0.0.1:6379 or 'auto'; None: "
+        "$RAY_ADDRESS, else the cluster last started here, else a new local one",
     )
-    group.add_argument("--num-replicas", type=positive_int, default=1,
+    group.add_argument("--num-replicas", type=positive_int, default=1, metavar="N",
                        help="replicas (engines); the initial count when autoscaling")
-    group.add_argument("--min-replicas", type=non_negative_int, default=None,
+    group.add_argument("--min-replicas", type=non_negative_int, default=None, metavar="N",
                        help="autoscaling lower bound (needs --max-replicas)")
-    group.add_argument("--max-replicas", type=positive_int, default=None,
+    group.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
                        help="autoscaling upper bound; setting it turns autoscaling on")
-    group.add_argument("--target-ongoing-requests", type=positive, default=None,
+    group.add_argument("--target-ongoing-requests", type=positive, default=None, metavar="N",
                        help="autoscaling target of ongoing requests per replica")
     group.add_argument(
-        "--max-ongoing-requests", type=positive_int, default=None,
-        help="most requests Ray routes to one replica at once; caps its wave size "
-        "(default: max(5, 2 * --max-num-seqs))",
+        "--max-ongoing-requests", type=positive_int, default=None, metavar="N",
+        help="most requests Ray routes to one replica at once, which caps its wave size; "
+        "None: max(5, 2 * --max-num-seqs)",
     )
-    group.add_argument("--num-cpus-per-replica", type=non_negative, default=1.0,
+    group.add_argument("--num-cpus-per-replica", type=non_negative, default=1.0, metavar="N",
                        help="CPUs Ray reserves for each replica")
-    group.add_argument("--num-gpus-per-replica", type=non_negative, default=0.0,
+    group.add_argument("--num-gpus-per-replica", type=non_negative, default=0.0, metavar="N",
                        help="GPUs Ray reserves for each replica (fractions allowed)")
 
 
@@ -138,6 +139,10 @@ def run_ray_server(args: argparse.Namespace) -> None:
 
     # 2. Connect (or start a local cluster), start the proxy, deploy.
     ray.init(address=args.ray_address, logging_level=args.log_level.upper())
+    # NOTE: right after `ray.init`, which installs handlers that exit (Python) or
+    # abort (Ray's C++ failure handler) on SIGTERM: SIGTERM, at any point from here,
+    # becomes a KeyboardInterrupt like Ctrl-C, so the cleanup below always runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(**serve_start_options(args.host, args.port))
         serve.run(build_app(ray_args), name=DEFAULT_APP_NAME, route_prefix="/")
@@ -145,25 +150,15 @@ def run_ray_server(args: argparse.Namespace) -> None:
             "listening on http://%s:%d: %d replica(s) of %r on Ray Serve (docs at /docs)",
             args.host, args.port, ray_args.num_replicas, ray_args.model,
         )
-        # 3. Serve until interrupted.
-        _wait_for_signal()
+        # 3. Serve until SIGINT or SIGTERM.
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
     finally:
         logger.info("shutting down: deleting the Ray Serve application %r", DEFAULT_APP_NAME)
         try:
             serve.delete(DEFAULT_APP_NAME)
         finally:
             ray.shutdown()
-
-
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 __all__ = [

@@ -425,3 +425,35 @@ def test_serve_config_file(ray_cluster: RayCluster, tmp_path: Path) -> None:
         assert response.headers[REPLICA_HEADER]
     finally:
         _delete("cfg")
+
+
+# -- `diffbatch serve --ray`, joining the running cluster --------------------------------
+@pytest.mark.slow
+def test_cli_serves_on_ray_and_cleans_up_on_sigterm(ray_cluster: RayCluster) -> None:
+    import ray
+
+    from diffbatch.entrypoints.ray_serve import DEFAULT_APP_NAME
+    from diffbatch.pipelines.tiny import ensure_tiny_model
+
+    ensure_tiny_model(MODEL)
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffbatch", "serve", MODEL, "--ray", "--ray-address", address,
+         "--num-replicas", "1", "--executor", "inproc", "--max-num-seqs", "2",
+         "--num-cpus-per-replica", str(REPLICA_CPUS), "--served-model-name", "from-cli",
+         "--log-level", "warning"],
+    )
+    try:
+        wait_until(lambda: _has_healthy_replicas(DEFAULT_APP_NAME, 1) or proc.poll() is not None,
+                   what="the CLI's application")
+        assert proc.poll() is None, f"diffbatch serve --ray exited with {proc.returncode}"
+        # Route prefix "/": the other applications' longer prefixes still win.
+        models = httpx.get(f"{ray_cluster.url}/v1/models", timeout=30)
+        assert [m["id"] for m in models.json()["data"]] == ["from-cli"]
+        response = httpx.post(f"{ray_cluster.url}/v1/images/generations", timeout=60, json={
+            "prompt": "a blue square", "size": "64x64", "num_inference_steps": STEPS})
+        assert response.status_code == 200, response.text
+    finally:
+        proc.terminate()  # SIGTERM: delete the application, disconnect, exit 0
+        assert proc.wait(timeout=120) == 0
+    assert _deployment_status(DEFAULT_APP_NAME) is None  # deleted; the cluster lives on
