@@ -77,15 +77,17 @@ class GroupedScheduler(Scheduler):
             self.num_heap_ops += 1
 
     def _pick_key(self) -> tuple[SamplingParamsKey, str] | None:
+        """The key of the next wave, and "starvation" when that rule overrode priority."""
         self._pop_finished_heads()
         if not self.waiting:
             return None
+        self._pop_finished(self._best)
+        best = self._best[0][2].key
         oldest = self.waiting[0]
         waited_ms = (self.clock() - oldest.arrival_time) * 1000.0
-        if waited_ms > self.max_head_wait_ms:
+        if waited_ms > self.max_head_wait_ms and oldest.key != best:
             return oldest.key, "starvation"
-        self._pop_finished(self._best)
-        return self._best[0][2].key, ""
+        return best, ""
 
     def schedule(self) -> SchedulerOutput:
         picked = self._pick_key()
