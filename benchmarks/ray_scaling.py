@@ -100,8 +100,8 @@ def ray_servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     from diffbatch.entrypoints.ray.proxy import serve_start_options
     from diffbatch.entrypoints.ray_serve import build_app
 
-    ray.init(num_cpus=args.cores, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=args.cores, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
     try:
         port = _free_port()
         serve.start(**serve_start_options("127.0.0.1", port))

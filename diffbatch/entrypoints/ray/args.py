@@ -129,11 +129,11 @@ class RayServeArgs(BaseModel):
     # -- the three groups ------------------------------------------------------------
     @property
     def model(self) -> str | None:
-        return self.engine_kwargs().get("model")
+        return self.engine_config().model
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine_kwargs().get("max_num_seqs", 1)
+        return self.engine_config().max_num_seqs
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine arguments given (`EngineConfig` fields)."""

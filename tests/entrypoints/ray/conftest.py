@@ -1,9 +1,10 @@
 """Fixtures of the Ray Serve tests: one local Ray cluster on loopback for the session.
 
 `ray_cluster` starts Ray once (`ray.init(num_cpus=2, include_dashboard=False)`) and
-Serve's proxy on a free loopback port; every Ray test module deploys its own
-application on it, under its own route prefix, and deletes it afterwards. Teardown
-always runs `serve.shutdown()` and `ray.shutdown()`.
+Serve's proxy on a free loopback port; each test application is deployed on it under
+its own route prefix and deleted afterwards. Teardown always runs `serve.shutdown()`
+and `ray.shutdown()`. Replica logs stay in Ray's session folder
+(/tmp/ray/session_*/logs/serve/), not in the test output.
 
 `FileGatedPipeline` is the Ray twin of the in-process `GatedPipeline`: replicas are
 other processes, so the gate is a folder. A real wave writes
@@ -78,11 +79,14 @@ def ray_cluster(cache_dir: str) -> Iterator[RayCluster]:
     serve = pytest.importorskip("ray.serve")
     # Replicas are Ray workers: they inherit this environment (offline hub, the
     # session's model cache) and need the repository on their path for test pipelines.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p
-    )
-    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False)
+    python_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, python_path) if p)
+    try:
+        # "local": always a new cluster of our own, never one `ray start`ed here.
+        ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
+    finally:
+        _restore_env("PYTHONPATH", python_path)  # the cluster's processes have it now
     try:
         port = _free_port()
         serve.start(**serve_start_options("127.0.0.1", port))
@@ -92,6 +96,13 @@ def ray_cluster(cache_dir: str) -> Iterator[RayCluster]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 60.0,
