@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_APP_NAME = "diffbatch"
+MIN_RAY_VERSION = (2, 60)  # see `_require_ray`
 _INSTALL_HINT = "Ray Serve is not installed; install the extra: pip install 'diffbatch[ray]'"
 
 
@@ -65,10 +66,24 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def _require_ray() -> None:
+    """Raise `ConfigError` unless a Ray Serve this module was built on is installed.
+
+    NOTE: the deployment relies on Ray Serve's late-bound ingress
+    (`__serve_build_asgi_app__`) and the proxy middleware on `controller_options`,
+    both recent; 2.60 is the release this was tested with.
+    """
     try:
-        import ray.serve  # noqa: F401
+        import ray
+        import ray.serve
     except ImportError as exc:
         raise ConfigError(_INSTALL_HINT) from exc
+    found = tuple(int(part) for part in ray.__version__.split(".")[:2] if part.isdigit())
+    if found < MIN_RAY_VERSION:
+        need = ".".join(map(str, MIN_RAY_VERSION))
+        raise ConfigError(
+            f"diffbatch on Ray Serve needs ray[serve]>={need}, got ray {ray.__version__}; "
+            f"upgrade: pip install 'ray[serve]>={need}'"
+        )
 
 
 # -- CLI ---------------------------------------------------------------------------------
