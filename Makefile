@@ -9,29 +9,37 @@ MODEL ?=
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install install-dev serve test lint bench clean
 
+# The serving install: diffbatch and what it needs, nothing for tests or benchmarks.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q "$(TORCH_PIN)" -e .
+	touch $@
+
+# The test install adds the [dev] extra (pytest, ruff, the openai client, Ray Serve).
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 serve: install
 	$(VENV)/bin/diffbatch serve $(MODEL) --port $(PORT) $(SERVE_ARGS)
 
-test: install
+test: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
 	$(PY) -m pytest -q -p no:cacheprovider
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
 	$(VENV)/bin/ruff format --check diffbatch tests benchmarks scripts
 
-bench: install
+bench: install-dev
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[bench]"
 
 clean:
