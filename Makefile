@@ -14,7 +14,6 @@ SERVE_ARGS ?=
 # The serving install: diffbatch and what it needs, nothing for tests or benchmarks.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q "$(TORCH_PIN)" -e .
 	touch $@
