@@ -161,8 +161,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# (name, adds the subparser); `diffbatch bench` will register here.
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser]
+def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    from diffbatch.bench.serve import add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
+# (name, adds the subparser)
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_serve_parser, _add_bench_parser,
+]
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
