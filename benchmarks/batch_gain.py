@@ -9,10 +9,11 @@ For each model, size and batch size B, in one run, alternating:
       in flight, so a full wave always waits while one runs (saturating load).
 Figures per B: P1 = (served gain at B) / (raw gain at B), gains over B = 1;
 P2 = served images/s / raw images/s. Bar: P1 >= 0.9 and P2 >= 0.95 at every B.
-Each figure is the median of `--repeats` alternating rounds. Also reported: the
-mean wave size the server saw, and CPU seconds per image (this process for raw;
-the server's processes plus this client for served), which a shared machine's
-load disturbs far less than images/s.
+Each figure is the median of `--repeats` alternating rounds (raw first in even
+rounds, served first in odd ones). Also reported: the mean wave size the server
+saw, and CPU seconds per image (this process for raw; every process of the server
+for served, the client apart), which a shared machine's load disturbs far less
+than images/s: P2_cpu = raw CPU s/image / served CPU s/image.
 
     .venv/bin/python benchmarks/batch_gain.py --out benchmarks/results/batch_gain.json
 
@@ -57,12 +58,15 @@ def served_round(
     )
     server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
     report = run_benchmark(config)
-    cpu = server.cpu_seconds() - server_cpu + time.process_time() - client_cpu
+    server_cpu = server.cpu_seconds() - server_cpu
+    client_cpu = time.process_time() - client_cpu
     if report["failed"]:
         raise RuntimeError(f"served round had {report['failed']} failed requests: "
                            f"{report['errors']}")
     metrics = report["server_metrics"] or {}
-    return {"images_per_s": report["image_throughput"], "cpu_s_per_image": cpu / num_images,
+    return {"images_per_s": report["image_throughput"],
+            "cpu_s_per_image": server_cpu / num_images,
+            "client_cpu_s_per_image": client_cpu / num_images,
             "mean_wave_size": metrics.get("mean_wave_size")}
 
 
@@ -91,9 +95,13 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
             for rep in range(args.repeats):
                 for b in args.batch_sizes:
                     n = _images(b, args.num_images)
-                    samples[b]["raw"].append(raw_round(pipe, b, size, args.steps, n))
-                    samples[b]["served"].append(
-                        served_round(servers[f"B{b}"], b, size, args.steps, n, seed=rep))
+                    # NOTE: whichever of two alternating processes runs second was
+                    # measured 5-15% slower here (its caches were just the other's),
+                    # so the order flips every round.
+                    for kind in ("raw", "served") if rep % 2 == 0 else ("served", "raw"):
+                        samples[b][kind].append(
+                            raw_round(pipe, b, size, args.steps, n) if kind == "raw" else
+                            served_round(servers[f"B{b}"], b, size, args.steps, n, seed=rep))
             for b in args.batch_sizes:
                 raw, served = samples[b]["raw"], samples[b]["served"]
                 row = {
@@ -103,6 +111,8 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
                     "raw_cpu_s_per_image": statistics.median(r["cpu_s_per_image"] for r in raw),
                     "served_cpu_s_per_image":
                         statistics.median(s["cpu_s_per_image"] for s in served),
+                    "client_cpu_s_per_image":
+                        statistics.median(s["client_cpu_s_per_image"] for s in served),
                     "mean_wave_size": statistics.median(
                         s["mean_wave_size"] or 0.0 for s in served),
                     "raw_images_per_s_rounds": [r["images_per_s"] for r in raw],
@@ -144,7 +154,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     for axis in (ax, bx):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("batch size B (--max-num-seqs)")
-    ax.set_ylabel("images/s (solid: served over HTTP, dashed: raw pipeline)")
+    ax.set_ylabel("images/s (solid: served, dashed: raw)")
     ax.legend(fontsize=7)
     ax.set_title("Served vs raw throughput")
     bx.axhline(0.95, color="grey", lw=0.8)
