@@ -49,7 +49,9 @@ def no_leftover_segments():
 def test_at_threshold_stays_inline_above_goes_to_shm():
     at = torch.zeros(256, dtype=torch.float32)  # exactly 1024 bytes
     above = torch.zeros(257, dtype=torch.float32)
-    assert shm.pack(at, threshold_bytes=1024) is at
+    inline = shm.pack(at, threshold_bytes=1024)
+    assert isinstance(inline, shm.InlineTensor) and inline.data == at.numpy().tobytes()
+    assert torch.equal(shm.unpack(inline), at)
     packed = shm.pack(above, threshold_bytes=1024)
     assert isinstance(packed, ShmTensorHandle)
     assert packed.nbytes == 257 * 4 and packed.shape == (257,)
@@ -63,7 +65,7 @@ def test_at_threshold_stays_inline_above_goes_to_shm():
 def test_default_threshold_is_one_mib():
     small = torch.zeros(1 << 18, dtype=torch.float32)  # 1 MiB exactly
     image = torch.rand(1, 3, 512, 512)  # 3 MiB
-    assert shm.pack(small) is small
+    assert isinstance(shm.pack(small), shm.InlineTensor)
     packed = shm.pack(image)
     assert isinstance(packed, ShmTensorHandle)
     assert torch.equal(shm.unpack(packed), image)
@@ -103,9 +105,27 @@ def test_nested_batch_runner_output_packs_every_tensor_without_mutating_input():
         assert torch.equal(meta["pair"].left, torch.full((3,), 7))
 
 
-def test_structure_without_large_tensors_is_returned_as_is():
-    result = BatchRunnerOutput(outputs={"a": DiffusionOutput("a", images=torch.zeros(2))})
+def test_structure_without_tensors_is_returned_as_is():
+    result = BatchRunnerOutput(outputs={"a": DiffusionOutput("a", images=[1, 2])})
     assert shm.pack(result) is result
+
+
+def test_small_tensors_travel_as_bytes_and_round_trip_exactly():
+    """Small tensors skip torch's slow storage pickling (see InlineTensor's NOTE)."""
+    import pickle
+
+    images = torch.randint(0, 255, (8, 64, 64, 3), dtype=torch.uint8)
+    strided = torch.rand(4, 6)[:, ::2]  # non-contiguous
+    result = BatchRunnerOutput(outputs={"a": DiffusionOutput("a", images=images),
+                                        "b": DiffusionOutput("b", images=strided),
+                                        "c": DiffusionOutput("c", images=torch.zeros(0, 3))})
+    packed = shm.pack(result)
+    assert isinstance(packed.outputs["a"].images, shm.InlineTensor)
+    out = shm.unpack(pickle.loads(pickle.dumps(packed)))
+    assert torch.equal(out.outputs["a"].images, images)
+    assert torch.equal(out.outputs["b"].images, strided)
+    assert out.outputs["c"].images.shape == (0, 3)
+    assert result.outputs["a"].images is images  # the input is not mutated
 
 
 @pytest.mark.parametrize(
@@ -145,10 +165,11 @@ def test_zero_dim_and_empty_tensors():
     empty = torch.empty(0, 3, 8)
     packed = shm.pack({"scalar": scalar, "empty": empty}, threshold_bytes=0)
     assert isinstance(packed["scalar"], ShmTensorHandle) and packed["scalar"].shape == ()
-    assert packed["empty"] is empty  # 0 bytes never exceed a threshold
+    assert isinstance(packed["empty"], shm.InlineTensor)  # 0 bytes never exceed a threshold
     out = shm.unpack(packed)
     assert out["scalar"].shape == () and out["scalar"].item() == 3.25
     assert out["scalar"].dtype == torch.bfloat16
+    assert out["empty"].shape == (0, 3, 8)
 
 
 def test_numpy_arrays_round_trip():
