@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -72,6 +73,12 @@ class _Worker:
         log_level = logging.getLogger("diffbatch").getEffectiveLevel()
         self.process = ctx.Process(target=worker_main, name="diffbatch-worker", daemon=True,
                                    args=(config, child_conn, runner_factory, log_level))
+        # NOTE: OpenMP's default active wait makes torch's threads spin; on a machine whose
+        # cores are shared with other processes a forward then slows down 10-50x (measured
+        # in docs/benchmarks.md). Passive waiting costs little when the cores are free.
+        # It must be in the environment before the worker imports torch; a user's own
+        # setting wins. The spawned process inherits os.environ as it is at start().
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.process.start()
         child_conn.close()  # so a dead worker reads as EOF here
         self.pid: int = self.process.pid
