@@ -5,11 +5,15 @@
 request otherwise), `update_from_output()`, and hand every finished request to the
 `deliver` callback. Everything that touches the scheduler holds `self.cond`'s lock;
 the forward itself runs without it, so requests can arrive and abort meanwhile.
+
+Outputs are delivered on a thread of their own, so the loop hands the worker its
+next wave while the last wave's outputs are converted and handed to their callers.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -54,10 +58,19 @@ class EngineCore:
         self.cond = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        # finished (request, output) pairs for the delivery thread; None stops it
+        self._outbox: queue.SimpleQueue[tuple[DiffusionRequest, DiffusionOutput] | None] = (
+            queue.SimpleQueue()
+        )
+        self._deliverer: threading.Thread | None = None
         self.last_admission_reason = ""  # why the last admission wait ended ("" = none)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
+        self._deliverer = threading.Thread(
+            target=self._deliver_loop, name="diffbatch-deliver", daemon=True
+        )
+        self._deliverer.start()
         self._thread = threading.Thread(target=self._run, name="diffbatch-engine", daemon=True)
         self._thread.start()
 
@@ -75,8 +88,20 @@ class EngineCore:
         return open_requests
 
     def join(self, timeout_s: float = 60.0) -> None:
+        """Wait for the loop (and its last wave) to end, then for the last deliveries."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        self._outbox.put(None)
+        if self._deliverer is not None and self._deliverer is not threading.current_thread():
+            self._deliverer.join(timeout_s)
+
+    def _deliver_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            try:
+                self.deliver(*item)
+            except Exception:  # one caller's failure must not stop the others' deliveries
+                logger.exception("delivering the output of request %s failed",
+                                 item[0].request_id)
 
     @property
     def is_running(self) -> bool:
@@ -132,8 +157,8 @@ class EngineCore:
                         running, RequestStatus.FINISHED_ERROR
                     )
                 for request in failed:
-                    self.deliver(request, DiffusionOutput.from_error(
-                        request.request_id, RequestError("internal engine error")))
+                    self._outbox.put((request, DiffusionOutput.from_error(
+                        request.request_id, RequestError("internal engine error"))))
 
     def step(self) -> bool:
         """Run at most one wave; return whether one ran."""
@@ -168,7 +193,7 @@ class EngineCore:
         self._log_wave(wave, wave_start, runner_output)
         for request, output in finished:
             output.queue_time_ms = (wave_start - request.arrival_time) * 1000.0
-            self.deliver(request, output)
+            self._outbox.put((request, output))
         return True
 
     def _execute(self, wave: SchedulerOutput) -> BatchRunnerOutput:
