@@ -7,7 +7,10 @@ capacity > 1) and nothing is running. It ends at the first of:
 
 - `capacity`: the waiting queue holds `max_num_seqs` requests;
 - `stable`: the waiting count has not grown for a stable window of
-  `min(50 ms, max_wait / 5)` (only growth resets the window; an abort does not);
+  `min(50 ms, max_wait / 5)` (only growth resets the window; an abort does not),
+  and no announced request is still on its way (see `ArrivalNotice` in the engine:
+  the HTTP layer announces a request while it still reads and validates its body, so
+  a burst is not cut short by its own parsing time);
 - `deadline`: `start + max_wait` passed;
 - `stopped`: the engine is stopping.
 
@@ -53,6 +56,7 @@ class AdmissionWait:
         is_stopped: Callable[[], bool],
         wait_s: Callable[[float], object],
         clock: Callable[[], float] = time.monotonic,
+        num_incoming: Callable[[], int] = lambda: 0,
     ) -> str:
         """Wait until one of the exit conditions holds; return its name.
 
@@ -62,6 +66,8 @@ class AdmissionWait:
             wait_s: blocks up to the given seconds or until notified, e.g. the bound
                 `Condition.wait` of the engine's condition (called with its lock held).
             clock: monotonic seconds.
+            num_incoming: announced requests not yet added; while any is on its way
+                the queue is not stable (the deadline still bounds the wait).
         """
         start = clock()
         deadline = start + self.max_wait_ms / 1000.0
@@ -79,6 +85,9 @@ class AdmissionWait:
                 last_count, last_growth = count, now
             if now >= deadline:
                 return "deadline"
-            if now - last_growth >= window_s:
-                return "stable"
-            wait_s(min(deadline, last_growth + window_s) - now)
+            window_end = last_growth + window_s
+            if now >= window_end:
+                if num_incoming() == 0:
+                    return "stable"
+                window_end = deadline  # woken early by the arrival or its retraction
+            wait_s(min(deadline, window_end) - now)

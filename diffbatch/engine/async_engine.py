@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from diffbatch.config import EngineConfig
-from diffbatch.engine.core import EngineCore
+from diffbatch.engine.core import ArrivalNotice, EngineCore
 from diffbatch.errors import (
     ConfigError,
     EngineClosedError,
@@ -226,7 +226,7 @@ class Engine:
         return request
 
     def _add(
-        self, requests: list[DiffusionRequest]
+        self, requests: list[DiffusionRequest], notice: ArrivalNotice | None = None
     ) -> list[concurrent.futures.Future[DiffusionOutput]]:
         """Register one future per request and queue them all at once."""
         futures: list[concurrent.futures.Future[DiffusionOutput]] = []
@@ -246,7 +246,7 @@ class Engine:
                 self._futures[request.request_id] = future
                 futures.append(future)
         try:
-            self.core.add_requests(requests)
+            self.core.add_requests(requests, notice)
         except Exception:
             with self._lock:
                 for request in requests:
@@ -255,10 +255,11 @@ class Engine:
         return futures
 
     def _submit(
-        self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int
+        self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int,
+        notice: ArrivalNotice | None = None,
     ) -> tuple[DiffusionRequest, concurrent.futures.Future[DiffusionOutput]]:
         request = self._prepare(prompt, params, request_id, priority)
-        return request, self._add([request])[0]
+        return request, self._add([request], notice)[0]
 
     def _deliver(self, request: DiffusionRequest, output: DiffusionOutput) -> None:
         """Resolve the request's future exactly once (later calls are no-ops)."""
@@ -334,19 +335,34 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        arrival_notice: ArrivalNotice | None = None,
     ) -> DiffusionOutput:
         """Submit one request and await its output; cancelling the await aborts it.
+
+        `arrival_notice` is the `expect_request()` notice this request was announced
+        with, if any; adding the request closes it.
 
         Raises at once for invalid input (`InvalidRequestError`), a full queue
         (`QueueFullError`) or a closed engine; otherwise returns the output, with
         `error` set if the request failed.
         """
-        request, future = self._submit(prompt, sampling_params, request_id, priority)
+        request, future = self._submit(
+            prompt, sampling_params, request_id, priority, arrival_notice
+        )
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
+
+    def expect_request(self) -> ArrivalNotice:
+        """Announce a request that is on its way, for the admission wait.
+
+        A front-end that still has to read and validate a request (an HTTP body)
+        enters this before and passes it to `generate_async`; while it is open, the
+        admission wait does not end a wave as "stable". Always use it in a `with`.
+        """
+        return ArrivalNotice(self.core)
 
     def abort(self, request_id: str | Sequence[str]) -> bool:
         """Abort waiting or running requests; their callers get an aborted output.
@@ -429,4 +445,4 @@ def _finalize_images(images: Any, output_type: str) -> Any:
     return [Image.fromarray(img) for img in images.numpy()]  # uint8 [n, H, W, C]
 
 
-__all__ = ["Engine", "RequestStatus", "resolve_request_batch_support"]
+__all__ = ["ArrivalNotice", "Engine", "RequestStatus", "resolve_request_batch_support"]

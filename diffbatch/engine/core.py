@@ -36,6 +36,26 @@ logger = logging.getLogger(__name__)
 Deliver = Callable[[DiffusionRequest, DiffusionOutput], None]
 
 
+class ArrivalNotice:
+    """A request announced to the engine before it is added, e.g. while HTTP parses it.
+
+    Entering announces it; the engine closes it when the request is added, and
+    leaving the `with` block closes it in any case (rejected, failed, disconnected).
+    While it is open, the admission wait does not call the queue stable.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.open = False  # guarded by core.cond
+
+    def __enter__(self) -> ArrivalNotice:
+        self.core.announce(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.core.retract(self)
+
+
 class EngineCore:
     """Owns the scheduler and the loop thread; see the module docstring."""
 
@@ -64,6 +84,7 @@ class EngineCore:
         )
         self._deliverer: threading.Thread | None = None
         self.last_admission_reason = ""  # why the last admission wait ended ("" = none)
+        self.num_incoming = 0  # announced requests not yet added (see ArrivalNotice)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -108,11 +129,35 @@ class EngineCore:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     # -- requests --------------------------------------------------------------------
-    def add_requests(self, requests: list[DiffusionRequest]) -> None:
-        """Queue requests together, so the loop sees them all at its next schedule."""
+    def announce(self, notice: ArrivalNotice) -> None:
+        """Count a request that is on its way (its caller still parses it)."""
+        with self.cond:
+            notice.open = True
+            self.num_incoming += 1
+            self.cond.notify_all()
+
+    def retract(self, notice: ArrivalNotice | None) -> None:
+        """Close an announcement (the request arrived, failed or went away); idempotent."""
+        if notice is None:
+            return
+        with self.cond:
+            if notice.open:
+                notice.open = False
+                self.num_incoming -= 1
+                self.cond.notify_all()
+
+    def add_requests(
+        self, requests: list[DiffusionRequest], notice: ArrivalNotice | None = None
+    ) -> None:
+        """Queue requests together, so the loop sees them all at its next schedule.
+
+        `notice`, when given, is closed in the same critical section, so an announced
+        request is never counted twice nor missing from the admission wait's view.
+        """
         with self.cond:
             if self._stopped:
                 raise EngineClosedError("engine is closed")
+            self.retract(notice)  # re-entrant: cond is an RLock-backed Condition
             added = []
             try:
                 for request in requests:
@@ -178,6 +223,7 @@ class EngineCore:
                     lambda: self.scheduler.num_waiting,
                     lambda: self._stopped,
                     self.cond.wait,
+                    num_incoming=lambda: self.num_incoming,
                 )
             if self._stopped:
                 return False

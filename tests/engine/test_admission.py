@@ -124,3 +124,20 @@ def test_negative_wait_is_a_config_error():
         EngineConfig(request_batch_max_wait_ms=-1)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+
+
+def test_not_stable_while_an_announced_request_is_on_its_way():
+    # window 20 ms; one request is announced (HTTP still parsing it) and lands at 35 ms.
+    sim = Sim(arrivals_ms=[35], waiting=1)
+    incoming = lambda: 0 if sim.waiting >= 2 else 1  # noqa: E731
+    wait = AdmissionWait(max_wait_ms=100, capacity=8)
+    reason = wait.wait(lambda: sim.waiting, sim.stopped, sim.wait_s, sim.clock, incoming)
+    assert reason == "stable" and sim.now == pytest.approx(0.055)  # 35 ms + the window
+    assert all(t > 0 for t in sim.waits)
+
+
+def test_an_announced_request_that_never_arrives_is_bounded_by_the_deadline():
+    sim = Sim(waiting=1)
+    wait = AdmissionWait(max_wait_ms=100, capacity=8)
+    reason = wait.wait(lambda: sim.waiting, sim.stopped, sim.wait_s, sim.clock, lambda: 1)
+    assert reason == "deadline" and sim.now == pytest.approx(0.100)

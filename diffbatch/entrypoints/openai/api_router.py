@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
+from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageGenerationRequest,
@@ -60,7 +61,8 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
     """Generate `n` images for one prompt (OpenAI `images.generate`)."""
     setattr(raw_request.state, HANDLED_STATE, True)
     request_id = raw_request.headers.get("x-request-id") or f"img-{uuid.uuid4().hex}"
-    result = await _serving(raw_request).create_image(request, request_id)
+    notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
+    result = await _serving(raw_request).create_image(request, request_id, notice)
     if not isinstance(result, ImageResult):
         return result
     return JSONResponse(result.response.model_dump(), headers=result.headers)

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from diffbatch.entrypoints.openai.api_router import HANDLED_STATE, IMAGES_ROUTE, router
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
 from diffbatch.entrypoints.openai.middleware import (
+    ArrivalNoticeMiddleware,
     HTTPMetrics,
     HTTPMetricsMiddleware,
     RequestGuardMiddleware,
@@ -108,6 +109,8 @@ def build_app(
     install_exception_handlers(app)
     # Added last = outermost: metrics see every answer, including the guard's.
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    # Outside the guard: the notice opens before the body is read.
+    app.add_middleware(ArrivalNoticeMiddleware, engine=engine, route=IMAGES_ROUTE)
     app.add_middleware(
         HTTPMetricsMiddleware,
         metrics=http_metrics,

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROTECTED_PREFIX = "/v1"
+ARRIVAL_NOTICE_STATE = "arrival_notice"  # scope["state"] key of the request's ArrivalNotice
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -48,6 +49,29 @@ def _is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (
         subtype == "json" or subtype.endswith("+json")
     )
+
+
+class ArrivalNoticeMiddleware:
+    """Announce each image request to the engine while the server still reads it.
+
+    The notice (`Engine.expect_request`) is open from the first ASGI event of a
+    `POST` to the images route until the request reaches the engine (or fails): the
+    admission wait then does not close a wave while a burst is still being parsed.
+    The route hands the notice to `generate_async` through `scope["state"]`.
+    """
+
+    def __init__(self, app: ASGIApp, *, engine: Any, route: str) -> None:
+        self.app = app
+        self.engine = engine
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.route:
+            await self.app(scope, receive, send)
+            return
+        with self.engine.expect_request() as notice:
+            scope.setdefault("state", {})[ARRIVAL_NOTICE_STATE] = notice
+            await self.app(scope, receive, send)
 
 
 class RequestGuardMiddleware:

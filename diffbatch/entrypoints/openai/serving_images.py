@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
 
     from diffbatch.engine.async_engine import Engine
+    from diffbatch.engine.core import ArrivalNotice
     from diffbatch.entrypoints.openai.middleware import HTTPMetrics
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ class OpenAIServingImages:
         )
 
     async def create_image(
-        self, request: ImageGenerationRequest, request_id: str
+        self, request: ImageGenerationRequest, request_id: str,
+        arrival_notice: ArrivalNotice | None = None,
     ) -> ImageResult | JSONResponse:
         """Run stages 1-5 for one request; a failed engine request becomes its error response.
 
@@ -180,7 +182,8 @@ class OpenAIServingImages:
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 output = await self.engine.generate_async(
-                    request.prompt, params, request_id=request_id, priority=request.priority
+                    request.prompt, params, request_id=request_id, priority=request.priority,
+                    arrival_notice=arrival_notice,
                 )
         except InvalidRequestError:
             self.engine.record_rejected()  # refused by the engine's own checks (e.g. LoRA)
