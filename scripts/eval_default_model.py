@@ -101,6 +101,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=120, help="number of held-out prompts")
     ap.add_argument("--steps", type=int, default=None, help="default: diffbatch_defaults.json")
     ap.add_argument("--guidance", type=float, default=None)
+    ap.add_argument(
+        "--prompts",
+        choices=["heldout", "train"],
+        default="heldout",
+        help="held-out triples (the score) or training triples (for comparison)",
+    )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
@@ -119,8 +125,9 @@ def main() -> None:
     guidance = args.guidance if args.guidance is not None else defaults["guidance_scale"]
     pipe = load(args.model)
 
-    prompts = sd.heldout_prompts(args.n)
-    assert all(sd.caption_split(p) == "heldout" for p in prompts)
+    make_prompts = sd.heldout_prompts if args.prompts == "heldout" else sd.train_prompts
+    prompts = make_prompts(args.n)
+    assert all(sd.caption_split(p) == args.prompts for p in prompts)
     images: list[np.ndarray] = []
     t0 = time.perf_counter()
     for i in range(0, len(prompts), args.batch):
@@ -144,7 +151,7 @@ def main() -> None:
         per_shape[want][1] += 1
     n = len(prompts)
     scores = {k: 100.0 * v / n for k, v in hits.items()}
-    print(f"model {args.model}  steps {steps}  guidance {guidance}  prompts {n} (held-out)")
+    print(f"model {args.model}  steps {steps}  guidance {guidance}  prompts {n} ({args.prompts})")
     print(f"generation: {gen_s:.1f} s at batch {args.batch}, {args.threads} threads")
     print(f"colour adherence      {scores['colour']:5.1f}%  (shape's colour)")
     print(f"shape adherence       {scores['shape']:5.1f}%")

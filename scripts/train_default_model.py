@@ -143,23 +143,25 @@ def build_models(vocab_size: int, bos_id: int, eos_id: int, args):
         up_block_types=("UpDecoderBlock2D",) * 3,
         block_out_channels=tuple(args.vae_channels),
         layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
+        latent_channels=args.latent_channels,
+        # Few groups (several channels each): a GroupNorm with 1-2 channels per group before
+        # conv_out normalises the absolute colour away and the decoder cannot recover it.
+        norm_num_groups=4,
         sample_size=sd.IMAGE_SIZE,
         mid_block_add_attention=False,
     )
     ch = tuple(args.unet_channels)
     unet = UNet2DConditionModel(
         sample_size=sd.IMAGE_SIZE // 4,
-        in_channels=4,
-        out_channels=4,
+        in_channels=args.latent_channels,
+        out_channels=args.latent_channels,
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
         block_out_channels=ch,
         layers_per_block=args.unet_layers,
         cross_attention_dim=args.text_dim,
         attention_head_dim=4,  # diffusers' legacy name: the number of heads
-        norm_num_groups=16,
+        norm_num_groups=8,
     )
     return text_encoder, vae, unet
 
@@ -171,9 +173,12 @@ def n_params(m: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------- data
 
 
-def render_batch(rng: np.random.Generator, n: int) -> torch.Tensor:
+def render_batch(rng: np.random.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images in [-1, 1] (n, 3, 64, 64) and their shape masks (n, 1, 64, 64)."""
     imgs = np.stack([sd.make_example(rng)[0] for _ in range(n)])
-    return torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+    mask = (imgs != imgs[:, :1, :1, :]).any(axis=3)  # the corner pixel is always background
+    x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+    return x, torch.from_numpy(mask)[:, None].float()
 
 
 def scheduler_config() -> dict:
@@ -187,6 +192,58 @@ def scheduler_config() -> dict:
         "timestep_spacing": "trailing",
         "steps_offset": 1,
     }
+
+
+def refine_decoder(vae, args, cache: Path, t_start: float):
+    """Stage 2b: train the decoder longer with the encoder frozen. The latents (and so the
+    UNet's training data) do not change; the decoder draws sharper edges. Cached."""
+    from diffusers import AutoencoderKL
+
+    out = cache / f"decoder-{args.decoder_steps}"
+    if (out / "losses.pt").exists():
+        print(f"reusing the refined decoder from {out}", flush=True)
+        return AutoencoderKL.from_pretrained(str(out / "vae")), torch.load(out / "losses.pt")
+    rng = np.random.default_rng([args.seed, 4])
+    gen = torch.Generator().manual_seed(args.seed + 4)
+    for p in vae.parameters():
+        p.requires_grad_(False)
+    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.decoder_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, args.decoder_steps, args.decoder_lr / 20
+    )
+    vae.eval()
+    vae.decoder.train()
+    losses: list[float] = []
+    bar = tqdm(range(args.decoder_steps), desc="decoder", mininterval=5, file=sys.stdout)
+    for _ in bar:
+        x, mask = render_batch(rng, args.vae_batch)
+        with torch.no_grad():
+            z = vae.encode(x).latent_dist.mode()
+            # a little latent noise: the UNet's latents are never exact
+            z = z + 0.05 * z.std() * torch.randn(z.shape, generator=gen)
+        rec = vae.decode(z).sample
+        w = 1.0 + 9.0 * mask
+        loss = (w * ((rec - x) ** 2 + 0.5 * (rec - x).abs())).sum() / (w.sum() * 3)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(F.mse_loss(rec, x).item())
+        bar.set_postfix(mse=f"{np.mean(losses[-50:]):.5f}")
+        if args.max_minutes and (time.time() - t_start) / 60 > args.max_minutes:
+            print(f"\ntime budget reached at decoder step {len(losses)}", flush=True)
+            break
+    vae.eval()
+    for p in vae.parameters():
+        p.requires_grad_(False)
+    out.mkdir(parents=True, exist_ok=True)
+    vae.save_pretrained(str(out / "vae"))
+    torch.save(losses, out / "losses.pt")
+    return vae, losses
 
 
 # ----------------------------------------------------------------------------- saving
@@ -219,7 +276,9 @@ def save_pipeline(out: Path, tok, text_encoder, vae, unet, defaults: dict) -> No
     tmp.rename(out)
 
 
-def plot_losses(path: Path, vae_losses: list[float], unet_losses: list[float]) -> None:
+def plot_losses(
+    path: Path, vae_losses: list[float], unet_losses: list[float], dec_losses: list[float]
+) -> None:
     try:
         import matplotlib
 
@@ -235,11 +294,12 @@ def plot_losses(path: Path, vae_losses: list[float], unet_losses: list[float]) -
             return a
         return np.convolve(a, np.ones(k) / k, mode="valid")
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, xs, title in (
-        (axes[0], vae_losses, "autoencoder (MSE, pixels in [-1,1])"),
-        (axes[1], unet_losses, "UNet + text encoder (v-prediction MSE)"),
-    ):
+    panels = [(vae_losses, "autoencoder (MSE, pixels in [-1,1])")]
+    if dec_losses:
+        panels.append((dec_losses, "decoder refinement, encoder frozen (MSE)"))
+    panels.append((unet_losses, "UNet + text encoder (v-prediction MSE)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for ax, (xs, title) in zip(axes, panels, strict=True):
         ax.plot(xs, alpha=0.25, lw=0.6, color="C0")
         s = smooth(xs)
         ax.plot(np.arange(len(s)) + (len(xs) - len(s)), s, color="C1", lw=1.5, label="moving avg")
@@ -263,12 +323,13 @@ def main() -> None:
     ap.add_argument("--loss-plot", type=Path, default=ROOT / "docs/images/shapes_loss.png")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--vae-steps", type=int, default=600)
+    ap.add_argument("--vae-steps", type=int, default=500)
     ap.add_argument("--vae-batch", type=int, default=16)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
     ap.add_argument("--vae-channels", type=int, nargs=3, default=[16, 32, 32])
-    ap.add_argument("--pool", type=int, default=12000, help="training scenes encoded once")
-    ap.add_argument("--unet-steps", type=int, default=3000)
+    ap.add_argument("--latent-channels", type=int, default=8)
+    ap.add_argument("--pool", type=int, default=10000, help="training scenes encoded once")
+    ap.add_argument("--unet-steps", type=int, default=2200)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--unet-channels", type=int, nargs=3, default=[32, 64, 64])
@@ -277,6 +338,8 @@ def main() -> None:
     ap.add_argument("--text-layers", type=int, default=2)
     ap.add_argument("--cfg-drop", type=float, default=0.1)
     ap.add_argument("--ema", type=float, default=0.999)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--init-from", type=Path, default=None, help="continue from this pipeline")
     ap.add_argument("--ckpt-every", type=int, default=500)
     ap.add_argument(
         "--max-minutes",
@@ -293,6 +356,14 @@ def main() -> None:
         help="cache for the trained autoencoder and the encoded pool",
     )
     ap.add_argument("--stop-after-vae", action="store_true")
+    ap.add_argument("--decoder-steps", type=int, default=2500, help="stage 2b (0: off)")
+    ap.add_argument("--decoder-lr", type=float, default=1e-3)
+    ap.add_argument("--only-decoder", action="store_true", help="stop after stage 2b")
+    ap.add_argument(
+        "--assemble",
+        action="store_true",
+        help="swap the cached refined autoencoder into the pipeline already in --out",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny smoke-test run")
     args = ap.parse_args()
     if args.quick:
@@ -327,7 +398,7 @@ def main() -> None:
     key = (
         f"s{args.seed}-v{args.vae_steps}x{args.vae_batch}-lr{args.vae_lr}-"
         + "-".join(map(str, args.vae_channels))
-        + f"-p{args.pool}"
+        + f"-p{args.pool}-det-g4-fg-l{args.latent_channels}"
     )
     cache = args.work_dir / key
     vae_losses: list[float] = []
@@ -350,11 +421,16 @@ def main() -> None:
         vae.train()
         bar = tqdm(range(args.vae_steps), desc="vae", mininterval=5, file=sys.stdout)
         for _ in bar:
-            x = render_batch(rng, args.vae_batch)
+            x, mask = render_batch(rng, args.vae_batch)
+            # The shape covers 5-30% of the pixels: weight it so its colour is learned early.
+            w = 1.0 + 9.0 * mask
             post = vae.encode(x).latent_dist
-            rec = vae.decode(post.sample()).sample
+            # A deterministic autoencoder (the posterior mean): with the tiny KL weight, sampled
+            # latents stay noisy for too long in a short run and wash the colours out.
+            rec = vae.decode(post.mode()).sample
             mse = F.mse_loss(rec, x)
-            loss = mse + 0.5 * F.l1_loss(rec, x) + 1e-6 * post.kl().mean()
+            err = (w * ((rec - x) ** 2 + 0.5 * (rec - x).abs())).sum() / (w.sum() * 3)
+            loss = err + 1e-6 * post.kl().mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -370,7 +446,8 @@ def main() -> None:
         )
 
         # --- stage 2: encode the pool of training scenes ----------------------------------
-        latents = torch.empty(args.pool, 4, sd.IMAGE_SIZE // 4, sd.IMAGE_SIZE // 4)
+        lat_side = sd.IMAGE_SIZE // 4
+        latents = torch.empty(args.pool, args.latent_channels, lat_side, lat_side)
         with torch.no_grad():
             for i in tqdm(range(0, args.pool, 256), desc="encode", mininterval=5, file=sys.stdout):
                 chunk = scenes[i : i + 256]
@@ -380,6 +457,11 @@ def main() -> None:
         cache.mkdir(parents=True, exist_ok=True)
         vae.save_pretrained(str(cache / "vae"))
         torch.save({"latents": latents, "vae_losses": vae_losses}, cache / "latents.pt")
+    dec_losses: list[float] = []
+    if args.decoder_steps:
+        vae, dec_losses = refine_decoder(vae, args, cache, t_start)
+        if args.only_decoder:
+            return
     vae.eval()
     for p in vae.parameters():
         p.requires_grad_(False)
@@ -389,12 +471,30 @@ def main() -> None:
     print(f"latent scaling_factor {scale:.4f}", flush=True)
     if args.stop_after_vae:
         return
+    if args.assemble:
+        # Put this (refined) autoencoder into an already trained pipeline folder.
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline.from_pretrained(str(args.out))
+        old = pipe.vae.config.scaling_factor
+        assert abs(old - scale) < 1e-4, (old, scale)
+        save_pipeline(args.out, pipe.tokenizer, pipe.text_encoder, vae, pipe.unet, defaults)
+        print(f"assembled {args.out} with the refined decoder", flush=True)
+        return
 
     # --- stage 3: UNet + text encoder ----------------------------------------------------
+    if args.init_from:
+        # Continue training from a saved pipeline (its UNet and text encoder).
+        from diffusers import UNet2DConditionModel
+        from transformers import CLIPTextModel
+
+        unet = UNet2DConditionModel.from_pretrained(str(args.init_from), subfolder="unet")
+        text_encoder = CLIPTextModel.from_pretrained(str(args.init_from), subfolder="text_encoder")
+        print(f"continuing from {args.init_from}", flush=True)
     noise_sched = DDPMScheduler(**scheduler_config())
     params = list(unet.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-2)
-    warm = 200
+    warm = args.warmup
 
     def lr_at(step: int) -> float:
         if step < warm:
@@ -415,7 +515,7 @@ def main() -> None:
 
     def checkpoint(step: int) -> None:
         save_pipeline(args.out, tok, ema_text, vae, ema_unet, defaults)
-        plot_losses(args.loss_plot, vae_losses, unet_losses)
+        plot_losses(args.loss_plot, vae_losses, unet_losses, dec_losses)
         print(f"\ncheckpoint at step {step} ({(time.time() - t_start) / 60:.1f} min)", flush=True)
 
     bar = tqdm(range(args.unet_steps), desc="unet", mininterval=5, file=sys.stdout)

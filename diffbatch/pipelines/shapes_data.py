@@ -254,8 +254,26 @@ def caption_split(caption: str) -> str | None:
 def heldout_prompts(n: int = 120, seed: int = 0) -> list[str]:
     """``n`` distinct evaluation prompts, each naming a held-out (colour, shape, background)
     triple, with varied size and position phrases. Deterministic in ``seed``."""
+    return _prompts_for(sorted(HELDOUT_TRIPLES), n, seed)
+
+
+def train_prompts(n: int = 120, seed: int = 0) -> list[str]:
+    """Like :func:`heldout_prompts`, from triples the training split does render (a
+    comparison point: generalisation gap = train-prompt score - held-out score)."""
+    triples = sorted(
+        (c, s, b)
+        for c in SHAPE_COLOURS
+        for s in SHAPES
+        for b in BACKGROUNDS
+        if (c, s, b) not in HELDOUT_TRIPLES
+    )
+    rng = np.random.default_rng(seed + 1)
+    picked = [triples[i] for i in rng.permutation(len(triples))[: len(HELDOUT_TRIPLES)]]
+    return _prompts_for(sorted(picked), n, seed)
+
+
+def _prompts_for(triples: list[tuple[str, str, str]], n: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
-    triples = sorted(HELDOUT_TRIPLES)
     extras: list[tuple[str | None, str | None]] = [(None, None)]
     extras += [(s, None) for s in SIZES]
     extras += [(s, p) for s in SIZES for p in POSITIONS]
@@ -341,13 +359,41 @@ def _largest_component(mask: np.ndarray) -> np.ndarray:
     return out
 
 
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    out = mask.copy()
+    out[1:] |= mask[:-1]
+    out[:-1] |= mask[1:]
+    out[:, 1:] |= mask[:, :-1]
+    out[:, :-1] |= mask[:, 1:]
+    return out
+
+
 #: RGB distance from the background colour beyond which a pixel belongs to the shape.
 FOREGROUND_THRESHOLD = 60.0
 #: Blobs smaller than this many pixels (at 64x64) count as "no shape".
 MIN_BLOB_PIXELS = 20
-#: Fill-ratio boundaries: below TRIANGLE_MAX -> triangle; above SQUARE_MIN -> square.
-TRIANGLE_MAX = 0.66
-SQUARE_MIN = 0.89
+
+
+def template_ious(region: np.ndarray) -> dict[str, float]:
+    """IoU of a blob with an ideal circle, square and (upright) triangle filling its bounding
+    box. For hard-edged shapes the square's IoU is the fill ratio (square 1, circle pi/4,
+    triangle 1/2); comparing all three also sorts blurred, rounded shapes (a rounded
+    triangle is still bottom-heavy, a rounded square still fills its corners' sides)."""
+    ys, xs = np.nonzero(region)
+    y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
+    blob = region[y0:y1, x0:x1]
+    h, w = blob.shape
+    cy, cx = h / 2.0, w / 2.0
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
+    templates = {
+        "circle": ((xx - cx) / (w / 2.0)) ** 2 + ((yy - cy) / (h / 2.0)) ** 2 <= 1.0,
+        "square": np.ones_like(blob, dtype=bool),
+        "triangle": np.abs(xx - cx) <= (w / 2.0) * (yy / h),
+    }
+    out = {}
+    for name, t in templates.items():
+        out[name] = float((blob & t).sum()) / float((blob | t).sum())
+    return out
 
 
 def shape_region(image: Any) -> np.ndarray:
@@ -375,16 +421,21 @@ def judge(image: Any) -> dict[str, Any]:
             "area": area,
             "center": None,
         }
-    colour = _nearest(np.median(arr[region], axis=0), list(COLOURS))
+    shape_rgb = np.median(arr[region], axis=0)
+    colour = _nearest(shape_rgb, list(COLOURS))
+    # Measure the geometry on the half-contrast contour (the edge of a blurred shape), not on
+    # everything that differs a little from the background.
+    bg_rgb = _border_rgb(arr).astype(np.float32)
+    contrast = float(np.sqrt(((shape_rgb - bg_rgb) ** 2).sum()))
+    dist = np.sqrt(((arr.astype(np.float32) - bg_rgb) ** 2).sum(axis=2))
+    core = _largest_component((dist > 0.5 * contrast) & _dilate(region))
+    if core.sum() >= MIN_BLOB_PIXELS * scale:
+        region, area = core, int(core.sum())
     ys, xs = np.nonzero(region)
     bbox = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
     fill = area / float(bbox)
-    if fill < TRIANGLE_MAX:
-        shape = "triangle"
-    elif fill > SQUARE_MIN:
-        shape = "square"
-    else:
-        shape = "circle"
+    ious = template_ious(region)
+    shape = max(ious, key=ious.__getitem__)
     center = (float(xs.mean()), float(ys.mean()))
     return {
         "background": background,
