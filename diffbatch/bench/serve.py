@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from diffbatch.entrypoints.arg_types import int_at_least
+
 logger = logging.getLogger(__name__)
 
 IMAGES_ENDPOINT = "/v1/images/generations"
@@ -439,21 +441,8 @@ def _rate(text: str) -> float:
     return value
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _size(text: str) -> tuple[int, int]:

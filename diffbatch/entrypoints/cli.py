@@ -10,57 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+
+from diffbatch.entrypoints.arg_types import directory, float_at_least, int_at_least, port
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "DIFFBATCH_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _float_check(low: float, *, strict: bool) -> Callable[[str], float]:
-    rule = f"> {low:g}" if strict else f">= {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number {rule}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be a finite number {rule}, got {text}")
-        return value
-
-    return parse
-
-
-def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
-    return value
-
-
-def _directory(text: str) -> str:
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"must be an existing directory, got {text!r}")
-    return os.path.abspath(text)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -81,7 +41,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    server.add_argument("--port", type=port, default=8000, help="port to listen on")
     server.add_argument(
         "--served-model-name", default=None,
         help="model name clients pass and /v1/models lists (default: MODEL)",
@@ -91,22 +51,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
     )
     server.add_argument(
-        "--request-timeout", type=_float_check(0.0, strict=True), default=None,
+        "--request-timeout", type=float_at_least(0.0, strict=True), default=None,
         metavar="SECONDS", help="abort requests not finished after this long (504)",
     )
     server.add_argument(
-        "--max-image-pixels", type=_int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
+        "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
         help="largest width*height of one image (413 above it)",
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower)
 
     engine = parser.add_argument_group("engine")
     engine.add_argument(
-        "--max-num-seqs", type=_int_at_least(1), default=1,
+        "--max-num-seqs", type=int_at_least(1), default=1,
         help="most requests in one batched forward (wave)",
     )
     engine.add_argument(
-        "--request-batch-max-wait-ms", type=_float_check(0.0, strict=False), default=0.0,
+        "--request-batch-max-wait-ms", type=float_at_least(0.0, strict=False), default=0.0,
         help="how long a wave may wait for more compatible requests (0 = off)",
     )
     engine.add_argument(
@@ -114,11 +74,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run the pipeline in a worker process (mp) or in the server process",
     )
     engine.add_argument(
-        "--max-queue-size", type=_int_at_least(1), default=None,
+        "--max-queue-size", type=int_at_least(1), default=None,
         help="most waiting requests; more get 503 with Retry-After (default: unbounded)",
     )
     engine.add_argument(
-        "--lora-dir", type=_directory, default=None,
+        "--lora-dir", type=directory, default=None,
         help="folder LoRA adapter names resolve in (default: LoRA off over HTTP)",
     )
     engine.add_argument(
@@ -127,11 +87,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "policy); grouped: waves from the best compatible group, by priority and age",
     )
     engine.add_argument(
-        "--max-head-wait-ms", type=_float_check(0.0, strict=False), default=2000.0,
+        "--max-head-wait-ms", type=float_at_least(0.0, strict=False), default=2000.0,
         help="grouped: once the oldest request waited this long, its group goes next",
     )
     engine.add_argument(
-        "--max-wave-pixels", type=_int_at_least(1), default=None,
+        "--max-wave-pixels", type=int_at_least(1), default=None,
         help="grouped: most output pixels (B*n*H*W) in one wave (default: no cap)",
     )
     engine.add_argument(
@@ -139,7 +99,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="bisect: re-run a failing wave in halves so only failing requests get an "
         "error; none: a failing forward fails its whole wave",
     )
-    engine.add_argument("--seed", type=_int_at_least(0), default=None,
+    engine.add_argument("--seed", type=int_at_least(0), default=None,
                         help="seed of the engine's random source for unseeded requests")
     engine.add_argument("--device", default=None, help="torch device (default: auto)")
     engine.add_argument("--dtype", default=None, help="torch dtype, e.g. float16 (default: auto)")

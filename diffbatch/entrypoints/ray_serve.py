@@ -89,14 +89,14 @@ def _require_ray() -> None:
 # -- CLI ---------------------------------------------------------------------------------
 def add_ray_args(parser: argparse.ArgumentParser) -> None:
     """Add the Ray Serve flags (`--ray`, `--num-replicas`, ...) to `diffbatch serve`."""
-    from diffbatch.entrypoints.cli import _float_check, _int_at_least
+    from diffbatch.entrypoints.arg_types import float_at_least, int_at_least
 
     group = parser.add_argument_group(
         "ray", "scale out on Ray Serve (needs the `[ray]` extra); every replica runs "
         "its own engine with the engine flags above and batches its own share of traffic",
     )
-    positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
-    non_negative, positive = _float_check(0.0, strict=False), _float_check(0.0, strict=True)
+    positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+    non_negative, positive = float_at_least(0.0, strict=False), float_at_least(0.0, strict=True)
     group.add_argument("--ray", action="store_true",
                        help="serve on Ray Serve: many replicas behind one API")
     group.add_argument(

@@ -1,0 +1,58 @@
+"""argparse value types shared by every `diffbatch` subcommand.
+
+Each parses one flag value and fails with "must be <rule>, got <value>", the same
+wording the engine's own validation uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An integer >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def float_at_least(low: float, *, strict: bool) -> Callable[[str], float]:
+    """A finite number >= `low` (> `low` when `strict`)."""
+    rule = f"> {low:g}" if strict else f">= {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {rule}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {rule}, got {text}")
+        return value
+
+    return parse
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535."""
+    value = int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
+    return value
+
+
+def directory(text: str) -> str:
+    """An existing directory, made absolute."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be an existing directory, got {text!r}")
+    return os.path.abspath(text)
