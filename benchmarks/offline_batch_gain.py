@@ -80,12 +80,19 @@ def run(args: argparse.Namespace) -> dict:
                     raw_images_per_s(pipe, batch, size, args.steps, batch)  # warm-up
                     engine_images_per_s(engine, size, args.steps, batch)  # warm-up
                     raw, eng = [], []
-                    for _ in range(args.repeats):
-                        raw.append(raw_images_per_s(pipe, batch, size, args.steps, num_images))
-                        eng.append(engine_images_per_s(engine, size, args.steps, num_images))
+                    for rep in range(args.repeats):
+                        # --flip-order: engine first on odd rounds (the second of two
+                        # alternating measurements tends to run slower on a shared box).
+                        if args.flip_order and rep % 2:
+                            eng.append(engine_images_per_s(engine, size, args.steps, num_images))
+                            raw.append(raw_images_per_s(pipe, batch, size, args.steps, num_images))
+                        else:
+                            raw.append(raw_images_per_s(pipe, batch, size, args.steps, num_images))
+                            eng.append(engine_images_per_s(engine, size, args.steps, num_images))
                     row = {"model": model, "size": size, "batch": batch,
                            "raw_images_per_s": statistics.median(raw),
-                           "engine_images_per_s": statistics.median(eng)}
+                           "engine_images_per_s": statistics.median(eng),
+                           "raw_rounds": raw, "engine_rounds": eng}
                     row["engine_over_raw"] = row["engine_images_per_s"] / row["raw_images_per_s"]
                     results.append(row)
                     print(f"{model:9s} {size:4d}px B={batch}: raw {row['raw_images_per_s']:7.2f} "
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-images", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flip-order", action="store_true",
+                        help="run the engine first on every other round")
     parser.add_argument("--executor", choices=["mp", "inproc"], default="mp")
     parser.add_argument("--out", default="benchmarks/results/offline_batch_gain.json")
     parser.add_argument("--no-plot", action="store_true")
