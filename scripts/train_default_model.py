@@ -86,9 +86,8 @@ def learn_word_merges(words: list[str]) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tokenizer(folder: Path):
-    from transformers import CLIPTokenizer
-
+def tokenizer_files() -> dict[str, str]:
+    """vocab.json and merges.txt of the word-level CLIP BPE tokenizer (deterministic)."""
     words = sd.caption_vocabulary()
     merges = learn_word_merges(words)
     symbols = list(_bytes_to_unicode().values())
@@ -97,9 +96,21 @@ def build_tokenizer(folder: Path):
         if a + b not in vocab_list:
             vocab_list.append(a + b)
     vocab_list += [BOS, EOS]
+    return {
+        "vocab.json": json.dumps({t: i for i, t in enumerate(vocab_list)}),
+        "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+    }
+
+
+def build_tokenizer(folder: Path):
+    from transformers import CLIPTokenizer
+
+    files = tokenizer_files()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab_list)}))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    vocab = json.loads(files["vocab.json"])
+    words = sd.caption_vocabulary()
     tok = CLIPTokenizer.from_pretrained(
         str(folder),
         model_max_length=MAX_LEN,
@@ -109,10 +120,10 @@ def build_tokenizer(folder: Path):
         unk_token=EOS,
     )
     # The transformers-5 trap: a tokenizer that silently ignored its files.
-    assert len(tok) == len(vocab_list), (len(tok), len(vocab_list))
+    assert len(tok) == len(vocab), (len(tok), len(vocab))
     for w in words:
         ids = tok(w, add_special_tokens=False).input_ids
-        assert len(ids) == 1 and ids[0] == vocab_list.index(w + "</w>"), (w, ids)
+        assert len(ids) == 1 and ids[0] == vocab[w + "</w>"], (w, ids)
     return tok
 
 
@@ -271,6 +282,9 @@ def save_pipeline(out: Path, tok, text_encoder, vae, unet, defaults: dict) -> No
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(str(tmp), safe_serialization=True)
+    # transformers 5 writes only tokenizer.json; older versions' slow CLIPTokenizer reads these
+    for name, text in tokenizer_files().items():
+        (tmp / "tokenizer" / name).write_text(text)
     (tmp / "diffbatch_defaults.json").write_text(json.dumps(defaults, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -1,0 +1,1 @@
+"""Built-in models shipped inside the package (each a diffusers pipeline folder)."""
