@@ -27,7 +27,15 @@ from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, Diffu
 from diffbatch.pipelines.interface import BasePipeline
 from diffbatch.pipelines.tiny import ensure_tiny_model
 
-DEFAULT_MODEL = "tiny-sd"
+# The default model: the trained `shapes` model shipped in diffbatch/models/ (it draws
+# simple coloured shapes a person can judge by eye), else the random-weight `tiny-sd`
+# where the package was installed without its model data.
+DEFAULT_MODEL = (
+    "shapes"
+    if os.path.isfile(os.path.join(os.path.dirname(__file__), "..", "models", "shapes",
+                                   "model_index.json"))
+    else "tiny-sd"
+)
 # Built-in tiny model name -> builder that ensures it is built and returns its folder.
 BUILTIN_MODELS: dict[str, Callable[[], str]] = {
     name: (lambda name=name: ensure_tiny_model(name))

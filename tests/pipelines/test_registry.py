@@ -15,6 +15,7 @@ from diffbatch.pipelines.registry import (
     DEFAULT_MODEL,
     builtin_model_names,
     load_pipeline,
+    packaged_models,
     resolve_model_path,
     resolve_pipeline_class,
 )
@@ -22,14 +23,14 @@ from tests.pipelines.conftest import TINY_NAMES
 
 
 def test_builtin_names_and_default() -> None:
-    assert DEFAULT_MODEL == "tiny-sd"
+    assert DEFAULT_MODEL == "shapes"  # the trained model shipped in the package
     assert tuple(BUILTIN_MODELS) == TINY_NAMES
     assert builtin_model_names()[:4] == list(TINY_NAMES)
 
 
-def test_none_resolves_to_the_built_default(model_cache_dir: str) -> None:
+def test_none_resolves_to_the_shipped_default() -> None:
     path = resolve_model_path(None)
-    assert path == os.path.join(model_cache_dir, "models", DEFAULT_MODEL)
+    assert path == packaged_models()["shapes"]
     assert os.path.isfile(os.path.join(path, "model_index.json"))
 
 

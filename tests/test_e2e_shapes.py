@@ -1,0 +1,35 @@
+"""The shipped default model draws what it is asked, through the batching engine.
+
+Eight prompts with eight different colours run in one wave: a request that received
+another request's image would show the wrong colour and fail the check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diffbatch import Engine, SamplingParams
+from diffbatch.pipelines.registry import DEFAULT_MODEL, packaged_models
+from diffbatch.pipelines.shapes_data import SHAPE_COLOURS, judge_colour
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif("shapes" not in packaged_models(), reason="shapes model not shipped"),
+]
+
+
+def test_default_model_is_the_shipped_shapes_model():
+    assert DEFAULT_MODEL == "shapes"
+
+
+def test_each_request_gets_an_image_of_its_own_colour_in_one_wave():
+    shapes = ["circle", "square", "triangle", "square", "circle", "triangle", "circle", "square"]
+    prompts = [f"a large {colour} {shape} on a white background"
+               for colour, shape in zip(SHAPE_COLOURS, shapes, strict=True)]
+    with Engine(None, max_num_seqs=8, request_batch_max_wait_ms=50, executor="inproc",
+                torch_num_threads=1) as engine:
+        outs = engine.generate(prompts, [SamplingParams(seed=100 + i) for i in range(8)])
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert {o.batch_size for o in outs} == {8}
+    got = [judge_colour(o.images[0]) for o in outs]
+    assert got == list(SHAPE_COLOURS)
