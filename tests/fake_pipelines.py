@@ -7,6 +7,7 @@ real batch-invariant pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import zlib
@@ -136,3 +137,10 @@ class SlowPipeline(FakeBatchPipeline):
                 f.write(str(os.getpid()))
             threading.Event().wait(60)  # simulated long forward
         return super().forward(batch)
+
+
+class SmallModelPipeline(FakeBatchPipeline):
+    """Declares a model limit of 32x32 pixels per image."""
+
+    def info(self) -> PipelineInfo:
+        return dataclasses.replace(super().info(), max_image_pixels=32 * 32)

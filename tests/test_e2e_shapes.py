@@ -33,3 +33,12 @@ def test_each_request_gets_an_image_of_its_own_colour_in_one_wave():
     assert {o.batch_size for o in outs} == {8}
     got = [judge_colour(o.images[0]) for o in outs]
     assert got == list(SHAPE_COLOURS)
+
+
+def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
+    from diffbatch import PayloadTooLargeError
+
+    with Engine(None, executor="inproc", warmup=False) as engine:
+        assert engine.info.max_image_pixels == 256 * 256
+        with pytest.raises(PayloadTooLargeError):
+            engine.generate(["a red circle"], SamplingParams(height=1024, width=1024))

@@ -33,6 +33,7 @@ from diffbatch.errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
+    PayloadTooLargeError,
     PipelineError,
     QueueFullError,
 )
@@ -174,6 +175,13 @@ class Engine:
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
             lora=self._resolve_lora(params.lora),
         )
+        pixels = resolved.height * resolved.width
+        if info.max_image_pixels is not None and pixels > info.max_image_pixels:
+            raise PayloadTooLargeError(
+                f"`height` * `width` must be at most {info.max_image_pixels} pixels for "
+                f"{self.config.model}, got {resolved.width}x{resolved.height} = {pixels}",
+                param="size",
+            )
         for name in ("height", "width"):
             value = getattr(resolved, name)
             if value % info.size_multiple:

@@ -261,6 +261,7 @@ class DiffusersT2IPipeline(BasePipeline):
             device=self.device,
             cfg_threshold=cfg_threshold,
             supports_per_request_guidance=self._per_sample_guidance_ok(cfg_threshold),
+            max_image_pixels=int(d["max_image_pixels"]) if "max_image_pixels" in d else None,
         )
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:

@@ -45,6 +45,9 @@ class PipelineInfo:
     # forward() applies each request's own guidance_scale (a per-sample scale in the
     # CFG combine), so requests that differ only in guidance_scale may share a wave.
     supports_per_request_guidance: bool = False
+    # Largest height * width the model serves (None = no limit of its own), e.g. a model
+    # trained at 64x64 whose cost explodes far beyond its training size.
+    max_image_pixels: int | None = None
 
 
 class BasePipeline(ABC):

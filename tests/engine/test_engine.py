@@ -236,3 +236,14 @@ async def test_arrival_notice_is_counted_until_its_request_is_added_or_it_closes
             with pytest.raises(InvalidRequestError):
                 await engine.generate_async("", arrival_notice=None)
         assert engine.core.num_incoming == 0  # rejected request: the block closed it
+
+
+def test_sizes_above_the_models_own_limit_are_refused_with_413():
+    from diffbatch import PayloadTooLargeError
+
+    with Engine(pipeline_class="tests.fake_pipelines.SmallModelPipeline",
+                executor="inproc") as engine:
+        with pytest.raises(PayloadTooLargeError, match="at most 1024 pixels") as info:
+            engine.generate(["a"], SamplingParams(height=64, width=32))
+        assert info.value.status_code == 413 and info.value.param == "size"
+        assert engine.generate(["a"], SamplingParams(height=32, width=32))[0].ok
