@@ -40,26 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from diffbatch.pipelines import shapes_data as sd  # noqa: E402
+from diffbatch.pipelines.tiny import bytes_to_unicode  # noqa: E402
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 MAX_LEN = 20
 
 
 # ----------------------------------------------------------------------------- tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """CLIP's byte -> printable-unicode table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs], strict=True))
 
 
 def learn_word_merges(words: list[str]) -> list[tuple[str, str]]:
@@ -90,7 +77,7 @@ def tokenizer_files() -> dict[str, str]:
     """vocab.json and merges.txt of the word-level CLIP BPE tokenizer (deterministic)."""
     words = sd.caption_vocabulary()
     merges = learn_word_merges(words)
-    symbols = list(_bytes_to_unicode().values())
+    symbols = list(bytes_to_unicode().values())
     vocab_list = symbols + [s + "</w>" for s in symbols]
     for a, b in merges:
         if a + b not in vocab_list:

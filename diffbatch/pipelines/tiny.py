@@ -54,7 +54,7 @@ _PUNCT = ".,!?'-:;()"
 
 
 # -- tokenizers ------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's reversible map from bytes to printable unicode symbols."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
           *range(ord("®"), ord("ÿ") + 1)]
@@ -94,7 +94,7 @@ def build_clip_tokenizer(folder: str | os.PathLike[str]) -> Any:
     """
     from transformers import CLIPTokenizer
 
-    symbols = list(_bytes_to_unicode().values())
+    symbols = list(bytes_to_unicode().values())
     vocab = symbols + [s + "</w>" for s in symbols]
     ranks: dict[tuple[str, str], int] = {}
     for word in _WORDS:
