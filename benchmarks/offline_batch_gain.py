@@ -27,9 +27,9 @@ from datetime import UTC, datetime
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from peers_servers.pipeline import load_pipeline
 
 from diffbatch import Engine, SamplingParams
-from diffbatch.pipelines.registry import resolve_model_path
 
 PROMPTS = ["a red circle", "a blue square", "a green cat", "a yellow dog", "a small house",
            "a tall tree", "a white boat", "a black car"]
@@ -64,13 +64,10 @@ def engine_images_per_s(engine: Engine, size: int, steps: int, num_images: int) 
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    import diffusers
 
     results = []
     for model in args.models:
-        path = resolve_model_path(model)
-        pipe = diffusers.DiffusionPipeline.from_pretrained(path, **_load_kwargs(path))
-        pipe.set_progress_bar_config(disable=True)
+        pipe = load_pipeline(model)  # the bare diffusers pipeline, as the peers load it
         for batch in args.batch_sizes:
             engine = Engine(model, max_num_seqs=batch, executor=args.executor,
                             torch_num_threads=args.threads)
@@ -113,17 +110,6 @@ def run(args: argparse.Namespace) -> dict:
         "args": vars(args),
         "results": results,
     }
-
-
-def _load_kwargs(path: str) -> dict:
-    with open(os.path.join(path, "model_index.json")) as f:
-        index = json.load(f)
-    kwargs: dict = {}
-    if index.get("_class_name") == "StableDiffusionPipeline":
-        kwargs.update(safety_checker=None, requires_safety_checker=False)
-    if "text_encoder_3" in index and not os.path.isdir(os.path.join(path, "text_encoder_3")):
-        kwargs.update(text_encoder_3=None, tokenizer_3=None)
-    return kwargs
 
 
 def plot(report: dict, path: str) -> None:
