@@ -109,3 +109,42 @@ def test_peers_smoke_batching_peer(tmp_path: Path, peer: str) -> None:
                         "--capacity", "5", "--warmup-requests", "1", "--repeats", "1")
     assert {r["server"] for r in report["results"]} == {peer}
     assert all(r["failed"] == 0 for r in report["results"])
+
+
+def test_offline_batch_gain_smoke(tmp_path: Path) -> None:
+    report = run_script(
+        "offline_batch_gain.py", tmp_path / "offline.json", *MINIMAL, "--models", "tiny-sd",
+        "--sizes", "64", "--batch-sizes", "1", "2", "--num-images", "2", "--repeats", "1",
+        "--executor", "inproc", "--threads", "1",
+    )
+    rows = report["results"]
+    assert [(r["model"], r["size"], r["batch"]) for r in rows] == [
+        ("tiny-sd", 64, 1), ("tiny-sd", 64, 2)]
+    for row in rows:
+        assert row["raw_images_per_s"] > 0 and row["engine_images_per_s"] > 0
+        assert row["engine_over_raw"] > 0 and "raw_gain" in row
+
+
+def test_scheduling_policies_smoke(tmp_path: Path) -> None:
+    report = run_script(
+        "scheduling_policies.py", tmp_path / "sched.json", *MINIMAL, "--num-requests", "4",
+        "--burst", "4", "--rounds", "1", "--guidance-requests", "4",
+        "--calibration-repeats", "1", "--executor", "inproc",
+    )
+    for policy in ("fifo", "grouped"):
+        assert report["mixed"][policy]["num_requests"] == 8
+    assert report["mixed"]["throughput_ratio"] > 0
+    assert report["guidance"]["fifo_on"]["mean_wave_size"] >= 1
+
+
+def test_ray_scaling_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    out = tmp_path / "ray.json"
+    cmd = [sys.executable, str(BENCHMARKS / "ray_scaling.py"), "--steps", "1", "--size", "64",
+           "--num-sequential", "2", "--warmup", "1", "--num-requests", "4",
+           "--concurrency", "2", "--rounds", "1", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    report = json.loads(out.read_text())
+    assert report["markdown"] and "date" in report
