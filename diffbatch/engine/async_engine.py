@@ -212,10 +212,6 @@ class Engine:
             raise InvalidRequestError(f"LoRA adapter {lora!r} not found", param="lora")
         return path
 
-    def _cfg_enabled(self, params: SamplingParams) -> bool:
-        threshold = self.info.cfg_threshold
-        return threshold is not None and (params.guidance_scale or 0.0) > threshold
-
     def _prepare(
         self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int
     ) -> DiffusionRequest:
@@ -226,7 +222,7 @@ class Engine:
         resolved = self.resolve_params(params)
         request_id = uuid.uuid4().hex if request_id is None else request_id
         request = DiffusionRequest(request_id, prompt, resolved, priority=priority)
-        cfg_enabled = self._cfg_enabled(resolved)
+        cfg_enabled = self.info.cfg_enabled(resolved)
         request.key = SamplingParamsKey.from_params(
             resolved, cfg_enabled=cfg_enabled,
             per_request_guidance=self.info.supports_per_request_guidance,

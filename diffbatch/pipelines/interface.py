@@ -49,6 +49,11 @@ class PipelineInfo:
     # trained at 64x64 whose cost explodes far beyond its training size.
     max_image_pixels: int | None = None
 
+    def cfg_enabled(self, params: SamplingParams) -> bool:
+        """Whether classifier-free guidance is on for these resolved params."""
+        threshold = self.cfg_threshold
+        return threshold is not None and (params.guidance_scale or 0.0) > threshold
+
 
 class BasePipeline(ABC):
     """Base class of diffbatch pipelines; see the module docstring for the contract."""
@@ -79,8 +84,7 @@ class BasePipeline(ABC):
 
     def cfg_enabled(self, params: SamplingParams) -> bool:
         """Whether classifier-free guidance is on for these resolved params."""
-        threshold = self.info().cfg_threshold
-        return threshold is not None and (params.guidance_scale or 0.0) > threshold
+        return self.info().cfg_enabled(params)
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a LoRA adapter under `name` (once); pipelines without LoRA raise."""
