@@ -32,7 +32,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
-from diffbatch.errors import EngineClosedError, EngineDeadError
+from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError
 from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
@@ -147,6 +147,23 @@ class _Worker:
         shm.sweep(shm.segment_prefix(self.pid))
 
 
+def _check_not_bootstrapping() -> None:
+    """Refuse to start a worker from inside a spawned process's import of `__main__`.
+
+    The worker is started with multiprocessing's "spawn", which re-imports the main
+    module in the new process. A script that creates an engine at module level (no
+    `if __name__ == "__main__":`) would create one again there; this says so plainly,
+    instead of multiprocessing's generic bootstrapping error.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ConfigError(
+            "a diffbatch Engine with executor='mp' was created while a new process was "
+            "importing the main module: multiprocessing's spawn re-runs the script's "
+            "top level in the worker. Create the engine under "
+            "`if __name__ == \"__main__\":` (or use executor='inproc')"
+        )
+
+
 class MultiprocExecutor(Executor):
     """Runs the `ModelRunner` in a spawned worker process; see the module docstring.
 
@@ -164,6 +181,7 @@ class MultiprocExecutor(Executor):
         restart_on_death: bool = True,
     ) -> None:
         super().__init__(config)
+        _check_not_bootstrapping()
         self._ctx = multiprocessing.get_context("spawn")
         self._runner_factory = runner_factory
         self._startup_timeout_s = startup_timeout_s

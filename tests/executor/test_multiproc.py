@@ -10,6 +10,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -223,6 +226,25 @@ def test_load_failure_fails_startup_with_the_workers_message(factory, exc_type, 
     if exc_type is ModelNotFoundError:
         assert info.value.param == "model" and info.value.status_code == 404
     assert worker_children() <= before  # the failed worker was reaped
+
+
+def test_engine_at_a_scripts_top_level_fails_with_the_main_guard_fix(tmp_path):
+    """A script without `if __name__ == "__main__":` re-runs in the spawned worker."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from diffbatch.config import EngineConfig
+        from diffbatch.executor.multiproc import MultiprocExecutor
+        MultiprocExecutor(EngineConfig(model="fake", warmup=False, torch_num_threads=1),
+                          runner_factory="{FAKE}", startup_timeout_s=60)
+    """))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode != 0
+    assert "ConfigError" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
+    assert "exited during start-up" in done.stderr  # the parent's own error
 
 
 def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
