@@ -417,6 +417,8 @@ def main() -> None:
         "width": sd.IMAGE_SIZE,
         "num_inference_steps": args.steps,
         "guidance_scale": args.guidance,
+        # A 64x64 model: refuse sizes that would hold the worker for minutes (256x256).
+        "max_image_pixels": 4 * sd.IMAGE_SIZE * sd.IMAGE_SIZE,
     }
 
     # --- stages 1-2 are cached in --work-dir (keyed by their arguments) -----------------
