@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--request-batch-max-wait-ms", type=float, default=20.0)
     parser.add_argument("--max-head-wait-ms", type=float, default=2000.0)
-    parser.add_argument("--max-wave-pixels", type=int, default=4 * 128 * 128)
+    parser.add_argument("--max-wave-pixels", type=int, default=8 * 128 * 128)
     parser.add_argument("--load", type=float, default=2.0,
                         help="arrival rate as a multiple of the serial capacity")
     parser.add_argument("--num-requests", type=int, default=64, help="(a) Poisson requests")

@@ -311,7 +311,7 @@ def plot_losses(
     panels = [(vae_losses, "autoencoder (MSE, pixels in [-1,1])")]
     if dec_losses:
         panels.append((dec_losses, "decoder refinement, encoder frozen (MSE)"))
-    panels.append((unet_losses, "UNet + text encoder (v-prediction MSE)"))
+    panels.append((unet_losses, "UNet + text encoder (v-prediction loss)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for ax, (xs, title) in zip(axes, panels, strict=True):
         ax.plot(xs, alpha=0.25, lw=0.6, color="C0")
