@@ -27,6 +27,22 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An integer from `low` to `high`, both included."""
+    rule = f"an integer between {low} and {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return parse
+
+
 def float_at_least(low: float, *, strict: bool) -> Callable[[str], float]:
     """A finite number >= `low` (> `low` when `strict`)."""
     rule = f"> {low:g}" if strict else f">= {low:g}"

@@ -14,7 +14,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from diffbatch.entrypoints.arg_types import directory, float_at_least, int_at_least, port
+from diffbatch.entrypoints.arg_types import (
+    directory,
+    float_at_least,
+    int_at_least,
+    int_between,
+    port,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +31,10 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `diffbatch serve [MODEL]` and its flags (vLLM's names where they exist)."""
-    from diffbatch.entrypoints.openai.serving_images import DEFAULT_MAX_IMAGE_PIXELS
+    from diffbatch.entrypoints.openai.serving_images import (
+        DEFAULT_MAX_IMAGE_PIXELS,
+        DEFAULT_PNG_COMPRESS_LEVEL,
+    )
 
     parser = subparsers.add_parser(
         "serve",
@@ -57,6 +66,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
         help="largest width*height of one image (413 above it)",
+    )
+    server.add_argument(
+        "--png-compress-level", type=int_between(0, 9), default=DEFAULT_PNG_COMPRESS_LEVEL,
+        metavar="LEVEL",
+        # `%(default)s`, not a literal: the formatter would add a second "(default: 1)".
+        help="zlib level of PNG responses, 0-9: 1 encodes fastest, 9 smallest "
+        "(default: %(default)s)",
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower)
 

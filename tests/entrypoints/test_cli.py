@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from diffbatch.entrypoints import cli
-from diffbatch.entrypoints.openai.serving_images import DEFAULT_MAX_IMAGE_PIXELS
+from diffbatch.entrypoints.openai.serving_images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_PNG_COMPRESS_LEVEL,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +34,7 @@ def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.max_queue_size is None
     assert args.request_timeout is None
     assert args.max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS
+    assert args.png_compress_level == DEFAULT_PNG_COMPRESS_LEVEL == 1
     assert args.lora_dir is None
     assert args.log_level == "info"
     assert args.func is cli._cmd_serve
@@ -53,6 +57,11 @@ def test_serve_every_flag(tmp_path) -> None:
     assert (args.log_level, args.seed, args.device, args.dtype) == ("debug", 3, "cpu", "float32")
 
 
+@pytest.mark.parametrize("level", [0, 9])
+def test_png_compress_level_bounds_are_accepted(level: int) -> None:
+    assert parse("serve", "--png-compress-level", str(level)).png_compress_level == level
+
+
 def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
     assert parse("serve").api_key == "from-env"
@@ -70,6 +79,9 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--port", "70000"], "must be between 0 and 65535"),
         (["--executor", "ray"], "invalid choice"),
         (["--max-queue-size", "0"], "must be an integer >= 1"),
+        (["--png-compress-level", "10"], "must be an integer between 0 and 9, got 10"),
+        (["--png-compress-level", "-1"], "must be an integer between 0 and 9, got -1"),
+        (["--png-compress-level", "max"], "must be an integer between 0 and 9, got 'max'"),
         (["--lora-dir", "/no/such/folder"], "must be an existing directory"),
         (["--log-level", "loud"], "invalid choice"),
     ],

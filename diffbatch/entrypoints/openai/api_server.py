@@ -28,6 +28,7 @@ from diffbatch.entrypoints.openai.middleware import (
 )
 from diffbatch.entrypoints.openai.serving_images import (
     DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_PNG_COMPRESS_LEVEL,
     OpenAIServingImages,
 )
 
@@ -49,6 +50,7 @@ def build_app(
     api_key: str | None = None,
     request_timeout_s: float | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_engine_on_shutdown: bool = True,
 ) -> FastAPI:
@@ -61,6 +63,8 @@ def build_app(
             `/health`, `/metrics` and `/docs` stay open.
         request_timeout_s: Abort and answer 504 to requests not done after this long.
         max_image_pixels: Largest width * height of one image (413 above it).
+        png_compress_level: zlib level of PNG responses, 0-9: 1 encodes fastest,
+            9 smallest (the pixels are the same at every level).
         max_body_bytes: Largest request body (413 above it).
         close_engine_on_shutdown: Close the engine when the server shuts down.
 
@@ -103,6 +107,7 @@ def build_app(
         served_model_name=served_model_name,
         request_timeout_s=request_timeout_s,
         max_image_pixels=max_image_pixels,
+        png_compress_level=png_compress_level,
         http_metrics=http_metrics,
     )
     app.include_router(router)
@@ -172,6 +177,7 @@ def run_server(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             request_timeout_s=args.request_timeout,
             max_image_pixels=args.max_image_pixels,
+            png_compress_level=args.png_compress_level,
         )
     except BaseException:
         engine.close()

@@ -68,6 +68,7 @@ class RayServeArgs(BaseModel):
     api_key: str | None = None
     request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds
     max_image_pixels: int | None = Field(None, ge=1)  # None: the server's default
+    png_compress_level: int | None = Field(None, ge=0, le=9)  # None: the server's default
     max_body_bytes: int | None = Field(None, ge=1)  # None: the server's default
 
     # -- deployment (Ray Serve) ------------------------------------------------------
@@ -150,6 +151,8 @@ class RayServeArgs(BaseModel):
         }
         if self.max_image_pixels is not None:
             kwargs["max_image_pixels"] = self.max_image_pixels
+        if self.png_compress_level is not None:
+            kwargs["png_compress_level"] = self.png_compress_level
         if self.max_body_bytes is not None:
             kwargs["max_body_bytes"] = self.max_body_bytes
         return kwargs

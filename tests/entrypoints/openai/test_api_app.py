@@ -10,14 +10,17 @@ from __future__ import annotations
 import base64
 import io
 import os
+import random
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from PIL import Image
+from PIL import Image, ImageFilter
 
 from diffbatch import Engine
+from diffbatch.entrypoints.openai import serving_images
 from diffbatch.entrypoints.openai.api_server import build_app
+from diffbatch.entrypoints.openai.serving_images import OpenAIServingImages, encode_images
 from tests.fake_pipelines import POISON, FakeBatchPipeline
 
 API_KEY = "unit-key"
@@ -244,3 +247,48 @@ async def test_image_requests_are_announced_to_the_engine_until_they_arrive(clie
     bad = await client.post(ROUTE, json={"prompt": "", "seed": 1})
     assert bad.status_code == 400
     assert engine.core.num_incoming == 0  # added or refused: every notice is closed
+
+
+def _smooth_image(side: int = 128) -> Image.Image:
+    """A blurred noise image: compressible, but not trivially (unlike a flat one)."""
+    noise = Image.frombytes("RGB", (side, side), random.Random(0).randbytes(side * side * 3))
+    return noise.filter(ImageFilter.GaussianBlur(4))
+
+
+def test_png_compress_level_changes_bytes_not_pixels() -> None:
+    image = _smooth_image()
+    fast, small = (base64.b64decode(encode_images([image], "png", None, level)[0])
+                   for level in (1, 9))
+    for data in (fast, small):
+        decoded = Image.open(io.BytesIO(data))
+        assert decoded.format == "PNG"
+        assert decoded.tobytes() == image.tobytes()  # lossless at every level
+    assert len(small) <= len(fast)
+
+
+@pytest.mark.parametrize("level", [10, -1])
+def test_png_compress_level_out_of_range_is_refused(engine: Engine, level: int) -> None:
+    expected = f"png_compress_level must be between 0 and 9, got {level}"
+    with pytest.raises(ValueError, match=expected):
+        OpenAIServingImages(engine, served_model_name="fake", png_compress_level=level)
+    with pytest.raises(ValueError, match=expected):
+        build_app(engine, served_model_name="fake", png_compress_level=level,
+                  close_engine_on_shutdown=False)
+
+
+async def test_png_responses_use_the_servers_compress_level(engine: Engine, monkeypatch) -> None:
+    levels: list[int] = []
+    real_encode = serving_images.encode_images
+
+    def spy(images, output_format, quality, png_compress_level):
+        levels.append(png_compress_level)
+        return real_encode(images, output_format, quality, png_compress_level)
+
+    monkeypatch.setattr(serving_images, "encode_images", spy)
+    app = build_app(engine, served_model_name="fake", png_compress_level=9,
+                    close_engine_on_shutdown=False)
+    async with _client(app) as client:
+        response = await client.post(ROUTE, json={"prompt": "p", "seed": 1})
+    assert response.status_code == 200, response.text
+    assert decode(response.json()["data"][0]["b64_json"]).format == "PNG"
+    assert levels == [9]

@@ -84,6 +84,8 @@ def test_args_autoscaling_bounds() -> None:
     ({"executor": "thread"}, "`executor`: Input should be 'mp' or 'inproc' (got 'thread')"),
     ({"max_num_seqs": "many"}, "`max_num_seqs`: Input should be a valid integer"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),  # EngineConfig's
+    ({"png_compress_level": 10}, "`png_compress_level`: Input should be less than or equal "
+                                 "to 9 (got 10)"),
     ({"min_replicas": 1}, "`min_replicas` needs autoscaling: also set `max_replicas`"),
     ({"num_replicas": 5, "max_replicas": 4}, "min_replicas <= num_replicas <= max_replicas, "
                                               "got 1 <= 5 <= 4"),
@@ -94,13 +96,20 @@ def test_args_refuse_bad_values(given: dict[str, Any], expected: str) -> None:
     assert expected in str(info.value)
 
 
+def test_server_args_reach_the_app() -> None:
+    assert "png_compress_level" not in RayServeArgs.from_dict({}).app_kwargs()  # app's default
+    kwargs = RayServeArgs.from_dict({"png_compress_level": "9", "max_image_pixels": "4096"}
+                                    ).app_kwargs()
+    assert (kwargs["png_compress_level"], kwargs["max_image_pixels"]) == (9, 4096)
+
+
 def test_serve_flags_become_args() -> None:
     from diffbatch.entrypoints.cli import make_arg_parser
 
     namespace = make_arg_parser().parse_args([
         "serve", MODEL, "--ray", "--num-replicas", "3", "--max-num-seqs", "4",
         "--scheduling-policy", "grouped", "--served-model-name", "sd", "--port", "9000",
-        "--num-cpus-per-replica", "2", "--max-replicas", "4",
+        "--num-cpus-per-replica", "2", "--max-replicas", "4", "--png-compress-level", "0",
     ])
     assert namespace.ray and namespace.ray_address is None
     args = args_from_namespace(namespace)
@@ -108,6 +117,7 @@ def test_serve_flags_become_args() -> None:
     assert (config.model, config.max_num_seqs, config.scheduling_policy) == (MODEL, 4, "grouped")
     assert (args.served_model_name, args.num_replicas, args.num_cpus_per_replica) == ("sd", 3, 2)
     assert args.deployment_options()["autoscaling_config"]["max_replicas"] == 4
+    assert args.app_kwargs()["png_compress_level"] == 0
 
 
 def test_builder_follows_ray_app_builder_convention() -> None:
