@@ -11,7 +11,7 @@ Stages (all from a fixed seed):
   4. the UNet and the CLIP text encoder jointly, v-prediction on a zero-terminal-SNR
      schedule, 10% empty captions (for classifier-free guidance), EMA weights are saved.
 
-Usage:  python scripts/train_default_model.py            # the full run (~50 min, 1 thread)
+Usage:  python scripts/train_default_model.py            # the full run (~1 h on 2 idle cores)
         python scripts/train_default_model.py --quick    # a smoke test (~2 min)
 """
 
@@ -336,7 +336,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "diffbatch/models/shapes")
     ap.add_argument("--loss-plot", type=Path, default=ROOT / "docs/images/shapes_loss.png")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vae-steps", type=int, default=500)
     ap.add_argument("--vae-batch", type=int, default=16)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
