@@ -393,6 +393,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.vae_steps, args.unet_steps, args.pool, args.ckpt_every = 30, 30, 512, 20
+        args.decoder_steps = 30
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -418,7 +419,7 @@ def main() -> None:
         "num_inference_steps": args.steps,
         "guidance_scale": args.guidance,
         # A 64x64 model: refuse sizes that would hold the worker for minutes (256x256).
-        "max_image_pixels": 4 * sd.IMAGE_SIZE * sd.IMAGE_SIZE,
+        "max_image_pixels": (4 * sd.IMAGE_SIZE) ** 2,
     }
 
     # --- stages 1-2 are cached in --work-dir (keyed by their arguments) -----------------
