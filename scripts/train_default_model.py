@@ -12,7 +12,7 @@ Stages (all from a fixed seed):
      schedule, 10% empty captions (for classifier-free guidance), EMA weights are saved.
 
 Usage:  python scripts/train_default_model.py            # the full run (~1 h on 2 idle cores)
-        python scripts/train_default_model.py --quick    # a smoke test (~2 min)
+        python scripts/train_default_model.py --quick    # a smoke test (~30 s)
 """
 
 from __future__ import annotations
