@@ -16,17 +16,14 @@ machines are shared and noisy; compare the ratios, not the absolute numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import time
-from datetime import UTC, datetime
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from peers_servers import harness
 from peers_servers.pipeline import load_pipeline
 
 from diffbatch import Engine, SamplingParams
@@ -102,21 +99,11 @@ def run(args: argparse.Namespace) -> dict:
                     and r["size"] == row["size"] and r["batch"] == min(args.batch_sizes))
         row["raw_gain"] = row["raw_images_per_s"] / base["raw_images_per_s"]
         row["engine_gain"] = row["engine_images_per_s"] / base["engine_images_per_s"]
-    return {
-        "benchmark": "offline_batch_gain",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "args": vars(args),
-        "results": results,
-    }
+    return {**harness.report_header("offline_batch_gain", args), "results": results}
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     groups = sorted({(r["model"], r["size"]) for r in report["results"]})
@@ -151,12 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     report = run(args)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    harness.write_report(report, args.out)
     if not args.no_plot:
-        plot(report, os.path.splitext(args.out)[0] + ".png")
-    print(f"wrote {args.out}")
+        plot(report, harness.plot_path(args.out))
 
 
 if __name__ == "__main__":

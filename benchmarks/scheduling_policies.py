@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import statistics
-import sys
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from peers_servers import harness
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
@@ -317,10 +315,7 @@ async def guidance_workload(args: argparse.Namespace, engines: Engines) -> dict[
 
 # -- report --------------------------------------------------------------------------
 def plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot()
 
     panels = []
     if "mixed" in report:
@@ -359,13 +354,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {
-        "benchmark": "scheduling_policies",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "args": vars(args),
-    }
+    report: dict[str, Any] = harness.report_header("scheduling_policies", args)
     engines = Engines(args)
     try:
         for name, workload in (("mixed", mixed_workload), ("guidance", guidance_workload)):
@@ -403,12 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     report = asyncio.run(run(args))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    harness.write_report(report, args.out)
     if not args.no_plot:
-        plot(report, os.path.splitext(args.out)[0] + ".png")
-    print(f"wrote {args.out}")
+        plot(report, harness.plot_path(args.out))
 
 
 if __name__ == "__main__":
