@@ -14,29 +14,21 @@ from collections.abc import Callable
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An integer >= `low`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
+    return _int_in(low, None, f"an integer >= {low}")
 
 
 def int_between(low: int, high: int) -> Callable[[str], int]:
     """An integer from `low` to `high`, both included."""
-    rule = f"an integer between {low} and {high}"
+    return _int_in(low, high, f"an integer between {low} and {high}")
 
+
+def _int_in(low: int, high: int | None, rule: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
-        if not low <= value <= high:
+        if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
         return value
 
