@@ -24,6 +24,10 @@ class EngineConfig:
         pipeline_class: a pipeline class, or its dotted name; None picks diffbatch's
             batch-capable diffusers adapter.
         max_num_seqs: most requests in one wave (>= 1).
+        max_waves_in_flight: most waves handed to the executor at once (>= 1). With 2
+            (the default), a full wave is queued at the worker while the last one runs,
+            so the worker starts it without waiting for the engine; an executor that
+            runs waves in the caller's thread ("inproc") holds one regardless.
         request_batch_max_wait_ms: bounded admission wait before a wave (0 = off).
         executor: "mp" runs the pipeline in a worker process, "inproc" in this one.
         device / dtype: where and in which precision the pipeline runs (None = auto).
@@ -47,6 +51,7 @@ class EngineConfig:
     model: str | None = None
     pipeline_class: Any = None
     max_num_seqs: int = 1
+    max_waves_in_flight: int = 2
     request_batch_max_wait_ms: float = 0.0
     executor: ExecutorKind = "mp"
     device: str | None = None
@@ -68,6 +73,9 @@ class EngineConfig:
         if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int) \
                 or self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        depth = self.max_waves_in_flight
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"max_waves_in_flight must be an integer >= 1, got {depth!r}")
         wait = self.request_batch_max_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not math.isfinite(wait) \
                 or wait < 0:

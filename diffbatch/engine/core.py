@@ -1,13 +1,24 @@
 """The engine core: one background loop from waiting queue to delivered outputs.
 
-`EngineCore.step()` is the whole loop body: wait for work, run the admission wait,
-`schedule()` a wave, execute it (one fused forward on the batch path, one call per
-request otherwise), `update_from_output()`, and hand every finished request to the
-`deliver` callback. Everything that touches the scheduler holds `self.cond`'s lock;
-the forward itself runs without it, so requests can arrive and abort meanwhile.
+`EngineCore.step()` is the whole loop body. It blocks until one of two things can
+happen, then does it:
 
-Outputs are delivered on a thread of their own, so the loop hands the worker its
-next wave while the last wave's outputs are converted and handed to their callers.
+- dispatch: run the admission wait (only when nothing is in flight), `schedule()` a
+  wave and hand it to the executor (`submit_batch`: one fused forward; or one
+  `submit_request` per request on the per-request path);
+- finish: the oldest wave in flight is done: `update_from_output()`, and hand every
+  finished request to the `deliver` callback.
+
+Up to `max_concurrent_waves` of the executor's waves are in flight (the config's
+`max_waves_in_flight`). While one runs, the next is dispatched only when it is full
+(`scheduler.has_full_wave()`: waiting could not make it bigger), so it waits at the
+worker and starts the moment the running one ends, without a round trip through
+this loop; a wave that could still grow waits here as before, so queuing ahead
+never shrinks a wave. Everything that touches the scheduler holds `self.cond`'s
+lock; executor calls run without it, so requests can arrive and abort meanwhile.
+
+Outputs are delivered on a thread of their own, so the loop is free for the next
+wave while the last wave's outputs are converted and handed to their callers.
 """
 
 from __future__ import annotations
@@ -16,7 +27,10 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import AdmissionWait
@@ -34,6 +48,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Deliver = Callable[[DiffusionRequest, DiffusionOutput], None]
+INTERNAL_ERROR = RequestError("internal engine error")
+
+
+@dataclass
+class InFlightWave:
+    """A wave handed to the executor whose outputs are not back yet."""
+
+    wave: SchedulerOutput
+    future: Future[BatchRunnerOutput]
+    dispatched: float  # time.monotonic() when it was handed to the executor
+    admission_reason: str  # why its admission wait ended ("" = no wait)
 
 
 class ArrivalNotice:
@@ -84,6 +109,8 @@ class EngineCore:
         )
         self._deliverer: threading.Thread | None = None
         self.last_admission_reason = ""  # why the last admission wait ended ("" = none)
+        self.max_waves_in_flight = max(1, executor.max_concurrent_waves)
+        self.in_flight: deque[InFlightWave] = deque()  # oldest first; only the loop changes it
         self.num_incoming = 0  # announced requests not yet added (see ArrivalNotice)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -98,8 +125,8 @@ class EngineCore:
     def stop(self) -> list[DiffusionRequest]:
         """Tell the loop to stop; return the requests still open (for the caller to fail).
 
-        A wave that is running finishes in the background and its results are
-        discarded; `join()` waits for it.
+        Waves in flight finish in the background and their results are discarded;
+        `join()` waits for them.
         """
         with self.cond:
             self._stopped = True
@@ -191,9 +218,10 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped:
+        while True:
             try:
-                self.step()
+                if not self.step():
+                    return
             except Exception:  # a bug in the loop must not leave callers hanging forever
                 logger.exception("engine loop step failed; failing its requests")
                 with self.cond:
@@ -201,79 +229,147 @@ class EngineCore:
                     failed = self.scheduler.finish_requests(
                         running, RequestStatus.FINISHED_ERROR
                     )
+                    self.in_flight.clear()  # their late results have no one left to go to
                 for request in failed:
                     self._outbox.put((request, DiffusionOutput.from_error(
-                        request.request_id, RequestError("internal engine error"))))
+                        request.request_id, INTERNAL_ERROR)))
 
     def step(self) -> bool:
-        """Run at most one wave; return whether one ran."""
-        # 1. Wait for work, then (maybe) for the burst to coalesce, then schedule.
+        """Dispatch one wave or finish one; False once stopped with nothing in flight."""
         with self.cond:
-            while not self._stopped and self.scheduler.num_waiting == 0:
-                self.cond.wait()
-            if self._stopped:
-                return False
-            self.last_admission_reason = ""
-            if self.admission.should_wait(
-                supports_request_batch=self.supports_request_batch,
-                step_execution=self.config.step_execution,
-                num_running=self.scheduler.num_running,
-            ):
-                self.last_admission_reason = self.admission.wait(
-                    lambda: self.scheduler.num_waiting,
-                    lambda: self._stopped,
-                    self.cond.wait,
-                    num_incoming=lambda: self.num_incoming,
-                )
-            if self._stopped:
-                return False
-            wave = self.scheduler.schedule()
-        if wave.is_empty:
+            action = self._next_action()
+        if action is None:
             return False
-        # 2. Execute outside the lock: arrivals and aborts go on meanwhile.
-        wave_start = time.monotonic()
-        runner_output = self._execute(wave)
-        # 3. Finish the wave's requests and deliver their outputs.
-        with self.cond:
-            finished = self.scheduler.update_from_output(wave, runner_output)
-        self._log_wave(wave, wave_start, runner_output)
-        for request, output in finished:
-            output.queue_time_ms = (wave_start - request.arrival_time) * 1000.0
-            self._outbox.put((request, output))
+        if isinstance(action, InFlightWave):
+            self._finish(action)
+        else:
+            self._dispatch(action)
         return True
 
-    def _execute(self, wave: SchedulerOutput) -> BatchRunnerOutput:
-        """Run the wave on the batch path or the per-request path."""
-        if self.supports_request_batch:
-            try:
-                return self.executor.execute_batch(wave)
-            except DiffbatchError as exc:  # e.g. the worker process died mid-wave
-                return self._failed(wave, wave.requests, exc)
-        outputs: dict[str, DiffusionOutput] = {}
-        for request in wave.requests:  # one call each: a failure fails only that request
-            try:
-                outputs[request.request_id] = self.executor.execute_request(request)
-            except DiffbatchError as exc:
-                outputs.update(self._failed(wave, [request], exc).outputs)
-        return BatchRunnerOutput(
-            outputs=outputs,
-            forward_time_ms=sum(o.execute_time_ms for o in outputs.values()),
-            num_forwards=len(outputs),
-        )
+    def _next_action(self) -> InFlightWave | SchedulerOutput | None:
+        """Block (holding `cond`) until the oldest wave is done or a wave can go."""
+        while True:
+            if self.in_flight and self.in_flight[0].future.done():
+                return self.in_flight.popleft()
+            if self._stopped:
+                if not self.in_flight:
+                    return None
+            elif len(self.in_flight) < self.max_waves_in_flight:
+                wave = self._schedule()
+                if wave is not None:
+                    return wave
+            self.cond.wait()
 
-    def _failed(
-        self, wave: SchedulerOutput, requests: list[DiffusionRequest], exc: DiffbatchError
-    ) -> BatchRunnerOutput:
-        logger.error("wave %d failed in the executor: %s", wave.wave_id, exc.message)
-        error = RequestError.from_exception(exc)
-        return BatchRunnerOutput(
-            outputs={r.request_id: DiffusionOutput.from_error(r.request_id, error)
-                     for r in requests},
-            num_forwards=0,
-        )
+    def _schedule(self) -> SchedulerOutput | None:
+        """(Holding `cond`.) The next wave to dispatch now, if any.
+
+        Idle: wait for the burst to coalesce (maybe), then take what is there. Busy:
+        only a wave that waiting could not grow goes ahead of the running one.
+        """
+        if self.scheduler.num_waiting == 0:
+            return None
+        self.last_admission_reason = ""
+        if self.in_flight:
+            if not self.scheduler.has_full_wave():
+                return None
+        elif self.admission.should_wait(
+            supports_request_batch=self.supports_request_batch,
+            step_execution=self.config.step_execution,
+            num_running=self.scheduler.num_running,
+        ):
+            self.last_admission_reason = self.admission.wait(
+                lambda: self.scheduler.num_waiting,
+                lambda: self._stopped,
+                self.cond.wait,
+                num_incoming=lambda: self.num_incoming,
+            )
+            if self._stopped:
+                return None
+        wave = self.scheduler.schedule()
+        return None if wave.is_empty else wave
+
+    def _dispatch(self, wave: SchedulerOutput) -> None:
+        """Hand the wave to the executor (outside the lock) and track it."""
+        dispatched = time.monotonic()
+        if self.supports_request_batch:
+            future = self.executor.submit_batch(wave)
+        else:
+            future = self._submit_each(wave)
+        record = InFlightWave(wave, future, dispatched, self.last_admission_reason)
+        with self.cond:
+            self.in_flight.append(record)
+        future.add_done_callback(self._wake)  # runs at once if the call already ran
+
+    def _wake(self, _future: Future[BatchRunnerOutput]) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def _submit_each(self, wave: SchedulerOutput) -> Future[BatchRunnerOutput]:
+        """The per-request path: one call per request, gathered into one wave output."""
+        futures = {r.request_id: self.executor.submit_request(r) for r in wave.requests}
+        gathered: Future[BatchRunnerOutput] = Future()
+        remaining = len(futures)
+        lock = threading.Lock()
+
+        def one_done(_future: Future[DiffusionOutput]) -> None:
+            nonlocal remaining
+            with lock:
+                remaining -= 1
+                if remaining:
+                    return
+            outputs = {rid: self._output_of(wave, rid, f) for rid, f in futures.items()}
+            gathered.set_result(BatchRunnerOutput(
+                outputs=outputs,
+                forward_time_ms=sum(o.execute_time_ms for o in outputs.values()),
+                num_forwards=len(outputs),
+            ))
+
+        for future in futures.values():
+            future.add_done_callback(one_done)
+        return gathered
+
+    def _output_of(
+        self, wave: SchedulerOutput, request_id: str, future: Future[DiffusionOutput]
+    ) -> DiffusionOutput:
+        try:
+            return future.result()
+        except Exception as exc:  # this request failed in the executor; the others did not
+            return DiffusionOutput.from_error(request_id, self._executor_error(wave, exc))
+
+    def _executor_error(self, wave: SchedulerOutput, exc: Exception) -> RequestError:
+        """The error outputs carry when the executor itself failed (not the pipeline)."""
+        if isinstance(exc, DiffbatchError):  # e.g. the worker process died mid-wave
+            logger.error("wave %d failed in the executor: %s", wave.wave_id, exc.message)
+            return RequestError.from_exception(exc)
+        logger.error("wave %d failed in the executor", wave.wave_id, exc_info=exc)
+        return INTERNAL_ERROR
+
+    def _finish(self, record: InFlightWave) -> None:
+        """Finish a done wave's requests and deliver their outputs."""
+        wave = record.wave
+        try:
+            runner_output = record.future.result()
+        except Exception as exc:
+            error = self._executor_error(wave, exc)
+            runner_output = BatchRunnerOutput(
+                outputs={r.request_id: DiffusionOutput.from_error(r.request_id, error)
+                         for r in wave.requests},
+                num_forwards=0,
+            )
+        # A wave queued at the worker started when the one before it ended, not when it
+        # was dispatched: take the later of the two.
+        started = max(record.dispatched,
+                      time.monotonic() - runner_output.forward_time_ms / 1000.0)
+        with self.cond:
+            finished = self.scheduler.update_from_output(wave, runner_output)
+        self._log_wave(wave, started, runner_output, record.admission_reason)
+        for request, output in finished:
+            output.queue_time_ms = (started - request.arrival_time) * 1000.0
+            self._outbox.put((request, output))
 
     def _log_wave(
-        self, wave: SchedulerOutput, wave_start: float, runner_output: BatchRunnerOutput
+        self, wave: SchedulerOutput, wave_start: float, runner_output: BatchRunnerOutput,
+        admission_reason: str,
     ) -> None:
         queue_wait_ms = max((wave_start - r.arrival_time) * 1000.0 for r in wave.requests)
         forward_ms = runner_output.forward_time_ms
@@ -281,8 +377,8 @@ class EngineCore:
             "wave %d: %d request(s) key=%s closed=%s admission=%s max_queue_wait=%.1fms "
             "forward=%.1fms",
             wave.wave_id, wave.num_requests, wave.key.short() if wave.key else "-",
-            wave.close_reason, self.last_admission_reason or "none", queue_wait_ms, forward_ms,
+            wave.close_reason, admission_reason or "none", queue_wait_ms, forward_ms,
         )
         if self.metrics is not None:
             self.metrics.observe_wave(wave.num_requests, wave.close_reason,
-                                      self.last_admission_reason, forward_ms / 1000.0)
+                                      admission_reason, forward_ms / 1000.0)

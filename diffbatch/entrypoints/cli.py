@@ -82,6 +82,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="most requests in one batched forward (wave)",
     )
     engine.add_argument(
+        "--max-waves-in-flight", type=int_at_least(1), default=2,
+        help="most waves handed to the worker at once: with 2, a full wave waits at the "
+        "worker while the last one runs (1 = one wave at a time)",
+    )
+    engine.add_argument(
         "--request-batch-max-wait-ms", type=float_at_least(0.0, strict=False), default=0.0,
         help="how long a wave may wait for more compatible requests (0 = off)",
     )

@@ -5,6 +5,12 @@ Two request-mode entries, as in the design note:
 - `execute_request(request)`: one call per scheduled request (per-request path);
 - `execute_batch(scheduler_output)`: one call for the whole wave (batch path).
 
+and their non-blocking twins `submit_request` / `submit_batch`, which return a
+`concurrent.futures.Future`. An executor whose runner lives elsewhere (a worker
+process) starts the call and returns at once, so the engine can queue the next
+wave behind a running one (`max_concurrent_waves` > 1); the base class runs the
+call in the caller's thread and returns a finished future.
+
 Implementations sit beside this file: `inproc.py` (the runner in this process) and
 `multiproc.py` (the runner in a worker process, results through shared memory).
 """
@@ -13,7 +19,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 from diffbatch.errors import ConfigError
 
@@ -28,6 +36,7 @@ _BACKENDS = {
     "inproc": "diffbatch.executor.inproc:InprocExecutor",
     "mp": "diffbatch.executor.multiproc:MultiprocExecutor",
 }
+T = TypeVar("T")
 
 
 class Executor(ABC):
@@ -41,6 +50,9 @@ class Executor(ABC):
     """
 
     info: PipelineInfo  # set once the pipeline is loaded
+    # Waves this executor can hold at once (one running, the rest queued behind it);
+    # 1 for an executor whose submit calls run the wave before returning.
+    max_concurrent_waves: int = 1
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -52,6 +64,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Run one wave with one fused pipeline forward (the batch path)."""
+
+    def submit_request(self, request: DiffusionRequest) -> Future[DiffusionOutput]:
+        """Start `execute_request`; the future holds its output or its exception."""
+        return _run_now(self.execute_request, request)
+
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
+        """Start `execute_batch`; the future holds its output or its exception."""
+        return _run_now(self.execute_batch, scheduler_output)
 
     @abstractmethod
     def check_health(self) -> None:
@@ -82,3 +102,13 @@ class Executor(ABC):
         if not (isinstance(cls, type) and issubclass(cls, Executor)):
             raise TypeError(f"executor {kind!r} must name an Executor subclass, got {cls!r}")
         return cls
+
+
+def _run_now(fn: Callable[..., T], arg: object) -> Future[T]:
+    """Call `fn(arg)` here and now; return a finished future with its result or error."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(arg))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future

@@ -6,15 +6,21 @@ of the engine process, so a crash in native code kills only the worker:
 - start-up spawns `diffbatch.worker.worker.worker_main` and waits for its
   `WorkerReady`; a load error is raised here as the same diffbatch error class
   (or a RuntimeError quoting the worker), so start-up fails clearly;
-- each execute call sends one `WorkerCall` and waits on the pipe *and* the
-  process sentinel (no polling), then unpacks the reply's shared-memory tensors;
-- a worker that dies makes the pending call raise `EngineDeadError` at once; the
+- each submit call sends one `WorkerCall` and returns a future at once; the
+  worker runs calls in the order they were sent, so while one wave runs the next
+  can already wait in the pipe (`max_concurrent_waves` = the config's
+  `max_waves_in_flight`), and the worker starts it without a round trip through
+  the engine. The execute calls are submit plus `result()`;
+- one reader thread per worker waits on the pipe *and* the process sentinel (no
+  polling), unpacks each reply's shared-memory tensors and resolves the future of
+  the call it answers;
+- a worker that dies fails every pending call with `EngineDeadError` at once; the
   executor turns unhealthy, sweeps the dead worker's segments and starts a
   replacement in the background; `check_health()` passes again once it is ready.
 
-Threads: the engine loop makes the execute calls (one at a time, `_call_lock`);
-`check_health()`, `is_healthy`, `wait_healthy()` and `shutdown()` may come from
-any thread. `_lock` guards which worker is serving.
+Threads: any thread may submit (sends are serialised per worker); futures are
+resolved on the reader thread, so their callbacks must not block. `_lock` guards
+which worker is serving; a worker's `pending_lock` guards its unanswered calls.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ import signal
 import threading
 import time
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
@@ -65,8 +75,25 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}" + (f" ({names[code]})" if code in names else "")
 
 
+@dataclass
+class _PendingCall:
+    """A call sent to the worker and not answered yet."""
+
+    what: str  # "wave 3 (8 requests)", for errors and logs
+    convert: Callable[[WorkerReply], Any]  # the unpacked reply -> the future's result
+    future: Future[Any]
+
+    def resolve(self, reply: WorkerReply) -> None:
+        try:
+            result = self.convert(reply)
+        except Exception as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
 class _Worker:
-    """One worker process and the engine's end of its pipe."""
+    """One worker process, the engine's end of its pipe and the calls it owes."""
 
     def __init__(self, ctx: Any, config: EngineConfig, runner_factory: str | None) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
@@ -85,6 +112,46 @@ class _Worker:
         self.send_lock = threading.Lock()  # a call and shutdown() may send concurrently
         self._proc_lock = threading.Lock()  # serialises join/terminate/kill (waitpid)
         self._cleaned = False
+        self.pending_lock = threading.Lock()
+        self.pending: OrderedDict[int, _PendingCall] = OrderedDict()  # in the order sent
+        self.accepting = True  # False once the reader has failed what was pending
+        self.reader: threading.Thread | None = None
+
+    def add_pending(self, call_id: int, pending: _PendingCall) -> bool:
+        """Register a call before it is sent; False if the worker is already written off."""
+        with self.pending_lock:
+            if self.accepting:
+                self.pending[call_id] = pending
+            return self.accepting
+
+    def pop_pending(self, call_id: int | None) -> _PendingCall | None:
+        """The call a reply answers. The worker answers in order, so a reply it could
+        not address (to a call it could not unpickle) answers the oldest one."""
+        with self.pending_lock:
+            if call_id == UNREADABLE_CALL_ID and self.pending:
+                return self.pending.popitem(last=False)[1]
+            return self.pending.pop(call_id, None)  # type: ignore[arg-type]
+
+    def close_pending(self) -> list[_PendingCall]:
+        """Stop accepting calls; return the unanswered ones (for the caller to fail)."""
+        with self.pending_lock:
+            self.accepting = False
+            pending = list(self.pending.values())
+            self.pending.clear()
+        return pending
+
+    def start_reader(self, read: Callable[[_Worker], None]) -> None:
+        self.reader = threading.Thread(target=read, args=(self,), daemon=True,
+                                       name=f"diffbatch-worker-{self.pid}-reader")
+        self.reader.start()
+
+    def join_reader(self, timeout_s: float) -> bool:
+        """Wait until the reader has handled the worker's exit; True if it has."""
+        reader = self.reader
+        if reader is None or reader is threading.current_thread():
+            return reader is None
+        reader.join(timeout_s)
+        return not reader.is_alive()
 
     def exited(self) -> bool:
         """Whether the process has exited (thread-safe: reads the sentinel only)."""
@@ -136,10 +203,13 @@ class _Worker:
                 process.join(timeout_s)
 
     def cleanup(self) -> None:
-        """After exit: drop unread replies (and their segments), close, sweep. Idempotent."""
+        """After exit: drop unread replies (and their segments), close, sweep. Idempotent.
+
+        Only the pipe's reader calls it (its reader thread, or start-up before that).
+        """
         if self._cleaned:
             return
-        self._cleaned = True  # (callers are serialised by the executor's call lock)
+        self._cleaned = True
         with contextlib.suppress(Exception):  # EOF ends the drain; sweep() catches the rest
             while self.conn.poll(0):
                 shm.release(getattr(recv_message(self.conn), "result", None))
@@ -187,9 +257,9 @@ class MultiprocExecutor(Executor):
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
         self._restart_on_death = restart_on_death
+        self.max_concurrent_waves = config.max_waves_in_flight
         self._lock = threading.Lock()
         self._health = threading.Condition(self._lock)  # notified when serving changes
-        self._call_lock = threading.Lock()  # one call on the pipe at a time
         self._call_ids = itertools.count(1)
         self._worker: _Worker | None = None  # the serving worker; None while dead
         self._starting: _Worker | None = None  # a replacement being started
@@ -217,23 +287,35 @@ class MultiprocExecutor(Executor):
             worker = None if self._closed else self._worker
         return worker is not None and not worker.exited()
 
-    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
         n = scheduler_output.num_requests
         what = f"wave {scheduler_output.wave_id} ({n} request{'s' if n != 1 else ''})"
-        reply = self._call("execute_batch", scheduler_output, what)
-        if reply.error is not None:
+
+        def convert(reply: WorkerReply) -> BatchRunnerOutput:
+            if reply.error is None:
+                return reply.result
             return BatchRunnerOutput(
                 outputs={rid: DiffusionOutput.from_error(rid, reply.error.error)
                          for rid in scheduler_output.req_ids},
                 num_forwards=0,
             )
-        return reply.result
+
+        return self._submit("execute_batch", scheduler_output, what, convert)
+
+    def submit_request(self, request: DiffusionRequest) -> Future[DiffusionOutput]:
+        def convert(reply: WorkerReply) -> DiffusionOutput:
+            if reply.error is None:
+                return reply.result
+            return DiffusionOutput.from_error(request.request_id, reply.error.error)
+
+        return self._submit("execute_request", request, f"request {request.request_id}",
+                            convert)
+
+    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        return self.submit_batch(scheduler_output).result()
 
     def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        reply = self._call("execute_request", request, f"request {request.request_id}")
-        if reply.error is not None:
-            return DiffusionOutput.from_error(request.request_id, reply.error.error)
-        return reply.result
+        return self.submit_request(request).result()
 
     def check_health(self) -> None:
         with self._lock:
@@ -243,13 +325,13 @@ class MultiprocExecutor(Executor):
             if worker is None:
                 raise EngineDeadError(self._dead_message())
         if worker.exited():
-            # Died while idle. If a call is in flight, it handles the death itself.
-            if self._call_lock.acquire(blocking=False):
-                try:
-                    raise self._on_death(worker, "")
-                finally:
-                    self._call_lock.release()
-            raise EngineDeadError(f"worker process {worker.pid} died")
+            # Its reader notices the exit, fails what was pending and starts the
+            # replacement; wait for that, so the reason below is the real one.
+            worker.join_reader(self._shutdown_timeout_s)
+            with self._lock:
+                handled = self._worker is not worker
+                reason = self._dead_message() if handled else f"worker process {worker.pid} died"
+            raise EngineDeadError(reason)
 
     def wait_healthy(self, timeout_s: float) -> bool:
         """Wait until a worker serves (e.g. a replacement), the executor closes, or a
@@ -278,14 +360,9 @@ class MultiprocExecutor(Executor):
             starting.process.terminate()  # the restart thread sees it exit and cleans up
         if worker is not None:
             worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
-            # A call in flight now sees the reply or the exit and returns; then no one
-            # reads the pipe and it is safe to drain it.
-            if self._call_lock.acquire(timeout=self._shutdown_timeout_s):
-                try:
-                    worker.cleanup()
-                finally:
-                    self._call_lock.release()
-            else:
+            # Its reader now reads the last replies and the exit, fails what is still
+            # pending (EngineClosedError) and cleans up.
+            if not worker.join_reader(self._shutdown_timeout_s):
                 shm.sweep(shm.segment_prefix(worker.pid))
         if thread is not None:
             thread.join(self._shutdown_timeout_s)
@@ -310,57 +387,72 @@ class MultiprocExecutor(Executor):
                 if self._starting is worker:
                     self._starting = None
         logger.info("worker process %d ready in %.1f s", worker.pid, time.monotonic() - start)
+        worker.start_reader(self._read_replies)
         return worker, ready
 
-    def _call(self, method: WorkerMethod, arg: Any, what: str) -> WorkerReply:
-        """Send one call, wait for its reply (or the worker's death), unpack the result."""
-        with self._call_lock:
-            with self._lock:
-                if self._closed:
-                    raise EngineClosedError(f"the executor is shut down; cannot run {what}")
-                worker = self._worker
-                if worker is None:
-                    raise EngineDeadError(f"cannot run {what}: {self._dead_message()}")
-            call_id = next(self._call_ids)
+    def _submit(
+        self, method: WorkerMethod, arg: Any, what: str, convert: Callable[[WorkerReply], Any]
+    ) -> Future[Any]:
+        """Send one call; its future gets `convert(reply)`, or the error that stopped it."""
+        future: Future[Any] = Future()
+        with self._lock:
+            closed, worker = self._closed, self._worker
+            dead_message = self._dead_message()
+        if closed:
+            future.set_exception(
+                EngineClosedError(f"the executor is shut down; cannot run {what}"))
+            return future
+        call_id = next(self._call_ids)
+        pending = _PendingCall(what, convert, future)
+        if worker is None or not worker.add_pending(call_id, pending):
+            reason = dead_message if worker is None else f"worker process {worker.pid} died"
+            future.set_exception(EngineDeadError(f"cannot run {what}: {reason}"))
+            return future
+        try:
+            worker.send(WorkerCall(call_id, method, arg))
+        except (BrokenPipeError, EOFError, OSError):
+            pass  # the worker is gone; its reader fails this call with the reason
+        except Exception as exc:  # the argument does not pickle; nothing was sent
+            if worker.pop_pending(call_id) is pending:
+                pending.resolve(WorkerReply(call_id, error=WorkerError.from_exception(exc)))
+        return future
+
+    def _read_replies(self, worker: _Worker) -> None:
+        """A worker's reader thread: answer pending calls until the worker is gone."""
+        while True:
+            ready = wait([worker.conn, worker.process.sentinel])
+            if worker.conn not in ready:
+                break
             try:
-                worker.send(WorkerCall(call_id, method, arg))
-            except (BrokenPipeError, EOFError, OSError):
-                raise self._on_death(worker, what) from None
-            except Exception as exc:  # the argument does not pickle; nothing was sent
-                return WorkerReply(call_id, error=WorkerError.from_exception(exc))
-            while True:
-                ready = wait([worker.conn, worker.process.sentinel])
-                if worker.conn not in ready:
-                    raise self._on_death(worker, what)
-                try:
-                    reply = recv_message(worker.conn)
-                except (EOFError, OSError):
-                    raise self._on_death(worker, what) from None
-                except Exception as exc:  # a reply that does not unpickle here
-                    reply = WorkerReply(call_id, error=WorkerError.from_exception(exc))
-                if getattr(reply, "call_id", None) in (call_id, UNREADABLE_CALL_ID):
-                    break
-                # A reply to an earlier call whose caller gave up: drop it, free its shm.
-                logger.warning("dropping a stale worker reply %r", getattr(reply, "call_id", None))
+                reply = recv_message(worker.conn)
+            except (EOFError, OSError):
+                break
+            except Exception as exc:  # a reply that does not unpickle here
+                reply = WorkerReply(UNREADABLE_CALL_ID, error=WorkerError.from_exception(exc))
+            call_id = getattr(reply, "call_id", None)
+            pending = worker.pop_pending(call_id)
+            if pending is None:
+                logger.warning("dropping a worker reply nobody waits for (%r)", call_id)
                 shm.release(getattr(reply, "result", None))
-            # Unpack under the call lock: shutdown() sweeps this worker's segments.
-            reply.result = shm.unpack(reply.result)
-        if reply.error is not None:
-            logger.error("worker failed while running %s: %s", what, reply.error.exc_type)
-            logger.debug("worker traceback:\n%s", reply.error.traceback)
-        return reply
+                continue
+            try:
+                reply.result = shm.unpack(reply.result)
+            except Exception as exc:  # e.g. a segment that is gone
+                reply = WorkerReply(reply.call_id, error=WorkerError.from_exception(exc))
+            if reply.error is not None:
+                logger.error("worker failed while running %s: %s", pending.what,
+                             reply.error.exc_type)
+                logger.debug("worker traceback:\n%s", reply.error.traceback)
+            pending.resolve(reply)
+        self._on_death(worker)
 
-    def _on_death(self, worker: _Worker, what: str) -> EngineDeadError:
-        """Handle a dead worker (caller holds `_call_lock`); returns the error to raise.
-
-        `what` names the call that was running ("" if the worker was idle). The first
-        caller for a given worker marks it dead and starts the replacement.
-        """
+    def _on_death(self, worker: _Worker) -> None:
+        """Handle a worker that exited (on its reader thread): clean up, fail its
+        pending calls, and, for the serving worker, start a replacement."""
         if not worker.exited():  # EOF but still running: make sure it is gone
             worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
         exit_text = _describe_exit(worker.exitcode())
         worker.cleanup()
-        during = f"while running {what}" if what else "while idle"
         thread = None
         with self._lock:
             closed = self._closed
@@ -374,14 +466,19 @@ class MultiprocExecutor(Executor):
                     )
                     self._restart_thread = thread  # set before start: "restarting" from now
                 self._health.notify_all()
-        if closed:
-            return EngineClosedError(f"the executor was shut down {during}")
-        if first:
+        pending = worker.close_pending()
+        if first and not closed:
+            during = f"while running {pending[0].what}" if pending else "while idle"
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
         if thread is not None:
             thread.start()
-        return EngineDeadError(f"worker process died ({exit_text}) {during}")
+        for call in pending:
+            call.future.set_exception(
+                EngineClosedError(f"the executor was shut down while running {call.what}")
+                if closed else
+                EngineDeadError(f"worker process died ({exit_text}) while running {call.what}")
+            )
 
     def _restart(self) -> None:
         """Background thread: start a replacement worker and make it the serving one."""
@@ -406,7 +503,7 @@ class MultiprocExecutor(Executor):
             self._health.notify_all()
         if closed:
             worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
-            worker.cleanup()
+            worker.join_reader(self._shutdown_timeout_s)
 
     def _dead_message(self) -> str:
         if self._restart_thread is not None:

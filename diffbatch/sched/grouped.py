@@ -126,6 +126,24 @@ class GroupedScheduler(Scheduler):
         return SchedulerOutput(wave_id=wave_id, requests=wave, key=key,
                                close_reason=forced or close_reason)
 
+    def has_full_wave(self) -> bool:
+        """The next group holds a wave's worth: `max_num_seqs` requests, or as many as
+        the pixel cap lets in. O(group size) at worst; it stops at the wave's size."""
+        picked = self._pick_key()
+        if picked is None:
+            return False
+        key = picked[0]
+        limit = self.max_num_seqs
+        if self.max_wave_pixels is not None:
+            limit = min(limit, max(1, self.max_wave_pixels // wave_pixels(key, 1)))
+        count = 0
+        for _, _, request in self._groups[key]:
+            if request.status == RequestStatus.WAITING:
+                count += 1
+                if count >= limit:
+                    return True
+        return False
+
     def _pop_finished_heads(self) -> None:
         while self.waiting and self.waiting[0].status != RequestStatus.WAITING:
             self.waiting.popleft()

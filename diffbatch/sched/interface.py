@@ -32,6 +32,14 @@ class SchedulerInterface(ABC):
         is waiting.
         """
 
+    def has_full_wave(self) -> bool:
+        """Whether `schedule()` would now return a wave that more arrivals could not
+        make bigger (the engine then queues it behind a running wave).
+
+        The default, False, means waves are only formed when the executor is idle.
+        """
+        return False
+
     @abstractmethod
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: BatchRunnerOutput

@@ -91,6 +91,22 @@ class Scheduler(SchedulerInterface):
         self._next_wave_id += 1
         return SchedulerOutput(wave_id=wave_id, requests=wave, key=key, close_reason=close_reason)
 
+    def has_full_wave(self) -> bool:
+        """`max_num_seqs` equal-key requests at the head, or fewer and another key behind
+        them (which ends the wave however many more arrive). O(max_num_seqs)."""
+        key, count = None, 0
+        for request in self.waiting:
+            if request.is_finished:
+                continue
+            if key is None:
+                key = request.key
+            elif request.key != key:
+                return True
+            count += 1
+            if count >= self.max_num_seqs:
+                return True
+        return False
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: BatchRunnerOutput
     ) -> list[tuple[DiffusionRequest, DiffusionOutput]]:

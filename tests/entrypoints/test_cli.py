@@ -147,3 +147,11 @@ def test_scheduling_flags() -> None:
                 ["--max-head-wait-ms", "-1"], ["--batch-error-isolation", "maybe"]):
         with pytest.raises(SystemExit):
             parse("serve", *bad)
+
+
+def test_max_waves_in_flight_flag() -> None:
+    assert parse("serve").max_waves_in_flight == 2
+    assert parse("serve", "--max-waves-in-flight", "1").max_waves_in_flight == 1
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parse("serve", "--max-waves-in-flight", bad)

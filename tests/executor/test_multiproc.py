@@ -212,6 +212,28 @@ def test_runner_errors_become_error_outputs_and_worker_keeps_serving(executor):
     executor.check_health()
 
 
+def test_submitted_calls_queue_at_the_worker_and_each_gets_its_own_answer(executor):
+    assert executor.max_concurrent_waves == 2  # the config's max_waves_in_flight
+    futures = [
+        executor.submit_batch(wave(30, request("q0"), request("q1"))),
+        executor.submit_request(request("q2", "fail")),
+        executor.submit_request(request("q3", obj=Unreadable())),  # the worker can't read it
+        executor.submit_batch(wave(31, request("q4", "raise"))),
+        executor.submit_request(request("q5")),
+    ]  # all sent before the first answer is read
+    first = futures[0].result(DEADLINE_S)
+    assert first.req_ids == ["q0", "q1"] and all(o.ok for o in first.outputs.values())
+    assert torch.equal(first.outputs["q1"].images, torch.full(IMAGE_SHAPE, 1.0))
+    assert futures[1].result(DEADLINE_S).error.message == "ValueError: pipeline broke"
+    assert futures[2].result(DEADLINE_S).error.message == (
+        "RuntimeError: cannot rebuild this object here")
+    assert futures[3].result(DEADLINE_S).outputs["q4"].error.message == (
+        "RuntimeError: unexpected runner bug")
+    last = futures[4].result(DEADLINE_S)
+    assert last.request_id == "q5" and last.ok
+    assert segments_of(executor.worker_pid) == []
+
+
 @pytest.mark.parametrize(
     ("factory", "exc_type", "message"),
     [
@@ -285,6 +307,26 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
         process = ex._worker.process
         ex.shutdown()
         assert process.exitcode == 0  # an idle worker exits on the shutdown call
+    finally:
+        ex.shutdown()
+
+
+def test_a_worker_death_fails_every_queued_call_with_its_own_name(tmp_path):
+    ex = MultiprocExecutor(make_config(), runner_factory=FAKE)
+    try:
+        pid = ex.worker_pid
+        marker = tmp_path / "running"
+        running = ex.submit_batch(wave(40, request("b", "block", marker=str(marker))))
+        queued = ex.submit_batch(wave(41, request("q1"), request("q2")))
+        wait_for_file(marker)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"SIGKILL\)\) while running wave 40"):
+            running.result(DEADLINE_S)
+        with pytest.raises(EngineDeadError, match=r"SIGKILL\)\) while running wave 41 \(2 "):
+            queued.result(DEADLINE_S)
+        assert ex.wait_healthy(DEADLINE_S)
+        assert ex.execute_request(request("after")).ok
+        assert segments_of(pid) == []
     finally:
         ex.shutdown()
 

@@ -129,3 +129,22 @@ def test_fifo_policy_is_unchanged_by_the_grouped_option():
                       GroupedScheduler)
     with pytest.raises(ValueError, match="max_head_wait_ms"):
         GroupedScheduler(2, max_head_wait_ms=-1)
+
+
+def test_has_full_wave_counts_the_next_group_up_to_capacity_or_pixel_cap():
+    sched = GroupedScheduler(4, max_wave_pixels=2 * 128 * 128, clock=Clock())
+    sched.add_request(make_request("big0", 128))
+    sched.add_request(make_request("s0"))
+    assert not sched.has_full_wave()  # the best group (big) holds 1 of the 2 the cap allows
+    sched.add_request(make_request("big1", 128))
+    assert sched.has_full_wave()  # 2 images of 128x128 reach the pixel cap
+    assert sched.schedule().req_ids == ["big0", "big1"]
+    for i in range(1, 3):
+        sched.add_request(make_request(f"s{i}"))
+    assert not sched.has_full_wave()  # 3 small ones: under capacity and cap
+    sched.add_request(make_request("s3"))
+    sched.finish_requests(["s1"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_full_wave()  # the aborted one does not count
+    sched.add_request(make_request("s4"))
+    assert sched.has_full_wave()
+    assert sched.schedule().req_ids == ["s0", "s2", "s3", "s4"]

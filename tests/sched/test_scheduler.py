@@ -144,3 +144,20 @@ def test_request_without_key_and_bad_capacity_are_rejected():
     req = DiffusionRequest("x", "a cat", SamplingParams())
     with pytest.raises(ValueError, match="no key"):
         Scheduler(1).add_request(req)
+
+
+def test_has_full_wave_only_when_waiting_could_not_grow_the_next_wave():
+    sched = Scheduler(max_num_seqs=3)
+    assert not sched.has_full_wave()  # nothing waiting
+    for i in range(2):
+        sched.add_request(make_request(f"a{i}"))
+    assert not sched.has_full_wave()  # 2 of 3: an arrival could still join
+    sched.add_request(make_request("a2"))
+    assert sched.has_full_wave()  # capacity
+    sched.finish_requests(["a1"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_full_wave()  # an aborted entry does not count
+    sched.add_request(make_request("b0", size=128))
+    assert sched.has_full_wave()  # another key behind the head run ends the wave anyway
+    wave = sched.schedule()
+    assert wave.req_ids == ["a0", "a2"] and wave.close_reason == "key"
+    assert not sched.has_full_wave()  # b0 alone could still grow

@@ -158,6 +158,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = Engine(
         args.model,
         max_num_seqs=args.max_num_seqs,
+        max_waves_in_flight=args.max_waves_in_flight,
         request_batch_max_wait_ms=args.request_batch_max_wait_ms,
         executor=args.executor,
         device=args.device,

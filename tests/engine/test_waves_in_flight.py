@@ -1,0 +1,242 @@
+"""The engine loop with more than one wave in flight (`max_waves_in_flight`).
+
+`QueuedExecutor` behaves like the worker process: `submit_batch` returns at once
+and the waves run in submission order, one at a time, when the test says so. The
+engine core runs for real on its own threads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from diffbatch import (
+    BatchRunnerOutput,
+    ConfigError,
+    DiffusionOutput,
+    DiffusionRequest,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    SamplingParamsKey,
+)
+from diffbatch.engine.core import EngineCore
+from diffbatch.errors import EngineDeadError
+from diffbatch.executor.abstract import Executor
+from diffbatch.sched.output import SchedulerOutput
+
+TIMEOUT_S = 30.0
+
+
+class QueuedExecutor(Executor):
+    """Queues submitted waves; `run_next()` answers the oldest (like a worker's pipe)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.max_concurrent_waves = config.max_waves_in_flight
+        self.submitted: queue.Queue[tuple[SchedulerOutput, Future[BatchRunnerOutput]]] = (
+            queue.Queue()
+        )
+        self.unanswered = 0
+        self.most_unanswered = 0  # the most waves it ever held at once
+        self._lock = threading.Condition()
+
+    def wait_unanswered(self, count: int) -> None:
+        with self._lock:
+            assert self._lock.wait_for(lambda: self.unanswered == count, TIMEOUT_S)
+
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
+        future: Future[BatchRunnerOutput] = Future()
+        with self._lock:
+            self.unanswered += 1
+            self.most_unanswered = max(self.most_unanswered, self.unanswered)
+            self._lock.notify_all()
+        self.submitted.put((scheduler_output, future))
+        return future
+
+    def run_next(self, fail: Exception | None = None) -> list[str]:
+        """Answer the oldest submitted wave (or fail it with `fail`); its request ids."""
+        wave, future = self.submitted.get(timeout=TIMEOUT_S)
+        with self._lock:
+            self.unanswered -= 1
+        if fail is not None:
+            future.set_exception(fail)
+        else:
+            future.set_result(BatchRunnerOutput(
+                outputs={r.request_id: DiffusionOutput(r.request_id, images=[r.prompt],
+                                                       batch_size=wave.num_requests)
+                         for r in wave.requests},
+                forward_time_ms=1.0,
+            ))
+        return wave.req_ids
+
+    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        return self.submit_batch(scheduler_output).result()
+
+    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
+        raise AssertionError("the batch path is under test")
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Harness:
+    """An EngineCore on a QueuedExecutor; outputs land in `futures` by request id."""
+
+    def __init__(self, max_num_seqs: int, max_waves_in_flight: int, start: bool = True) -> None:
+        config = EngineConfig(model="fake", warmup=False, max_num_seqs=max_num_seqs,
+                              max_waves_in_flight=max_waves_in_flight)
+        self.executor = QueuedExecutor(config)
+        self.futures: dict[str, Future[DiffusionOutput]] = {}
+        self.core = EngineCore(config, self.executor, supports_request_batch=True,
+                               deliver=lambda request, out: self.futures[
+                                   request.request_id].set_result(out))
+        if start:
+            self.core.start()
+
+    def add(self, *request_ids: str, size: int = 64) -> None:
+        params = SamplingParams(height=size, width=size, num_inference_steps=2,
+                                guidance_scale=5.0, seed=0)
+        requests = []
+        for rid in request_ids:
+            request = DiffusionRequest(rid, f"prompt {rid}", params.clone())
+            request.key = SamplingParamsKey.from_params(params, cfg_enabled=True)
+            self.futures[rid] = Future()
+            requests.append(request)
+        self.core.add_requests(requests)
+
+    def result(self, rid: str) -> DiffusionOutput:
+        return self.futures[rid].result(TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.core._thread is None:  # stepped by hand
+            return
+        self.core.stop()
+        while not self.executor.submitted.empty():  # let waves still queued finish
+            self.executor.run_next()
+        self.core.join(TIMEOUT_S)
+
+
+@pytest.fixture
+def harness():
+    made: list[Harness] = []
+
+    def make(max_num_seqs: int = 2, max_waves_in_flight: int = 2, start: bool = True) -> Harness:
+        made.append(Harness(max_num_seqs, max_waves_in_flight, start))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_a_full_wave_queues_behind_the_running_one_and_a_partial_one_does_not(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.add("a0", "a1")
+    h.add("b0")  # half a wave: it could still grow, so it is not dispatched yet...
+    h.add("b1")  # ...and when it is full, it goes while wave a still runs
+    h.add("c0", "c1")  # a third full wave: no room (2 in flight)
+    assert h.executor.run_next() == ["a0", "a1"]
+    assert h.result("a0").ok and h.result("a1").ok  # delivered while b is still queued
+    assert not h.futures["b0"].done()
+    assert h.executor.run_next() == ["b0", "b1"]  # b0 waited for b1, not dispatched alone
+    assert h.executor.run_next() == ["c0", "c1"]
+    outs = [h.result(r) for r in ("b0", "b1", "c0", "c1")]
+    assert [o.images for o in outs] == [["prompt b0"], ["prompt b1"], ["prompt c0"],
+                                        ["prompt c1"]]
+    assert {o.batch_size for o in outs} == {2}
+    assert h.executor.most_unanswered == 2
+
+
+def test_stepped_by_hand_each_decision_of_the_busy_loop(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2, start=False)
+    h.add("a0", "a1")
+    assert h.core.step()  # idle: dispatch a
+    h.add("b0")
+    with h.core.cond:
+        assert h.core._schedule() is None  # busy and b could still grow: keep it here
+    h.add("b1")
+    assert h.core.step()  # busy, b is full: dispatch it behind a
+    assert [w.wave.req_ids for w in h.core.in_flight] == [["a0", "a1"], ["b0", "b1"]]
+    h.add("c0", "c1")
+    assert h.executor.run_next() == ["a0", "a1"]
+    assert h.core.step()  # the done wave goes first...
+    assert [w.wave.req_ids for w in h.core.in_flight] == [["b0", "b1"]]
+    assert h.core.scheduler.num_running == 2  # a's requests are finished
+    assert h.core.step()  # ...then c takes the freed room
+    assert [w.wave.req_ids for w in h.core.in_flight] == [["b0", "b1"], ["c0", "c1"]]
+
+
+def test_one_wave_in_flight_never_queues_a_second(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=1)
+    h.add("a0", "a1")
+    h.add("b0", "b1")
+    h.add("c0", "c1")
+    assert [h.executor.run_next() for _ in range(3)] == [["a0", "a1"], ["b0", "b1"],
+                                                        ["c0", "c1"]]
+    assert all(h.result(r).ok for r in ("a0", "a1", "b0", "b1", "c0", "c1"))
+    assert h.executor.most_unanswered == 1
+
+
+def test_a_queued_wave_that_fails_in_the_executor_fails_only_its_requests(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.add("a0", "a1")
+    h.add("b0", "b1")
+    h.executor.run_next(fail=EngineDeadError("worker process died (exit code -9)"))
+    h.executor.run_next()
+    for rid in ("a0", "a1"):
+        out = h.result(rid)
+        assert not out.ok and "exit code -9" in out.error.message
+    assert h.result("b0").ok and h.result("b1").ok
+    h.add("c0", "c1")  # the loop goes on
+    assert h.executor.run_next() == ["c0", "c1"] and h.result("c1").ok
+
+
+def test_an_abort_of_a_queued_wave_discards_only_its_result(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.add("a0", "a1")
+    h.add("b0", "b1")
+    h.executor.run_next()
+    aborted = h.core.abort_requests(["b1"])
+    assert [r.request_id for r in aborted] == ["b1"]
+    h.executor.run_next()
+    assert h.result("b0").ok
+    assert not h.futures["b1"].done()  # the engine's caller answers an abort itself
+
+
+def test_stop_with_waves_in_flight_waits_for_them_and_delivers_nothing_late(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.add("a0", "a1", "b0", "b1")
+    h.executor.wait_unanswered(2)
+    open_requests = h.core.stop()
+    assert sorted(r.request_id for r in open_requests) == ["a0", "a1", "b0", "b1"]
+    joined = threading.Thread(target=h.core.join, args=(TIMEOUT_S,))
+    joined.start()
+    h.executor.run_next()
+    h.executor.run_next()
+    joined.join(TIMEOUT_S)
+    assert not joined.is_alive()
+    assert not any(f.done() for f in h.futures.values())  # the stop's caller answers them
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_max_waves_in_flight_must_be_a_positive_integer(bad):
+    with pytest.raises(ConfigError, match=f"max_waves_in_flight must be an integer >= 1, "
+                                          f"got {bad!r}"):
+        EngineConfig(model="fake", max_waves_in_flight=bad)
+
+
+def test_the_inproc_executor_holds_one_wave_whatever_the_config_says():
+    from tests.fake_pipelines import FakeBatchPipeline
+
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=2,
+                max_waves_in_flight=3, warmup=False) as engine:
+        assert engine.core.max_waves_in_flight == 1
+        outs = engine.generate(["a", "b", "c"], SamplingParams(seed=1), use_tqdm=False)
+    assert all(o.ok for o in outs)
