@@ -70,9 +70,9 @@ def served_round(
             "mean_wave_size": metrics.get("mean_wave_size")}
 
 
-def _images(batch: int, num_images: int) -> int:
-    """At least 4 waves of `batch`, a whole number of them."""
-    count = max(num_images, 4 * batch)
+def _images(batch: int, num_images: int, min_waves: int) -> int:
+    """At least `min_waves` waves of `batch`, a whole number of them."""
+    count = max(num_images, min_waves * batch)
     return -(-count // batch) * batch
 
 
@@ -80,8 +80,10 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
     from peers_servers.pipeline import load_pipeline
 
     pipe = load_pipeline(model, args.threads)
+    extra = ["--max-waves-in-flight", str(args.max_waves_in_flight)]
     specs = [harness.diffbatch_spec(model, threads=args.threads, max_num_seqs=b,
-                                    wait_ms=args.wait_ms, executor=args.executor, name=f"B{b}")
+                                    wait_ms=args.wait_ms, executor=args.executor, name=f"B{b}",
+                                    extra_args=extra)
              for b in args.batch_sizes]
     rows = []
     with harness.running(specs) as servers:
@@ -94,7 +96,7 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
                                                    for b in args.batch_sizes}
             for rep in range(args.repeats):
                 for b in args.batch_sizes:
-                    n = _images(b, args.num_images)
+                    n = _images(b, args.num_images, args.min_waves)
                     # NOTE: whichever of two alternating processes runs second was
                     # measured 5-15% slower here (its caches were just the other's),
                     # so the order flips every round.
@@ -172,8 +174,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--num-images", type=int, default=16,
-                        help="images per round (at least 4 waves of B)")
+    parser.add_argument("--num-images", type=int, default=48,
+                        help="images per round (at least --min-waves waves of B)")
+    parser.add_argument("--min-waves", type=int, default=12,
+                        help="waves per round at least: a served round pays the closed "
+                        "loop's start (the first wave waits for its requests to arrive) and "
+                        "end (the last responses), which the raw loop does not; more waves "
+                        "make that a smaller share of the round")
+    parser.add_argument("--max-waves-in-flight", type=int, default=2,
+                        help="--max-waves-in-flight of the servers (1 = one wave at a time)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per point")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the raw pipeline and of the server's worker")

@@ -92,14 +92,16 @@ def diffbatch_spec(
     wait_ms: float,
     executor: str = "mp",
     name: str = "diffbatch",
+    extra_args: Sequence[str] = (),
 ) -> ServerSpec:
-    """`diffbatch serve` with the given batching flags (access log off, like the peers)."""
+    """`diffbatch serve` with the given batching flags (access log off, like the peers),
+    then `extra_args`."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
         "--request-batch-max-wait-ms", str(wait_ms), "--executor", executor,
-        "--log-level", "warning",
+        "--log-level", "warning", *extra_args,
     ]
     return ServerSpec(name, cmd, port, threads)
 

@@ -70,7 +70,8 @@ def test_bench_serve_cli_parses() -> None:
 def test_batch_gain_smoke(tmp_path: Path) -> None:
     report = run_script("batch_gain.py", tmp_path / "batch_gain.json", *MINIMAL,
                         "--models", "tiny-sd", "--sizes", "64", "--batch-sizes", "1", "2",
-                        "--num-images", "2", "--repeats", "1")
+                        "--num-images", "2", "--min-waves", "1", "--repeats", "1",
+                        "--max-waves-in-flight", "1")
     rows = report["results"]
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
