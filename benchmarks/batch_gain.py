@@ -24,28 +24,51 @@ encoding, the client); that is the point: P2 prices all of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from peers_servers import harness
 
 from diffbatch.bench.serve import BenchConfig, run_benchmark
+from diffbatch.cpus import parse_cpu_list
 
 
-def raw_round(pipe: Any, batch: int, size: int, steps: int, num_images: int) -> dict[str, float]:
-    """Images/s and CPU s/image of the bare pipeline at batch size `batch`."""
+def raw_round(
+    pipe: Any, batch: int, size: int, steps: int, num_images: int,
+    cpus: frozenset[int] | None = None,
+) -> dict[str, float]:
+    """Images/s and CPU s/image of the bare pipeline at batch size `batch`, its thread
+    pinned to `cpus` for the round when given (as the served worker is)."""
     from peers_servers.pipeline import ImageJob, pipeline_call
 
-    start, cpu = time.perf_counter(), time.process_time()
-    for r in range(num_images // batch):
-        jobs = [ImageJob(f"raw prompt {r * batch + i}", 1, size, size, steps, None, None,
-                         r * batch + i) for i in range(batch)]
-        pipeline_call(pipe, jobs)
-    wall = time.perf_counter() - start
-    return {"images_per_s": num_images / wall,
-            "cpu_s_per_image": (time.process_time() - cpu) / num_images}
+    with pinned(cpus):
+        start, cpu = time.perf_counter(), time.process_time()
+        for r in range(num_images // batch):
+            jobs = [ImageJob(f"raw prompt {r * batch + i}", 1, size, size, steps, None, None,
+                             r * batch + i) for i in range(batch)]
+            pipeline_call(pipe, jobs)
+        wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+    return {"images_per_s": num_images / wall, "cpu_s_per_image": cpu / num_images}
+
+
+@contextlib.contextmanager
+def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Pin this thread to `cpus` inside the block (no-op for None)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def served_round(
@@ -81,6 +104,10 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
 
     pipe = load_pipeline(model, args.threads)
     extra = ["--max-waves-in-flight", str(args.max_waves_in_flight)]
+    cpus = None
+    if args.worker_cpus:
+        extra += ["--worker-cpus", args.worker_cpus]
+        cpus = parse_cpu_list(args.worker_cpus)
     specs = [harness.diffbatch_spec(model, threads=args.threads, max_num_seqs=b,
                                     wait_ms=args.wait_ms, executor=args.executor, name=f"B{b}",
                                     extra_args=extra)
@@ -90,7 +117,7 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
         for size in args.sizes:
             # Warm-up: the first call of a shape pays allocations and lazy set-up.
             for b in args.batch_sizes:
-                raw_round(pipe, b, size, args.steps, b)
+                raw_round(pipe, b, size, args.steps, b, cpus)
                 served_round(servers[f"B{b}"], b, size, args.steps, 2 * b, seed=999)
             samples: dict[int, dict[str, list]] = {b: {"raw": [], "served": []}
                                                    for b in args.batch_sizes}
@@ -102,7 +129,7 @@ def measure_model(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
                     # so the order flips every round.
                     for kind in ("raw", "served") if rep % 2 == 0 else ("served", "raw"):
                         samples[b][kind].append(
-                            raw_round(pipe, b, size, args.steps, n) if kind == "raw" else
+                            raw_round(pipe, b, size, args.steps, n, cpus) if kind == "raw" else
                             served_round(servers[f"B{b}"], b, size, args.steps, n, seed=rep))
             for b in args.batch_sizes:
                 raw, served = samples[b]["raw"], samples[b]["served"]
@@ -183,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
                         "make that a smaller share of the round")
     parser.add_argument("--max-waves-in-flight", type=int, default=2,
                         help="--max-waves-in-flight of the servers (1 = one wave at a time)")
+    parser.add_argument("--worker-cpus", default=None,
+                        help="--worker-cpus of the servers (e.g. 1); the raw rounds are then "
+                        "pinned to the same CPUs, so both sides run on the cores they get")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per point")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the raw pipeline and of the server's worker")

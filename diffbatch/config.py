@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from diffbatch.cpus import allowed_cpus, parse_cpu_list
 from diffbatch.errors import ConfigError
 
 ExecutorKind = Literal["mp", "inproc"]
@@ -45,6 +46,10 @@ class EngineConfig:
             failing request(s) get an error; "none" fails the whole wave.
         shm_threshold_bytes: tensors above this cross processes in shared memory.
         torch_num_threads: torch threads in the worker (None = torch's default).
+        worker_cpus: pin the worker process to these CPUs, a `taskset -c` list such
+            as "1" or "2-7" (None = no pinning; "mp" executor, Linux). On a CPU-only
+            host, giving the worker its own cores keeps the server's threads from
+            moving the forward between cores (see diffbatch/cpus.py).
         pipeline_kwargs: extra keyword arguments for the pipeline's `from_pretrained`.
     """
 
@@ -66,6 +71,7 @@ class EngineConfig:
     batch_error_isolation: BatchErrorIsolation = "bisect"
     shm_threshold_bytes: int = DEFAULT_SHM_THRESHOLD_BYTES
     torch_num_threads: int | None = None
+    worker_cpus: str | None = None
     step_execution: bool = False  # step-wise continuous batching is not implemented
     pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -121,8 +127,30 @@ class EngineConfig:
             raise ConfigError(
                 f"torch_num_threads must be an integer >= 1, got {self.torch_num_threads!r}"
             )
+        if self.worker_cpus is not None:
+            self._check_worker_cpus()
         if self.step_execution:
             raise ConfigError(
                 "step_execution=True (step-wise continuous batching) is not supported; "
                 "request-level batching needs step_execution=False"
+            )
+
+    def _check_worker_cpus(self) -> None:
+        try:
+            cpus = parse_cpu_list(self.worker_cpus)
+        except ValueError as exc:
+            raise ConfigError(f"worker_cpus: {exc}") from None
+        if self.executor != "mp":
+            raise ConfigError(
+                f"worker_cpus pins the worker process; it needs executor='mp', got "
+                f"{self.executor!r}"
+            )
+        allowed = allowed_cpus()
+        if allowed is None:
+            raise ConfigError("worker_cpus is not supported on this platform (no "
+                              "sched_setaffinity)")
+        if not cpus <= allowed:
+            raise ConfigError(
+                f"worker_cpus {self.worker_cpus!r} names CPUs this process may not use: "
+                f"{sorted(cpus - allowed)}; allowed are {sorted(allowed)}"
             )

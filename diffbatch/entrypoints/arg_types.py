@@ -11,6 +11,8 @@ import math
 import os
 from collections.abc import Callable
 
+from diffbatch.cpus import parse_cpu_list
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An integer >= `low`."""
@@ -64,3 +66,12 @@ def directory(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"must be an existing directory, got {text!r}")
     return os.path.abspath(text)
+
+
+def cpu_list(text: str) -> str:
+    """A CPU list in `taskset -c` syntax ("1", "0-3,6"); kept as text."""
+    try:
+        parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from diffbatch.entrypoints.arg_types import (
+    cpu_list,
     directory,
     float_at_least,
     int_at_least,
@@ -119,6 +120,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--batch-error-isolation", choices=("bisect", "none"), default="bisect",
         help="bisect: re-run a failing wave in halves so only failing requests get an "
         "error; none: a failing forward fails its whole wave",
+    )
+    engine.add_argument(
+        "--worker-cpus", type=cpu_list, default=None, metavar="LIST",
+        help="pin the worker process to these CPUs, e.g. 1 or 2-7 (taskset -c syntax; "
+        "default: no pinning). On a CPU-only host it keeps the forward on its own cores",
     )
     engine.add_argument("--seed", type=int_at_least(0), default=None,
                         help="seed of the engine's random source for unseeded requests")

@@ -2,8 +2,8 @@
 
 `MultiprocExecutor` starts `worker_main` in a spawned process. The worker
 
-1. sets torch's thread count (if configured) and builds the runner, which loads
-   the pipeline;
+1. pins itself to `worker_cpus` (if configured), sets torch's thread count (if
+   configured) and builds the runner, which loads the pipeline;
 2. sends `WorkerReady` with the pipeline's info, or with the load error and exits;
 3. loops: receive a `WorkerCall`, run it on the runner, pack the result's large
    tensors into shared memory (`diffbatch.ipc.shm`), send a `WorkerReply`.
@@ -23,6 +23,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from diffbatch.cpus import parse_cpu_list, pin_to_cpus
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -71,6 +72,9 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_level is not None and not logging.getLogger().handlers:
         logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    if config.worker_cpus is not None:  # before torch starts threads: they inherit it
+        pin_to_cpus(parse_cpu_list(config.worker_cpus))
+        logger.info("worker %d pinned to CPUs %s", os.getpid(), config.worker_cpus)
     start = time.monotonic()
     try:
         runner = _load_runner(config, runner_factory or DEFAULT_RUNNER_FACTORY)

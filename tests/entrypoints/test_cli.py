@@ -155,3 +155,10 @@ def test_max_waves_in_flight_flag() -> None:
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             parse("serve", "--max-waves-in-flight", bad)
+
+
+def test_worker_cpus_flag() -> None:
+    assert parse("serve").worker_cpus is None
+    assert parse("serve", "--worker-cpus", "0-1").worker_cpus == "0-1"
+    with pytest.raises(SystemExit):
+        parse("serve", "--worker-cpus", "1-")

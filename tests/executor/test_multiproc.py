@@ -331,6 +331,18 @@ def test_a_worker_death_fails_every_queued_call_with_its_own_name(tmp_path):
         ex.shutdown()
 
 
+def test_worker_cpus_pins_the_worker_process():
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    ex = MultiprocExecutor(make_config(worker_cpus=str(cpu)), runner_factory=FAKE)
+    try:
+        assert os.sched_getaffinity(ex.worker_pid) == {cpu}
+        assert ex.execute_request(request("pinned")).ok
+    finally:
+        ex.shutdown()
+    assert os.sched_getaffinity(0) == before  # only the worker was pinned
+
+
 def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
     ex = MultiprocExecutor(make_config(), runner_factory=FAKE, shutdown_timeout_s=2.0)
     pid = ex.worker_pid

@@ -170,6 +170,7 @@ def run_server(args: argparse.Namespace) -> None:
         max_head_wait_ms=args.max_head_wait_ms,
         max_wave_pixels=args.max_wave_pixels,
         batch_error_isolation=args.batch_error_isolation,
+        worker_cpus=args.worker_cpus,
     )
     try:
         app = build_app(

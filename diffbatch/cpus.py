@@ -1,0 +1,50 @@
+"""CPU lists in `taskset -c` syntax ("1", "0-3", "0,2,4-7"), for pinning the worker.
+
+On a CPU-only host the worker's forward competes with the server process (HTTP,
+PNG encoding) for cores. Left to the kernel, the forward thread is moved between
+cores as the server's threads wake, and each move costs it its warm L2 cache:
+measured here, a tiny-sd3 wave ran 6.6% slower in an unpinned worker than in a
+process pinned to one core (docs/benchmarks.md). `EngineConfig.worker_cpus` pins
+the worker to the CPUs given, which leaves the others to the server.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """The CPU ids of a list like "0-3,6"; ValueError naming what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"expected a CPU list such as '1' or '0-3,6', got {text!r}")
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        try:
+            low = int(first)
+            high = int(last) if sep else low
+        except ValueError:
+            raise ValueError(
+                f"expected a CPU list such as '1' or '0-3,6', got {text!r} ({part!r} is not "
+                "a CPU id or a range of them)"
+            ) from None
+        if low < 0 or high < low:
+            raise ValueError(f"expected a CPU list such as '1' or '0-3,6', got {text!r} "
+                             f"({part!r} is not an increasing range of ids >= 0)")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def allowed_cpus() -> frozenset[int] | None:
+    """The CPUs this process may run on; None where the OS cannot pin processes."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return frozenset(os.sched_getaffinity(0))
+
+
+def pin_to_cpus(cpus: frozenset[int]) -> None:
+    """Pin the calling thread, and every thread it starts from now on, to `cpus`.
+
+    Call it before torch starts its thread pool (threads inherit the mask).
+    """
+    os.sched_setaffinity(0, cpus)
