@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from diffbatch.cpus import allowed_cpus, parse_cpu_list
+from diffbatch.cpus import existing_cpus, parse_cpu_list
 from diffbatch.errors import ConfigError
 
 ExecutorKind = Literal["mp", "inproc"]
@@ -145,12 +145,12 @@ class EngineConfig:
                 f"worker_cpus pins the worker process; it needs executor='mp', got "
                 f"{self.executor!r}"
             )
-        allowed = allowed_cpus()
-        if allowed is None:
+        existing = existing_cpus()
+        if existing is None:
             raise ConfigError("worker_cpus is not supported on this platform (no "
                               "sched_setaffinity)")
-        if not cpus <= allowed:
+        if not cpus <= existing:
             raise ConfigError(
-                f"worker_cpus {self.worker_cpus!r} names CPUs this process may not use: "
-                f"{sorted(cpus - allowed)}; allowed are {sorted(allowed)}"
+                f"worker_cpus {self.worker_cpus!r} names CPUs this machine does not have: "
+                f"{sorted(cpus - existing)}; it has {min(existing)}-{max(existing)}"
             )

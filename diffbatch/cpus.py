@@ -35,11 +35,15 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def allowed_cpus() -> frozenset[int] | None:
-    """The CPUs this process may run on; None where the OS cannot pin processes."""
-    if not hasattr(os, "sched_getaffinity"):
+def existing_cpus() -> frozenset[int] | None:
+    """The CPU ids of this machine; None where the OS cannot pin processes.
+
+    Not this process's own mask: a server started under `taskset -c 0` may still
+    give its worker CPU 1.
+    """
+    if not hasattr(os, "sched_setaffinity"):
         return None
-    return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
 
 
 def pin_to_cpus(cpus: frozenset[int]) -> None:

@@ -2,8 +2,9 @@
 
 `MultiprocExecutor` starts `worker_main` in a spawned process. The worker
 
-1. pins itself to `worker_cpus` (if configured), sets torch's thread count (if
-   configured) and builds the runner, which loads the pipeline;
+1. fixes glibc's malloc thresholds (`diffbatch.worker.malloc`), pins itself to
+   `worker_cpus` (if configured), sets torch's thread count (if configured) and
+   builds the runner, which loads the pipeline;
 2. sends `WorkerReady` with the pipeline's info, or with the load error and exits;
 3. loops: receive a `WorkerCall`, run it on the runner, pack the result's large
    tensors into shared memory (`diffbatch.ipc.shm`), send a `WorkerReply`.
@@ -24,6 +25,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list, pin_to_cpus
+from diffbatch.errors import ConfigError
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -35,6 +37,7 @@ from diffbatch.ipc.messages import (
     recv_message,
     send_message,
 )
+from diffbatch.worker.malloc import tune_malloc
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -72,11 +75,11 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_level is not None and not logging.getLogger().handlers:
         logging.basicConfig(level=log_level, format=_LOG_FORMAT)
-    if config.worker_cpus is not None:  # before torch starts threads: they inherit it
-        pin_to_cpus(parse_cpu_list(config.worker_cpus))
-        logger.info("worker %d pinned to CPUs %s", os.getpid(), config.worker_cpus)
     start = time.monotonic()
+    tuned = tune_malloc()  # before torch allocates anything
     try:
+        if config.worker_cpus is not None:  # before torch starts threads: they inherit it
+            _pin(config.worker_cpus)
         runner = _load_runner(config, runner_factory or DEFAULT_RUNNER_FACTORY)
         info = runner.info()
     except BaseException as exc:  # a load failure is reported, then the worker exits
@@ -85,12 +88,21 @@ def worker_main(
         conn.close()
         return
     load_time_s = time.monotonic() - start
-    logger.info("worker %d ready (%s) in %.1f s", os.getpid(), info.name, load_time_s)
+    logger.info("worker %d ready (%s) in %.1f s%s", os.getpid(), info.name, load_time_s,
+                "" if tuned else " (malloc thresholds left as they were)")
     if not _send_quietly(conn, WorkerReady(os.getpid(), info=info, load_time_s=load_time_s)):
         return
     _serve(runner, conn, config.shm_threshold_bytes)
     conn.close()
     logger.info("worker %d exiting", os.getpid())
+
+
+def _pin(worker_cpus: str) -> None:
+    try:
+        pin_to_cpus(parse_cpu_list(worker_cpus))
+    except OSError as exc:  # e.g. the CPUs are outside this container's cpuset
+        raise ConfigError(f"could not pin the worker to CPUs {worker_cpus!r}: {exc}") from None
+    logger.info("worker %d pinned to CPUs %s", os.getpid(), worker_cpus)
 
 
 def _load_runner(config: EngineConfig, runner_factory: str) -> Any:
