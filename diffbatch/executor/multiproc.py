@@ -464,15 +464,15 @@ class MultiprocExecutor(Executor):
                     thread = threading.Thread(
                         target=self._restart, name="diffbatch-worker-restart", daemon=True
                     )
-                    self._restart_thread = thread  # set before start: "restarting" from now
+                    # started under the lock: whoever sees it (shutdown) may join it
+                    self._restart_thread = thread
+                    thread.start()
                 self._health.notify_all()
         pending = worker.close_pending()
         if first and not closed:
             during = f"while running {pending[0].what}" if pending else "while idle"
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
-        if thread is not None:
-            thread.start()
         for call in pending:
             call.future.set_exception(
                 EngineClosedError(f"the executor was shut down while running {call.what}")

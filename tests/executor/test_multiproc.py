@@ -8,6 +8,7 @@ worker processes, which pay torch's import time, so all are marked slow.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import subprocess
@@ -298,7 +299,9 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
         # A worker that dies while idle is caught by check_health too.
         idle_pid = ex.worker_pid
         os.kill(idle_pid, signal.SIGKILL)
-        ex._worker.process.join(DEADLINE_S)  # wait until it is gone, not a fixed sleep
+        # Wait until it is gone (its sentinel; joining here would race the reader
+        # thread, which reaps it), not a fixed sleep.
+        assert multiprocessing.connection.wait([ex._worker.process.sentinel], DEADLINE_S)
         with pytest.raises(EngineDeadError, match="SIGKILL"):
             ex.check_health()
         assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, idle_pid)
