@@ -47,9 +47,8 @@ class EngineConfig:
         shm_threshold_bytes: tensors above this cross processes in shared memory.
         torch_num_threads: torch threads in the worker (None = torch's default).
         worker_cpus: pin the worker process to these CPUs, a `taskset -c` list such
-            as "1" or "2-7" (None = no pinning; "mp" executor, Linux). On a CPU-only
-            host, giving the worker its own cores keeps the server's threads from
-            moving the forward between cores (see diffbatch/cpus.py).
+            as "1" or "2-7" (None = no pinning; "mp" executor, Linux); see
+            diffbatch/cpus.py for what it was measured to do.
         pipeline_kwargs: extra keyword arguments for the pipeline's `from_pretrained`.
     """
 

@@ -1,11 +1,11 @@
 """CPU lists in `taskset -c` syntax ("1", "0-3", "0,2,4-7"), for pinning the worker.
 
-On a CPU-only host the worker's forward competes with the server process (HTTP,
-PNG encoding) for cores. Left to the kernel, the forward thread is moved between
-cores as the server's threads wake, and each move costs it its warm L2 cache:
-measured here, a tiny-sd3 wave ran 6.6% slower in an unpinned worker than in a
-process pinned to one core (docs/benchmarks.md). `EngineConfig.worker_cpus` pins
-the worker to the CPUs given, which leaves the others to the server.
+On a CPU-only host the worker's forward shares the cores with the server process
+(HTTP, PNG encoding) and whatever else runs there. `EngineConfig.worker_cpus` pins
+the worker, and the torch threads it starts, to the CPUs given. Measured here: the
+same tiny-sd3 wave ran 6.6% slower in an unpinned worker than in-process, and as
+fast when both were pinned to one core; served over HTTP on 2 cores it did not
+change P2 (docs/benchmarks.md), so it is a deployment option, off by default.
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ import os
 
 def parse_cpu_list(text: str) -> frozenset[int]:
     """The CPU ids of a list like "0-3,6"; ValueError naming what is wrong."""
+
+    def bad(why: str = "") -> ValueError:
+        return ValueError(f"expected a CPU list such as '1' or '0-3,6', got {text!r}{why}")
+
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"expected a CPU list such as '1' or '0-3,6', got {text!r}")
+        raise bad()
     cpus: set[int] = set()
     for part in text.split(","):
         first, sep, last = part.strip().partition("-")
@@ -24,13 +28,9 @@ def parse_cpu_list(text: str) -> frozenset[int]:
             low = int(first)
             high = int(last) if sep else low
         except ValueError:
-            raise ValueError(
-                f"expected a CPU list such as '1' or '0-3,6', got {text!r} ({part!r} is not "
-                "a CPU id or a range of them)"
-            ) from None
+            raise bad(f" ({part!r} is not a CPU id or a range of them)") from None
         if low < 0 or high < low:
-            raise ValueError(f"expected a CPU list such as '1' or '0-3,6', got {text!r} "
-                             f"({part!r} is not an increasing range of ids >= 0)")
+            raise bad(f" ({part!r} is not an increasing range of ids >= 0)")
         cpus.update(range(low, high + 1))
     return frozenset(cpus)
 

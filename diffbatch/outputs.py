@@ -76,6 +76,12 @@ class BatchRunnerOutput:
     forward_time_ms: float = 0.0  # time spent in the pipeline forward(s) of this wave
     num_forwards: int = 1  # how many pipeline forwards served this wave
 
+    @classmethod
+    def failed(cls, request_ids: list[str], error: RequestError) -> BatchRunnerOutput:
+        """A wave none of whose requests ran: each gets `error`, no forward counted."""
+        return cls(outputs={rid: DiffusionOutput.from_error(rid, error) for rid in request_ids},
+                   num_forwards=0)
+
     @property
     def req_ids(self) -> list[str]:
         return list(self.outputs)

@@ -350,12 +350,8 @@ class EngineCore:
         try:
             runner_output = record.future.result()
         except Exception as exc:
-            error = self._executor_error(wave, exc)
-            runner_output = BatchRunnerOutput(
-                outputs={r.request_id: DiffusionOutput.from_error(r.request_id, error)
-                         for r in wave.requests},
-                num_forwards=0,
-            )
+            runner_output = BatchRunnerOutput.failed(wave.req_ids,
+                                                     self._executor_error(wave, exc))
         # A wave queued at the worker started when the one before it ended, not when it
         # was dispatched: take the later of the two.
         started = max(record.dispatched,

@@ -294,11 +294,7 @@ class MultiprocExecutor(Executor):
         def convert(reply: WorkerReply) -> BatchRunnerOutput:
             if reply.error is None:
                 return reply.result
-            return BatchRunnerOutput(
-                outputs={rid: DiffusionOutput.from_error(rid, reply.error.error)
-                         for rid in scheduler_output.req_ids},
-                num_forwards=0,
-            )
+            return BatchRunnerOutput.failed(scheduler_output.req_ids, reply.error.error)
 
         return self._submit("execute_batch", scheduler_output, what, convert)
 
@@ -337,7 +333,7 @@ class MultiprocExecutor(Executor):
         """Wait until a worker serves (e.g. a replacement), the executor closes, or a
         restart fails; True if healthy. For tests and callers that can wait."""
         with contextlib.suppress(EngineDeadError):
-            self.check_health()  # notices a worker that died while idle (and restarts it)
+            self.check_health()  # waits for the reader to handle a worker that just died
         with self._health:
             self._health.wait_for(
                 lambda: self._closed or self._worker is not None or self._restart_thread is None,
@@ -397,7 +393,7 @@ class MultiprocExecutor(Executor):
         future: Future[Any] = Future()
         with self._lock:
             closed, worker = self._closed, self._worker
-            dead_message = self._dead_message()
+            dead_message = self._dead_message() if worker is None else ""
         if closed:
             future.set_exception(
                 EngineClosedError(f"the executor is shut down; cannot run {what}"))
