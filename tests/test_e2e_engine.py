@@ -89,6 +89,18 @@ def test_two_hundred_concurrent_requests_each_get_their_own_image():
     assert shm_segments() <= before
 
 
+def test_per_request_pipeline_through_the_worker():
+    """The per-request path submits each request to the worker and gathers the answers."""
+    with Engine(pipeline_class="tests.fake_pipelines.FakeSinglePipeline", executor="mp") as engine:
+        prompts = ["one", "two", "three"]
+        outs = engine.generate(prompts, [pt(20 + i) for i in range(3)])
+    for i, out in enumerate(outs):
+        assert out.ok, out.error
+        assert out.batch_size == 1
+        expected = fake_images(prompts[i], [torch.Generator().manual_seed(20 + i)], 64, 64)
+        assert torch.equal(out.images, expected)
+
+
 def test_failing_wave_fails_only_its_requests_through_the_worker():
     with Engine(pipeline_class="tests.fake_pipelines.FakeBatchPipeline", executor="mp",
                 max_num_seqs=4) as engine:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -37,6 +38,7 @@ class QueuedExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.max_concurrent_waves = config.max_waves_in_flight
+        self.forward_time_ms = 1.0  # what each answered wave reports
         self.submitted: queue.Queue[tuple[SchedulerOutput, Future[BatchRunnerOutput]]] = (
             queue.Queue()
         )
@@ -69,7 +71,7 @@ class QueuedExecutor(Executor):
                 outputs={r.request_id: DiffusionOutput(r.request_id, images=[r.prompt],
                                                        batch_size=wave.num_requests)
                          for r in wave.requests},
-                forward_time_ms=1.0,
+                forward_time_ms=self.forward_time_ms,
             ))
         return wave.req_ids
 
@@ -89,12 +91,14 @@ class QueuedExecutor(Executor):
 class Harness:
     """An EngineCore on a QueuedExecutor; outputs land in `futures` by request id."""
 
-    def __init__(self, max_num_seqs: int, max_waves_in_flight: int, start: bool = True) -> None:
+    def __init__(self, max_num_seqs: int, max_waves_in_flight: int, start: bool = True,
+                 executor: Executor | None = None, batch: bool = True) -> None:
         config = EngineConfig(model="fake", warmup=False, max_num_seqs=max_num_seqs,
                               max_waves_in_flight=max_waves_in_flight)
-        self.executor = QueuedExecutor(config)
+        self.executor = executor or QueuedExecutor(config)
         self.futures: dict[str, Future[DiffusionOutput]] = {}
-        self.core = EngineCore(config, self.executor, supports_request_batch=True,
+        self.arrivals: dict[str, float] = {}
+        self.core = EngineCore(config, self.executor, supports_request_batch=batch,
                                deliver=lambda request, out: self.futures[
                                    request.request_id].set_result(out))
         if start:
@@ -108,6 +112,7 @@ class Harness:
             request = DiffusionRequest(rid, f"prompt {rid}", params.clone())
             request.key = SamplingParamsKey.from_params(params, cfg_enabled=True)
             self.futures[rid] = Future()
+            self.arrivals[rid] = request.arrival_time
             requests.append(request)
         self.core.add_requests(requests)
 
@@ -118,7 +123,8 @@ class Harness:
         if self.core._thread is None:  # stepped by hand
             return
         self.core.stop()
-        while not self.executor.submitted.empty():  # let waves still queued finish
+        while isinstance(self.executor, QueuedExecutor) and not self.executor.submitted.empty():
+            # let waves still queued finish
             self.executor.run_next()
         self.core.join(TIMEOUT_S)
 
@@ -127,8 +133,9 @@ class Harness:
 def harness():
     made: list[Harness] = []
 
-    def make(max_num_seqs: int = 2, max_waves_in_flight: int = 2, start: bool = True) -> Harness:
-        made.append(Harness(max_num_seqs, max_waves_in_flight, start))
+    def make(max_num_seqs: int = 2, max_waves_in_flight: int = 2, start: bool = True,
+             **kwargs) -> Harness:
+        made.append(Harness(max_num_seqs, max_waves_in_flight, start, **kwargs))
         return made[-1]
 
     yield make
@@ -171,6 +178,21 @@ def test_stepped_by_hand_each_decision_of_the_busy_loop(harness):
     assert h.core.scheduler.num_running == 2  # a's requests are finished
     assert h.core.step()  # ...then c takes the freed room
     assert [w.wave.req_ids for w in h.core.in_flight] == [["b0", "b1"], ["c0", "c1"]]
+
+
+def test_a_queued_wave_counts_its_wait_at_the_worker_as_queue_time(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.executor.forward_time_ms = 0.0  # each wave "starts" when it is answered
+    h.add("a0", "a1")
+    h.add("b0", "b1")
+    h.executor.wait_unanswered(2)  # b is dispatched, queued behind a
+    h.executor.run_next()
+    a_done = time.monotonic()
+    h.executor.run_next()
+    b0 = h.result("b0")
+    # b waited at the worker until a was done: its queue time runs up to then at least,
+    # not just to its dispatch (which came before a was answered).
+    assert b0.queue_time_ms >= (a_done - h.arrivals["b0"]) * 1000.0
 
 
 def test_one_wave_in_flight_never_queues_a_second(harness):
@@ -240,3 +262,35 @@ def test_the_inproc_executor_holds_one_wave_whatever_the_config_says():
         assert engine.core.max_waves_in_flight == 1
         outs = engine.generate(["a", "b", "c"], SamplingParams(seed=1), use_tqdm=False)
     assert all(o.ok for o in outs)
+
+
+class PerRequestExecutor(Executor):
+    """The per-request path's calls: each answered at once; prompt "bad" fails in the
+    executor itself (as a dead worker would)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.max_concurrent_waves = config.max_waves_in_flight
+
+    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
+        if request.prompt == "prompt bad":
+            raise EngineDeadError("worker process died (exit code -9)")
+        return DiffusionOutput(request.request_id, images=[request.prompt], batch_size=1)
+
+    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        raise AssertionError("the per-request path is under test")
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_per_request_path_an_executor_failure_fails_only_its_request(harness):
+    config = EngineConfig(model="fake", warmup=False, max_num_seqs=2)
+    h = harness(max_num_seqs=2, executor=PerRequestExecutor(config), batch=False)
+    h.add("ok", "bad")
+    assert h.result("ok").ok and h.result("ok").images == ["prompt ok"]
+    bad = h.result("bad")
+    assert not bad.ok and "exit code -9" in bad.error.message
