@@ -143,4 +143,4 @@ class SmallModelPipeline(FakeBatchPipeline):
     """Declares a model limit of 32x32 pixels per image."""
 
     def info(self) -> PipelineInfo:
-        return dataclasses.replace(super().info(), max_image_pixels=32 * 32)
+        return dataclasses.replace(super().info(), model_max_pixels=32 * 32)

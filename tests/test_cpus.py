@@ -29,7 +29,7 @@ def test_bad_cpu_lists_say_what_was_expected_and_given(text, why):
 def test_engine_config_checks_worker_cpus():
     allowed = sorted(os.sched_getaffinity(0))
     assert EngineConfig(worker_cpus=str(allowed[-1])).worker_cpus == str(allowed[-1])
-    with pytest.raises(ConfigError, match="worker_cpus: expected a CPU list"):
+    with pytest.raises(ConfigError, match="`worker_cpus` must be a CPU list"):
         EngineConfig(worker_cpus="x")
     with pytest.raises(ConfigError, match=r"needs executor='mp', got 'inproc'"):
         EngineConfig(worker_cpus=str(allowed[0]), executor="inproc")

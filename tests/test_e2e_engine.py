@@ -90,7 +90,7 @@ def test_two_hundred_concurrent_requests_each_get_their_own_image():
 
 
 def test_per_request_pipeline_through_the_worker():
-    """The per-request path submits each request to the worker and gathers the answers."""
+    """A pipeline that cannot batch runs waves of one through the worker, each its own."""
     with Engine(pipeline_class="tests.fake_pipelines.FakeSinglePipeline", executor="mp") as engine:
         prompts = ["one", "two", "three"]
         outs = engine.generate(prompts, [pt(20 + i) for i in range(3)])

@@ -44,6 +44,6 @@ def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
     from diffbatch import PayloadTooLargeError
 
     with Engine(None, executor="inproc", warmup=False) as engine:
-        assert engine.info.max_image_pixels == 256 * 256
+        assert engine.info.model_max_pixels == 256 * 256
         with pytest.raises(PayloadTooLargeError):
             engine.generate(["a red circle"], SamplingParams(height=1024, width=1024))

@@ -2,8 +2,8 @@
 
 Before a wave is scheduled, the engine may wait a little for more compatible
 requests. The wait runs only when request batching can use it (the pipeline
-supports request batches, step execution is off, `request_batch_max_wait_ms > 0`,
-capacity > 1) and nothing is running. It ends at the first of:
+supports request batches, `request_batch_max_wait_ms > 0`, capacity > 1) and
+nothing is running. It ends at the first of:
 
 - `capacity`: the waiting queue holds `max_num_seqs` requests;
 - `stable`: the waiting count has not grown for a stable window of
@@ -38,13 +38,10 @@ class AdmissionWait:
     def stable_window_ms(self) -> float:
         return min(MAX_STABLE_WINDOW_MS, self.max_wait_ms / 5.0)
 
-    def should_wait(
-        self, *, supports_request_batch: bool, step_execution: bool, num_running: int
-    ) -> bool:
+    def should_wait(self, *, supports_request_batch: bool, num_running: int) -> bool:
         """Whether a wait can help before the next wave."""
         return (
             supports_request_batch
-            and not step_execution
             and self.max_wait_ms > 0
             and self.capacity > 1
             and num_running == 0

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import random
 import threading
@@ -33,7 +34,6 @@ from diffbatch.errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
-    PayloadTooLargeError,
     PipelineError,
     QueueFullError,
 )
@@ -62,38 +62,14 @@ class Engine:
 
     Args:
         model: local diffusers folder, hub id or built-in model name (None = default).
-        max_num_seqs: most requests per wave; > 1 needs a batch-capable pipeline.
-        request_batch_max_wait_ms: bounded wait that lets bursts coalesce (0 = off).
-        executor: "mp" (pipeline in a worker process) or "inproc".
-        pipeline_class: a pipeline class or dotted name (None = diffbatch's adapter).
-        **kwargs: the other `EngineConfig` fields; unknown names go to the
-            pipeline's `from_pretrained`.
+        **options: `EngineConfig` fields, e.g. `max_num_seqs`,
+            `request_batch_max_wait_ms`, `executor` ("mp" or "inproc"),
+            `pipeline_class`, and `pipeline_kwargs` (a dict for the pipeline's
+            `from_pretrained`). An unknown name raises `ConfigError` naming it.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        max_num_seqs: int = 1,
-        request_batch_max_wait_ms: float = 0.0,
-        executor: str = "mp",
-        pipeline_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        fields = set(EngineConfig.__dataclass_fields__)
-        config_kwargs = {k: v for k, v in kwargs.items() if k in fields}
-        pipeline_kwargs = {k: v for k, v in kwargs.items() if k not in fields}
-        pipeline_kwargs.update(config_kwargs.pop("pipeline_kwargs", {}) or {})
-        config = EngineConfig(
-            model=model,
-            pipeline_class=pipeline_class,
-            max_num_seqs=max_num_seqs,
-            request_batch_max_wait_ms=request_batch_max_wait_ms,
-            executor=executor,
-            pipeline_kwargs=pipeline_kwargs,
-            **config_kwargs,
-        )
-        self._start(config)
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self._start(EngineConfig.from_options(model=model, **options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -123,8 +99,6 @@ class Engine:
                 f"`supports_request_batch = True`, but {self.pipeline_class.__name__} does "
                 "not declare it; use max_num_seqs=1 or a batch-capable pipeline class"
             )
-        if config.lora_dir is not None and not os.path.isdir(config.lora_dir):
-            raise ConfigError(f"lora_dir must be an existing folder, got {config.lora_dir!r}")
         # 2. The executor loads the pipeline (in a worker process for "mp").
         self.executor = Executor.get_class(config.executor)(config)
         self.info: PipelineInfo = self.executor.info
@@ -175,21 +149,42 @@ class Engine:
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
             lora=self._resolve_lora(params.lora),
         )
-        pixels = resolved.height * resolved.width
-        if info.max_image_pixels is not None and pixels > info.max_image_pixels:
-            raise PayloadTooLargeError(
-                f"`height` * `width` must be at most {info.max_image_pixels} pixels for "
-                f"{self.config.model}, got {resolved.width}x{resolved.height} = {pixels}",
+        self._check_against_model(resolved)
+        return resolved
+
+    def _check_against_model(self, params: SamplingParams) -> None:
+        """The checks that depend on the loaded model, run once, at admission."""
+        info = self.info
+        pixels = params.height * params.width
+        if info.model_max_pixels is not None and pixels > info.model_max_pixels:
+            multiple = info.size_multiple
+            side = math.isqrt(info.model_max_pixels) // multiple * multiple
+            raise InvalidRequestError(
+                f"`size` must be at most {info.model_max_pixels} pixels (width * height) for "
+                f"{self.config.model}, e.g. {side}x{side}; got {params.width}x{params.height}",
                 param="size",
             )
         for name in ("height", "width"):
-            value = getattr(resolved, name)
+            value = getattr(params, name)
             if value % info.size_multiple:
                 raise InvalidRequestError(
                     f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
                     f"got {value}", param=name,
                 )
-        return resolved
+        accepted = info.call_arguments
+        if accepted is None:
+            return
+        for name in ("sigmas", "timesteps"):
+            if getattr(params, name) is not None and name not in accepted:
+                raise InvalidRequestError(f"`{name}` is not supported by {info.name}",
+                                          param=name)
+        for name in params.extra:
+            if name not in accepted or name in ("sigmas", "timesteps"):
+                raise InvalidRequestError(
+                    f"`extra` argument {name!r} is not accepted by {info.name}; it takes "
+                    f"{', '.join(sorted(accepted - {'sigmas', 'timesteps'})) or 'none'}",
+                    param="extra",
+                )
 
     def _resolve_lora(self, lora: str | None) -> str | None:
         if lora is None:

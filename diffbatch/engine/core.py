@@ -4,8 +4,8 @@
 happen, then does it:
 
 - dispatch: run the admission wait (only when nothing is in flight), `schedule()` a
-  wave and hand it to the executor (`submit_batch`: one fused forward; or one
-  `submit_request` per request on the per-request path);
+  wave and hand it to the executor (`submit_batch`: one fused forward; a pipeline
+  that cannot batch gets waves of one, since its `max_num_seqs` is 1);
 - finish: the oldest wave in flight is done: `update_from_output()`, and hand every
   finished request to the `deliver` callback.
 
@@ -274,7 +274,6 @@ class EngineCore:
                 return None
         elif self.admission.should_wait(
             supports_request_batch=self.supports_request_batch,
-            step_execution=self.config.step_execution,
             num_running=self.scheduler.num_running,
         ):
             self.last_admission_reason = self.admission.wait(
@@ -291,10 +290,7 @@ class EngineCore:
     def _dispatch(self, wave: SchedulerOutput) -> None:
         """Hand the wave to the executor (outside the lock) and track it."""
         dispatched = time.monotonic()
-        if self.supports_request_batch:
-            future = self.executor.submit_batch(wave)
-        else:
-            future = self._submit_each(wave)
+        future = self.executor.submit_batch(wave)
         record = InFlightWave(wave, future, dispatched, self.last_admission_reason)
         with self.cond:
             self.in_flight.append(record)
@@ -303,38 +299,6 @@ class EngineCore:
     def _wake(self, _future: Future[BatchRunnerOutput]) -> None:
         with self.cond:
             self.cond.notify_all()
-
-    def _submit_each(self, wave: SchedulerOutput) -> Future[BatchRunnerOutput]:
-        """The per-request path: one call per request, gathered into one wave output."""
-        futures = {r.request_id: self.executor.submit_request(r) for r in wave.requests}
-        gathered: Future[BatchRunnerOutput] = Future()
-        remaining = len(futures)
-        lock = threading.Lock()
-
-        def one_done(_future: Future[DiffusionOutput]) -> None:
-            nonlocal remaining
-            with lock:
-                remaining -= 1
-                if remaining:
-                    return
-            outputs = {rid: self._output_of(wave, rid, f) for rid, f in futures.items()}
-            gathered.set_result(BatchRunnerOutput(
-                outputs=outputs,
-                forward_time_ms=sum(o.execute_time_ms for o in outputs.values()),
-                num_forwards=len(outputs),
-            ))
-
-        for future in futures.values():
-            future.add_done_callback(one_done)
-        return gathered
-
-    def _output_of(
-        self, wave: SchedulerOutput, request_id: str, future: Future[DiffusionOutput]
-    ) -> DiffusionOutput:
-        try:
-            return future.result()
-        except Exception as exc:  # this request failed in the executor; the others did not
-            return DiffusionOutput.from_error(request_id, self._executor_error(wave, exc))
 
     def _executor_error(self, wave: SchedulerOutput, exc: Exception) -> RequestError:
         """The error outputs carry when the executor itself failed (not the pipeline)."""

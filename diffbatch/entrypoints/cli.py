@@ -14,9 +14,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from diffbatch.config import add_cli_args
 from diffbatch.entrypoints.arg_types import (
-    cpu_list,
-    directory,
     float_at_least,
     int_at_least,
     int_between,
@@ -28,6 +27,16 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "DIFFBATCH_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where the help does not already say its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "(default" in help_text or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +51,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL at POST /v1/images/generations (OpenAI-compatible). "
         "Concurrent HTTP requests are batched by the engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     parser.add_argument(
         "model", nargs="?", default=None, metavar="MODEL",
@@ -77,59 +86,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower)
 
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--max-num-seqs", type=int_at_least(1), default=1,
-        help="most requests in one batched forward (wave)",
-    )
-    engine.add_argument(
-        "--max-waves-in-flight", type=int_at_least(1), default=2,
-        help="most waves handed to the worker at once: with 2, a full wave waits at the "
-        "worker while the last one runs (1 = one wave at a time)",
-    )
-    engine.add_argument(
-        "--request-batch-max-wait-ms", type=float_at_least(0.0, strict=False), default=0.0,
-        help="how long a wave may wait for more compatible requests (0 = off)",
-    )
-    engine.add_argument(
-        "--executor", choices=("mp", "inproc"), default="mp",
-        help="run the pipeline in a worker process (mp) or in the server process",
-    )
-    engine.add_argument(
-        "--max-queue-size", type=int_at_least(1), default=None,
-        help="most waiting requests; more get 503 with Retry-After (default: unbounded)",
-    )
-    engine.add_argument(
-        "--lora-dir", type=directory, default=None,
-        help="folder LoRA adapter names resolve in (default: LoRA off over HTTP)",
-    )
-    engine.add_argument(
-        "--scheduling-policy", choices=("fifo", "grouped"), default="fifo",
-        help="fifo: waves from the queue head, an incompatible head blocks (the seed's "
-        "policy); grouped: waves from the best compatible group, by priority and age",
-    )
-    engine.add_argument(
-        "--max-head-wait-ms", type=float_at_least(0.0, strict=False), default=2000.0,
-        help="grouped: once the oldest request waited this long, its group goes next",
-    )
-    engine.add_argument(
-        "--max-wave-pixels", type=int_at_least(1), default=None,
-        help="grouped: most output pixels (B*n*H*W) in one wave (default: no cap)",
-    )
-    engine.add_argument(
-        "--batch-error-isolation", choices=("bisect", "none"), default="bisect",
-        help="bisect: re-run a failing wave in halves so only failing requests get an "
-        "error; none: a failing forward fails its whole wave",
-    )
-    engine.add_argument(
-        "--worker-cpus", type=cpu_list, default=None, metavar="LIST",
-        help="pin the worker process to these CPUs, e.g. 1 or 2-7 (taskset -c syntax; "
-        "default: no pinning). On a CPU-only host it keeps the forward on its own cores",
-    )
-    engine.add_argument("--seed", type=int_at_least(0), default=None,
-                        help="seed of the engine's random source for unseeded requests")
-    engine.add_argument("--device", default=None, help="torch device (default: auto)")
-    engine.add_argument("--dtype", default=None, help="torch dtype, e.g. float16 (default: auto)")
+    add_cli_args(parser)  # the engine flags, one per EngineConfig field
     from diffbatch.entrypoints.ray_serve import add_ray_args  # imports Ray only when run
 
     add_ray_args(parser)

@@ -1,15 +1,12 @@
-"""The executor seam: how the engine runs scheduled work, in-process or in a worker.
+"""The executor seam: how the engine runs a scheduled wave, in-process or in a worker.
 
-Two request-mode entries, as in the design note:
-
-- `execute_request(request)`: one call per scheduled request (per-request path);
-- `execute_batch(scheduler_output)`: one call for the whole wave (batch path).
-
-and their non-blocking twins `submit_request` / `submit_batch`, which return a
-`concurrent.futures.Future`. An executor whose runner lives elsewhere (a worker
-process) starts the call and returns at once, so the engine can queue the next
-wave behind a running one (`max_concurrent_waves` > 1); the base class runs the
-call in the caller's thread and returns a finished future.
+One entry runs work: `execute_batch(scheduler_output)`, one fused forward for the
+whole wave (a pipeline that cannot batch simply gets waves of one), and its
+non-blocking twin `submit_batch`, which returns a `concurrent.futures.Future`. An
+executor whose runner lives elsewhere (a worker process) starts the call and
+returns at once, so the engine can queue the next wave behind a running one
+(`max_concurrent_waves` > 1); the base class runs the call in the caller's thread
+and returns a finished future.
 
 Implementations sit beside this file: `inproc.py` (the runner in this process) and
 `multiproc.py` (the runner in a worker process, results through shared memory).
@@ -17,26 +14,23 @@ Implementations sit beside this file: `inproc.py` (the runner in this process) a
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from diffbatch.errors import ConfigError
+from diffbatch.imports import import_by_name
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
-    from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
+    from diffbatch.outputs import BatchRunnerOutput
     from diffbatch.pipelines.interface import PipelineInfo
-    from diffbatch.request import DiffusionRequest
     from diffbatch.sched.output import SchedulerOutput
 
 _BACKENDS = {
     "inproc": "diffbatch.executor.inproc:InprocExecutor",
     "mp": "diffbatch.executor.multiproc:MultiprocExecutor",
 }
-T = TypeVar("T")
 
 
 class Executor(ABC):
@@ -58,20 +52,17 @@ class Executor(ABC):
         self.config = config
 
     @abstractmethod
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        """Run one request on its own (the per-request path)."""
-
-    @abstractmethod
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        """Run one wave with one fused pipeline forward (the batch path)."""
-
-    def submit_request(self, request: DiffusionRequest) -> Future[DiffusionOutput]:
-        """Start `execute_request`; the future holds its output or its exception."""
-        return _run_now(self.execute_request, request)
+        """Run one wave with one fused pipeline forward."""
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
         """Start `execute_batch`; the future holds its output or its exception."""
-        return _run_now(self.execute_batch, scheduler_output)
+        future: Future[BatchRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_batch(scheduler_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     @abstractmethod
     def check_health(self) -> None:
@@ -85,30 +76,15 @@ class Executor(ABC):
     def get_class(kind: str | type[Executor]) -> type[Executor]:
         """Pick an executor class from "inproc", "mp", a class, or a dotted name."""
         if isinstance(kind, type):
-            if not issubclass(kind, Executor):
-                raise TypeError(f"executor class must subclass Executor, got {kind!r}")
-            return kind
-        target = _BACKENDS.get(kind, kind)
-        module_name, sep, attr = target.partition(":")
-        if not sep:
-            module_name, _, attr = target.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ConfigError(
-                f"executor must be one of {sorted(_BACKENDS)} or a dotted class name, "
-                f"got {kind!r} ({exc})"
-            ) from exc
+            cls = kind
+        else:
+            try:
+                cls = import_by_name(_BACKENDS.get(kind, kind), what="executor")
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"executor must be one of {sorted(_BACKENDS)} or a dotted class name, "
+                    f"got {kind!r} ({exc.message})"
+                ) from exc
         if not (isinstance(cls, type) and issubclass(cls, Executor)):
             raise TypeError(f"executor {kind!r} must name an Executor subclass, got {cls!r}")
         return cls
-
-
-def _run_now(fn: Callable[..., T], arg: object) -> Future[T]:
-    """Call `fn(arg)` here and now; return a finished future with its result or error."""
-    future: Future[T] = Future()
-    try:
-        future.set_result(fn(arg))
-    except Exception as exc:
-        future.set_exception(exc)
-    return future

@@ -15,8 +15,7 @@ from diffbatch.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
-    from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
-    from diffbatch.request import DiffusionRequest
+    from diffbatch.outputs import BatchRunnerOutput
     from diffbatch.sched.output import SchedulerOutput
 
 
@@ -37,14 +36,11 @@ class InprocExecutor(Executor):
             raise EngineDeadError("executor is shut down")
         return self.runner
 
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        return self._runner().execute_request(request)
-
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self._runner().execute_batch(scheduler_output)
 
     def check_health(self) -> None:
-        self._runner().check_health()
+        self._runner()
 
     def shutdown(self) -> None:
         self.runner = None

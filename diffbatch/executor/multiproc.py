@@ -1,17 +1,27 @@
 """`MultiprocExecutor`: the runner in a worker process, results through shared memory.
 
 The default executor for serving. It keeps the pipeline (and torch's threads) out
-of the engine process, so a crash in native code kills only the worker:
+of the engine process, so a crash in native code kills only the worker. The
+worker's life, as the serving worker of one executor:
 
-- start-up spawns `diffbatch.worker.worker.worker_main` and waits for its
-  `WorkerReady`; a load error is raised here as the same diffbatch error class
-  (or a RuntimeError quoting the worker), so start-up fails clearly;
+    starting --WorkerReady--> serving --exit/kill--> dead --replacement ready--> serving
+       |  load error, timeout                          |  restart fails
+       v                                               v
+    (start-up raises)                           dead for good (unhealthy)
+    any state --shutdown()--> closed
+
+- start-up runs `python -m diffbatch.worker` as its own program (never a re-import of
+  the user's script, so no `__main__` guard is needed) with one end of a socket pair
+  and the read end of a lifeline pipe, sends `WorkerStart` and waits for
+  `WorkerReady`; a load error is raised here as the same diffbatch error class (or
+  a RuntimeError quoting the worker), so start-up fails clearly. The worker exits
+  on its own when this process is gone (the lifeline's write end closes with it);
 - each submit call sends one `WorkerCall` and returns a future at once; the
   worker runs calls in the order they were sent, so while one wave runs the next
   can already wait in the pipe (`max_concurrent_waves` = the config's
   `max_waves_in_flight`), and the worker starts it without a round trip through
-  the engine. The execute calls are submit plus `result()`;
-- one reader thread per worker waits on the pipe *and* the process sentinel (no
+  the engine. `execute_batch` is `submit_batch(...).result()`;
+- one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
   the call it answers;
 - a worker that dies fails every pending call with `EngineDeadError` at once; the
@@ -29,9 +39,11 @@ import atexit
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -39,7 +51,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError
@@ -52,15 +64,14 @@ from diffbatch.ipc.messages import (
     WorkerMethod,
     WorkerReady,
     WorkerReply,
+    WorkerStart,
     recv_message,
     send_message,
 )
-from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
-from diffbatch.worker.worker import worker_main
+from diffbatch.outputs import BatchRunnerOutput
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
-    from diffbatch.request import DiffusionRequest
     from diffbatch.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -95,27 +106,46 @@ class _PendingCall:
 class _Worker:
     """One worker process, the engine's end of its pipe and the calls it owes."""
 
-    def __init__(self, ctx: Any, config: EngineConfig, runner_factory: str | None) -> None:
-        self.conn, child_conn = ctx.Pipe(duplex=True)
-        log_level = logging.getLogger("diffbatch").getEffectiveLevel()
-        self.process = ctx.Process(target=worker_main, name="diffbatch-worker", daemon=True,
-                                   args=(config, child_conn, runner_factory, log_level))
-        # NOTE: OpenMP's default active wait makes torch's threads spin; on a machine whose
-        # cores are shared with other processes a forward then slows down 10-50x (measured
-        # in docs/benchmarks.md). Passive waiting costs little when the cores are free.
-        # It must be in the environment before the worker imports torch; a user's own
-        # setting wins. The spawned process inherits os.environ as it is at start().
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.process.start()
-        child_conn.close()  # so a dead worker reads as EOF here
+    def __init__(self, config: EngineConfig, runner_factory: str | None,
+                 env: dict[str, str]) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        life_read, self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
+        child_fd = child_sock.detach()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "diffbatch.worker", "--conn-fd", str(child_fd),
+                 "--lifeline-fd", str(life_read)],
+                pass_fds=(child_fd, life_read), env=env,
+            )
+        except BaseException:
+            parent_sock.close()
+            os.close(self._lifeline)
+            raise
+        finally:
+            os.close(child_fd)  # the child has its own copies; EOF here means it died
+            os.close(life_read)
+        self.conn = Connection(parent_sock.detach())
         self.pid: int = self.process.pid
+        # Readable once the process has exited (Linux >= 5.3); elsewhere the pipe's
+        # EOF is the only death signal the reader waits on.
+        self.sentinel: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self.sentinel = os.pidfd_open(self.pid)
         self.send_lock = threading.Lock()  # a call and shutdown() may send concurrently
-        self._proc_lock = threading.Lock()  # serialises join/terminate/kill (waitpid)
+        self._proc_lock = threading.Lock()  # serialises wait/terminate/kill
         self._cleaned = False
         self.pending_lock = threading.Lock()
         self.pending: OrderedDict[int, _PendingCall] = OrderedDict()  # in the order sent
         self.accepting = True  # False once the reader has failed what was pending
         self.reader: threading.Thread | None = None
+        log_level = logging.getLogger("diffbatch").getEffectiveLevel()
+        with contextlib.suppress(OSError):  # it died already: wait_ready reports why
+            self.send(WorkerStart(config, runner_factory, log_level))
+
+    @property
+    def waitables(self) -> list[Any]:
+        """What signals a reply or the worker's exit, for `multiprocessing.connection.wait`."""
+        return [self.conn] if self.sentinel is None else [self.conn, self.sentinel]
 
     def add_pending(self, call_id: int, pending: _PendingCall) -> bool:
         """Register a call before it is sent; False if the worker is already written off."""
@@ -154,12 +184,15 @@ class _Worker:
         return not reader.is_alive()
 
     def exited(self) -> bool:
-        """Whether the process has exited (thread-safe: reads the sentinel only)."""
-        return bool(wait([self.process.sentinel], timeout=0))
+        """Whether the process has exited (non-blocking)."""
+        if self.sentinel is not None:
+            return bool(wait([self.sentinel], timeout=0))
+        with self._proc_lock:
+            return self.process.poll() is not None
 
     def wait_ready(self, timeout_s: float) -> WorkerReady:
         """Wait for `WorkerReady`; on a load error, exit or timeout, stop and raise."""
-        ready = wait([self.conn, self.process.sentinel], timeout=timeout_s)
+        ready = wait(self.waitables, timeout=timeout_s)
         message: Any = None
         if self.conn in ready:
             with contextlib.suppress(Exception):  # EOF (it died first) or an unpickling error
@@ -182,25 +215,27 @@ class _Worker:
             send_message(self.conn, call)
 
     def exitcode(self) -> int | None:
-        with self._proc_lock:
-            self.process.join(timeout=DEFAULT_SHUTDOWN_TIMEOUT_S)
-            return self.process.exitcode
+        """The exit code (negative: the signal), waiting up to the shutdown timeout."""
+        return self._wait(DEFAULT_SHUTDOWN_TIMEOUT_S)
+
+    def _wait(self, timeout_s: float) -> int | None:
+        with self._proc_lock, contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout_s)
+        return self.process.returncode
 
     def stop(self, *, graceful: bool, timeout_s: float) -> None:
         """Ask the worker to exit (if `graceful`), escalate to SIGTERM then SIGKILL."""
         if graceful and not self.exited():
             with contextlib.suppress(OSError, EOFError, ValueError):  # already gone
                 self.send(WorkerCall(0, "shutdown"))
-        with self._proc_lock:
-            process = self.process
-            process.join(timeout_s if graceful else 0)
-            if process.exitcode is None:
-                process.terminate()
-                process.join(timeout_s)
-            if process.exitcode is None:
-                logger.warning("worker process %d ignored SIGTERM; killing it", self.pid)
-                process.kill()
-                process.join(timeout_s)
+        if self._wait(timeout_s if graceful else 0) is None:
+            with self._proc_lock, contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
+        if self._wait(timeout_s) is None:
+            logger.warning("worker process %d ignored SIGTERM; killing it", self.pid)
+            with self._proc_lock, contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            self._wait(timeout_s)
 
     def cleanup(self) -> None:
         """After exit: drop unread replies (and their segments), close, sweep. Idempotent.
@@ -214,23 +249,39 @@ class _Worker:
             while self.conn.poll(0):
                 shm.release(getattr(recv_message(self.conn), "result", None))
         self.conn.close()
+        with contextlib.suppress(OSError):
+            os.close(self._lifeline)
+        if self.sentinel is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
         shm.sweep(shm.segment_prefix(self.pid))
 
 
-def _check_not_bootstrapping() -> None:
-    """Refuse to start a worker from inside a spawned process's import of `__main__`.
+def _worker_env(config: EngineConfig) -> dict[str, str]:
+    """The worker's environment: ours, with our import path and its thread settings.
 
-    The worker is started with multiprocessing's "spawn", which re-imports the main
-    module in the new process. A script that creates an engine at module level (no
-    `if __name__ == "__main__":`) would create one again there; this says so plainly,
-    instead of multiprocessing's generic bootstrapping error.
+    The worker imports what this process can import (a custom pipeline class or
+    runner next to the user's script included), so it gets our `sys.path`.
     """
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    # NOTE: OpenMP's default active wait makes torch's threads spin; on a machine whose
+    # cores are shared with other processes a forward then slows down many times
+    # (docs/benchmarks.md). It must be set before the worker imports torch; a user's
+    # own setting wins.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def _check_pipeline_class_importable(config: EngineConfig) -> None:
+    """A pipeline class defined in the user's `__main__` cannot be imported by the
+    worker, which never runs the user's script; say so before starting it."""
+    cls = config.pipeline_class
+    if isinstance(cls, type) and cls.__module__ == "__main__":
         raise ConfigError(
-            "a diffbatch Engine with executor='mp' was created while a new process was "
-            "importing the main module: multiprocessing's spawn re-runs the script's "
-            "top level in the worker. Create the engine under "
-            "`if __name__ == \"__main__\":` (or use executor='inproc')"
+            f"pipeline_class {cls.__qualname__} is defined in the script being run "
+            "(__main__), which the worker process cannot import: move it to a module of "
+            "its own (or pass its dotted name), or use executor='inproc'"
         )
 
 
@@ -251,8 +302,8 @@ class MultiprocExecutor(Executor):
         restart_on_death: bool = True,
     ) -> None:
         super().__init__(config)
-        _check_not_bootstrapping()
-        self._ctx = multiprocessing.get_context("spawn")
+        _check_pipeline_class_importable(config)
+        self._env = _worker_env(config)
         self._runner_factory = runner_factory
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
@@ -298,20 +349,8 @@ class MultiprocExecutor(Executor):
 
         return self._submit("execute_batch", scheduler_output, what, convert)
 
-    def submit_request(self, request: DiffusionRequest) -> Future[DiffusionOutput]:
-        def convert(reply: WorkerReply) -> DiffusionOutput:
-            if reply.error is None:
-                return reply.result
-            return DiffusionOutput.from_error(request.request_id, reply.error.error)
-
-        return self._submit("execute_request", request, f"request {request.request_id}",
-                            convert)
-
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self.submit_batch(scheduler_output).result()
-
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        return self.submit_request(request).result()
 
     def check_health(self) -> None:
         with self._lock:
@@ -353,7 +392,8 @@ class MultiprocExecutor(Executor):
             self._health.notify_all()
         _live_executors.discard(self)
         if starting is not None:
-            starting.process.terminate()  # the restart thread sees it exit and cleans up
+            with contextlib.suppress(ProcessLookupError):  # the restart thread cleans up
+                starting.process.terminate()
         if worker is not None:
             worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
             # Its reader now reads the last replies and the exit, fails what is still
@@ -366,7 +406,7 @@ class MultiprocExecutor(Executor):
 
     def _start_worker(self, *, replacement: bool = False) -> tuple[_Worker, WorkerReady]:
         start = time.monotonic()
-        worker = _Worker(self._ctx, self.config, self._runner_factory)
+        worker = _Worker(self.config, self._runner_factory, self._env)
         with self._lock:
             closed = self._closed
             if replacement and not closed:
@@ -416,7 +456,7 @@ class MultiprocExecutor(Executor):
     def _read_replies(self, worker: _Worker) -> None:
         """A worker's reader thread: answer pending calls until the worker is gone."""
         while True:
-            ready = wait([worker.conn, worker.process.sentinel])
+            ready = wait(worker.waitables)
             if worker.conn not in ready:
                 break
             try:
@@ -507,8 +547,8 @@ class MultiprocExecutor(Executor):
         return self._dead_reason
 
 
-# Executors that were never shut down are shut down at interpreter exit, before
-# multiprocessing's own exit hook (registered earlier, so run later) kills daemons.
+# Executors that were never shut down are shut down at interpreter exit, so their
+# workers get the graceful shutdown call instead of waking to a closed lifeline.
 _live_executors: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
 
 

@@ -1,7 +1,8 @@
 """What crosses the pipe between the executor (engine process) and its worker process.
 
-Three messages, one plain dataclass each:
+Four messages, one plain dataclass each:
 
+- `WorkerStart` engine -> worker, once: what to load (the engine's config);
 - `WorkerCall`  engine -> worker: run one method of the runner;
 - `WorkerReady` worker -> engine, once: the pipeline is loaded (its `PipelineInfo`),
   or why it could not be;
@@ -27,12 +28,14 @@ from diffbatch.outputs import RequestError
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from diffbatch.config import EngineConfig
     from diffbatch.pipelines.interface import PipelineInfo
 
-WorkerMethod = Literal["execute_batch", "execute_request", "check_health", "shutdown"]
-WORKER_METHODS: tuple[str, ...] = ("execute_batch", "execute_request", "check_health", "shutdown")
+WorkerMethod = Literal["execute_batch", "shutdown"]
+WORKER_METHODS: tuple[str, ...] = ("execute_batch", "shutdown")
 # The call id of a reply to a call the worker could not unpickle (so it cannot know
-# the id); the executor has one call in flight and takes it as that call's answer.
+# the id). The worker answers calls in the order they were sent, so the executor
+# takes it as the answer to its oldest unanswered call.
 UNREADABLE_CALL_ID = -1
 
 
@@ -70,12 +73,21 @@ class WorkerError:
 
 
 @dataclass
+class WorkerStart:
+    """Engine -> worker, the first message on the pipe: what to load and how to log."""
+
+    config: EngineConfig  # the engine's config (model, pipeline class, threads, ...)
+    runner_factory: str | None = None  # "module:attr" replacing ModelRunner (tests)
+    log_level: int | None = None  # the engine process's diffbatch log level
+
+
+@dataclass
 class WorkerCall:
     """Engine -> worker: run `method(arg)` on the worker's runner."""
 
     call_id: int  # increasing per executor; the reply echoes it
     method: WorkerMethod  # one of WORKER_METHODS
-    arg: Any = None  # SchedulerOutput, DiffusionRequest, or None
+    arg: Any = None  # a SchedulerOutput for "execute_batch"; None for "shutdown"
 
 
 @dataclass
@@ -85,7 +97,6 @@ class WorkerReady:
     pid: int  # the worker's process id (its shm segment names carry it)
     info: PipelineInfo | None = None  # the loaded pipeline's info; None on failure
     error: WorkerError | None = None  # why loading failed; None on success
-    load_time_s: float = 0.0  # seconds from worker start to pipeline ready (imports included)
 
     @property
     def ok(self) -> bool:
@@ -97,10 +108,8 @@ class WorkerReply:
     """Worker -> engine, one per `WorkerCall`."""
 
     call_id: int  # the `call_id` of the call this answers
-    result: Any = None  # shm-packed BatchRunnerOutput / DiffusionOutput / None
+    result: Any = None  # a shm-packed BatchRunnerOutput, or None
     error: WorkerError | None = None  # an unexpected error while handling the call
-    execute_time_ms: float = 0.0  # time the worker spent in the runner method
-    pack_time_ms: float = 0.0  # time the worker spent packing the result into shm
 
     @property
     def ok(self) -> bool:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from diffbatch.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
 from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
 
@@ -261,7 +261,12 @@ class DiffusersT2IPipeline(BasePipeline):
             device=self.device,
             cfg_threshold=cfg_threshold,
             supports_per_request_guidance=self._per_sample_guidance_ok(cfg_threshold),
-            max_image_pixels=int(d["max_image_pixels"]) if "max_image_pixels" in d else None,
+            model_max_pixels=int(d["max_image_pixels"]) if "max_image_pixels" in d else None,
+            call_arguments=frozenset(
+                name for name in self._call_params
+                if name not in _RESERVED or name in ("sigmas", "timesteps")
+            ) - {"self", "kwargs", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
+                 "callback", "callback_steps"},
         )
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
@@ -346,29 +351,14 @@ class DiffusersT2IPipeline(BasePipeline):
         guidance_scale = self._guidance_scale(batch)
         if guidance_scale is not None:
             kwargs["guidance_scale"] = guidance_scale
-        multiple = self._info.size_multiple
-        for name in ("height", "width"):  # NOTE: Flux would silently resize, PixArt crash
-            if name in kwargs and kwargs[name] % multiple:
-                raise InvalidRequestError(
-                    f"`{name}` must be a multiple of {multiple} for {self._info.name}, "
-                    f"got {kwargs[name]}", param=name,
-                )
+        # NOTE: the engine checked the size multiple (Flux would silently resize, PixArt
+        # crash), sigmas/timesteps and the extras against `info().call_arguments` at
+        # admission; a wave never carries anything else.
         for name in ("sigmas", "timesteps"):
             value = getattr(params, name)
             if value is not None:
-                if name not in self._call_params:
-                    raise InvalidRequestError(
-                        f"`{name}` is not supported by {self._info.name}", param=name
-                    )
                 kwargs[name] = list(value)
-        # 2. Model-specific extras, only the ones this pipeline's __call__ names.
-        for name in extra:
-            if name in _RESERVED or name not in self._call_params:
-                raise InvalidRequestError(
-                    f"`extra` argument {name!r} is not accepted by {self._info.name}"
-                    + (" (diffbatch sets it itself)" if name in _RESERVED else ""),
-                    param="extra",
-                )
+        # 2. Model-specific extras (names this pipeline's __call__ takes).
         kwargs.update(extra)
         # 3. Per-request negative prompts (None -> ""), a list like the prompts (SD
         #    rejects a string negative prompt beside a list prompt).

@@ -46,8 +46,12 @@ class PipelineInfo:
     # CFG combine), so requests that differ only in guidance_scale may share a wave.
     supports_per_request_guidance: bool = False
     # Largest height * width the model serves (None = no limit of its own), e.g. a model
-    # trained at 64x64 whose cost explodes far beyond its training size.
-    max_image_pixels: int | None = None
+    # trained at 64x64 whose cost explodes far beyond its training size. Not the
+    # server's `--max-image-pixels`, which caps every model alike.
+    model_max_pixels: int | None = None
+    # Names `SamplingParams.extra` may use, plus "sigmas"/"timesteps" when the
+    # pipeline takes custom schedules; None: not declared, anything is passed on.
+    call_arguments: frozenset[str] | None = None
 
     def cfg_enabled(self, params: SamplingParams) -> bool:
         """Whether classifier-free guidance is on for these resolved params."""

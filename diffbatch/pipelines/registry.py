@@ -15,7 +15,6 @@ subclass has no `supports_request_batch`, so it runs on the per-request path.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
+from diffbatch.imports import import_by_name
 from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, DiffusersT2IPipeline
 from diffbatch.pipelines.interface import BasePipeline
 from diffbatch.pipelines.tiny import ensure_tiny_model
@@ -102,7 +102,7 @@ def resolve_pipeline_class(spec: Any) -> type:
     """
     if spec is None:
         return DiffusersT2IPipeline
-    obj = _import_dotted(spec) if isinstance(spec, str) else spec
+    obj = import_by_name(spec, what="pipeline_class") if isinstance(spec, str) else spec
     if _is_diffusers_pipeline(obj):
         return per_request_class(obj)
     if not isinstance(obj, type) or not callable(getattr(obj, "from_pretrained", None)) \
@@ -142,28 +142,6 @@ def load_pipeline(
     if dtype is not None:
         kwargs["dtype"] = dtype
     return cls.from_pretrained(path, **kwargs)
-
-
-def _import_dotted(spec: str) -> Any:
-    """Import "pkg.mod.Cls" or "pkg.mod:Cls"."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"pipeline_class {spec!r} must be a dotted name 'pkg.module.Class' or "
-            "'pkg.module:Class'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:  # ImportError, AttributeError, or the module failed to import
-        raise ConfigError(
-            f"pipeline_class {spec!r} could not be imported: expected a class importable "
-            f"as {module_name}.{attr} ({type(exc).__name__}: {exc})"
-        ) from exc
-    return obj
 
 
 def _is_diffusers_pipeline(obj: Any) -> bool:

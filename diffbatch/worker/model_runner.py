@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.errors import InvalidRequestError, ModelNotFoundError, PipelineError
+from diffbatch.errors import ModelNotFoundError, PipelineError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.sched.output import DiffusionRequestBatch, SchedulerOutput
 
@@ -41,8 +41,8 @@ def make_generators(
     generators = []
     for request in requests:
         params = request.sampling_params
-        if params.seed is None:
-            raise InvalidRequestError(
+        if params.seed is None:  # an engine invariant, not the caller's mistake
+            raise RuntimeError(
                 f"request {request.request_id} has no seed; the engine assigns one on add"
             )
         for i in range(params.num_outputs_per_prompt):
@@ -118,15 +118,7 @@ class ModelRunner:
     def info(self) -> PipelineInfo:
         return self._info
 
-    def check_health(self) -> None:
-        """The runner is healthy while it exists; a dead process cannot answer."""
-
-    # -- entries ---------------------------------------------------------------------
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        """Run one request on its own (the per-request path)."""
-        wave = SchedulerOutput(wave_id=-1, requests=[request], key=request.key)
-        return self.execute_batch(wave).outputs[request.request_id]
-
+    # -- the entry -------------------------------------------------------------------
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Run one wave with one forward; every request gets exactly one output."""
         requests = scheduler_output.requests

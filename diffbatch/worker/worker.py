@@ -1,6 +1,11 @@
-"""The worker process main: load the pipeline once, then serve calls over a pipe.
+"""The worker process program: load the pipeline once, then serve calls over a pipe.
 
-`MultiprocExecutor` starts `worker_main` in a spawned process. The worker
+`MultiprocExecutor` starts it as its own program, `python -m diffbatch.worker
+--conn-fd N --lifeline-fd M`, so nothing of the user's script is re-imported (no
+`if __name__ == "__main__":` needed). `main()` wraps the inherited socket in a
+`Connection`, starts the lifeline watcher (the worker exits the moment the engine
+process is gone, even in the middle of a wave), reads the `WorkerStart` message and
+runs `worker_main`, which
 
 1. fixes glibc's malloc thresholds (`diffbatch.worker.malloc`), pins itself to
    `worker_cpus` (if configured), sets torch's thread count (if configured) and
@@ -16,16 +21,19 @@ process is gone).
 
 from __future__ import annotations
 
-import importlib
+import argparse
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list, pin_to_cpus
 from diffbatch.errors import ConfigError
+from diffbatch.imports import import_by_name
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -34,6 +42,7 @@ from diffbatch.ipc.messages import (
     WorkerError,
     WorkerReady,
     WorkerReply,
+    WorkerStart,
     recv_message,
     send_message,
 )
@@ -48,14 +57,49 @@ DEFAULT_RUNNER_FACTORY = "diffbatch.worker.model_runner:ModelRunner"
 _LOG_FORMAT = "%(asctime)s %(levelname)s [worker %(process)d] %(name)s: %(message)s"
 
 
-def resolve_runner_factory(name: str) -> Any:
-    """Import "package.module:attr" (or "package.module.attr") and return the attribute."""
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"runner factory must be a dotted name 'module:attr', got {name!r}")
-    return getattr(importlib.import_module(module_name), attr)
+def main(argv: Sequence[str] | None = None) -> int:
+    """The program's entry: connect, watch the lifeline, read `WorkerStart`, serve.
+
+    Returns the exit code: 0 after a shutdown call or a closed pipe, 2 when the
+    first message is not a `WorkerStart`.
+    """
+    parser = argparse.ArgumentParser(prog="python -m diffbatch.worker",
+                                     description="diffbatch worker process (started by "
+                                     "the engine; not meant to be run by hand)")
+    parser.add_argument("--conn-fd", type=int, required=True,
+                        help="inherited socket to the engine process")
+    parser.add_argument("--lifeline-fd", type=int, default=None,
+                        help="inherited pipe read end; EOF means the engine process is gone")
+    args = parser.parse_args(argv)
+    if args.lifeline_fd is not None:
+        threading.Thread(target=_watch_lifeline, args=(args.lifeline_fd,), daemon=True,
+                         name="diffbatch-lifeline").start()
+    conn = Connection(args.conn_fd)
+    try:
+        start = recv_message(conn)
+    except (EOFError, OSError):
+        return 0  # the engine went away before it said what to load
+    if not isinstance(start, WorkerStart):
+        return 2
+    worker_main(start.config, conn, start.runner_factory, start.log_level)
+    return 0
+
+
+def _watch_lifeline(fd: int) -> None:
+    """Exit the process when the engine process is gone (its end of the pipe closed).
+
+    Only the engine holds the write end and never writes, so the read returns only
+    at EOF: when the engine exits or is killed. The main thread may be deep inside a
+    forward; nothing there is worth finishing for nobody, so this exits at once,
+    after removing the shared-memory segments this worker created.
+    """
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    shm.sweep(shm.segment_prefix(os.getpid()))
+    os._exit(0)
 
 
 def worker_main(
@@ -67,8 +111,10 @@ def worker_main(
     """Run the worker: load, report ready, serve calls until shutdown or pipe close.
 
     `runner_factory` names a callable `factory(config)` returning a runner (default:
-    `ModelRunner`); tests pass a fake here. `log_level` is the engine process's
-    diffbatch log level; a spawned process starts with logging unconfigured.
+    `ModelRunner`); tests pass a fake here. It may also run in a process started by
+    `multiprocessing` (tests do), with the engine's end of a `Pipe` as `conn`.
+    `log_level` is the engine process's diffbatch log level; a new process starts
+    with logging unconfigured.
     """
     # NOTE: Ctrl-C in a terminal reaches the whole process group; the engine process
     # decides when the worker stops, so the worker ignores SIGINT.
@@ -87,10 +133,9 @@ def worker_main(
         _send_quietly(conn, WorkerReady(os.getpid(), error=WorkerError.from_exception(exc)))
         conn.close()
         return
-    load_time_s = time.monotonic() - start
-    logger.info("worker %d ready (%s) in %.1f s%s", os.getpid(), info.name, load_time_s,
-                "" if tuned else " (malloc thresholds left as they were)")
-    if not _send_quietly(conn, WorkerReady(os.getpid(), info=info, load_time_s=load_time_s)):
+    logger.info("worker %d ready (%s) in %.1f s%s", os.getpid(), info.name,
+                time.monotonic() - start, "" if tuned else " (malloc thresholds left as they were)")
+    if not _send_quietly(conn, WorkerReady(os.getpid(), info=info)):
         return
     _serve(runner, conn, config.shm_threshold_bytes)
     conn.close()
@@ -111,7 +156,7 @@ def _load_runner(config: EngineConfig, runner_factory: str) -> Any:
 
     if config.torch_num_threads is not None:
         torch.set_num_threads(config.torch_num_threads)
-    return resolve_runner_factory(runner_factory)(config)
+    return import_by_name(runner_factory, what="runner_factory")(config)
 
 
 def _serve(runner: Any, conn: Connection, threshold_bytes: int) -> None:
@@ -140,33 +185,19 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int) -> None:
 
 def _handle(runner: Any, call: WorkerCall, threshold_bytes: int) -> WorkerReply:
     """Run one call and pack its result; any exception becomes an error reply."""
-    start = time.perf_counter()
     try:
         if call.method not in WORKER_METHODS:
             raise ValueError(f"unknown worker method {call.method!r}")
-        if call.method == "check_health":
-            # A runner may offer its own check; replying at all proves the loop is alive.
-            check = getattr(runner, "check_health", None)
-            result = check() if check is not None else None
-        else:
-            result = getattr(runner, call.method)(call.arg)
+        result = getattr(runner, call.method)(call.arg)
     except Exception as exc:
         logger.error("worker %d: %s raised %s", os.getpid(), call.method, type(exc).__name__)
-        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc),
-                           execute_time_ms=(time.perf_counter() - start) * 1e3)
-    executed = time.perf_counter()
+        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
     try:
         packed = shm.pack(result, threshold_bytes)
     except Exception as exc:  # e.g. /dev/shm is full; pack() already cleaned up
         logger.error("worker %d: packing the %s result failed: %s", os.getpid(), call.method, exc)
-        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc),
-                           execute_time_ms=(executed - start) * 1e3)
-    return WorkerReply(
-        call.call_id,
-        result=packed,
-        execute_time_ms=(executed - start) * 1e3,
-        pack_time_ms=(time.perf_counter() - executed) * 1e3,
-    )
+        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
+    return WorkerReply(call.call_id, result=packed)
 
 
 def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
@@ -184,8 +215,7 @@ def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
     except Exception as exc:  # pickling failed before anything was written
         shm.release(reply.result)
         logger.error("worker %d: could not send the reply: %s", os.getpid(), exc)
-        error = WorkerReply(reply.call_id, error=WorkerError.from_exception(exc),
-                            execute_time_ms=reply.execute_time_ms)
+        error = WorkerReply(reply.call_id, error=WorkerError.from_exception(exc))
         return _send_quietly(conn, error)
     return True
 

@@ -43,13 +43,12 @@ class Sim:
 
 def test_should_wait_only_when_batching_can_use_it():
     wait = AdmissionWait(max_wait_ms=20, capacity=4)
-    kwargs = dict(supports_request_batch=True, step_execution=False, num_running=0)
+    kwargs = dict(supports_request_batch=True, num_running=0)
     assert wait.should_wait(**kwargs)
     assert not AdmissionWait(0, 4).should_wait(**kwargs)  # off at 0 ms
     assert not AdmissionWait(20, 1).should_wait(**kwargs)  # capacity 1
     assert not wait.should_wait(**{**kwargs, "num_running": 1})  # a wave runs
     assert not wait.should_wait(**{**kwargs, "supports_request_batch": False})
-    assert not wait.should_wait(**{**kwargs, "step_execution": True})
 
 
 def test_ends_at_capacity_as_soon_as_the_queue_fills():

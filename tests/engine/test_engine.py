@@ -238,12 +238,49 @@ async def test_arrival_notice_is_counted_until_its_request_is_added_or_it_closes
         assert engine.core.num_incoming == 0  # rejected request: the block closed it
 
 
-def test_sizes_above_the_models_own_limit_are_refused_with_413():
-    from diffbatch import PayloadTooLargeError
-
+def test_sizes_above_the_models_own_limit_are_refused_naming_the_largest():
+    """As OpenAI answers an unsupported size: 400 on `size`, naming a size that works."""
     with Engine(pipeline_class="tests.fake_pipelines.SmallModelPipeline",
                 executor="inproc") as engine:
-        with pytest.raises(PayloadTooLargeError, match="at most 1024 pixels") as info:
+        with pytest.raises(InvalidRequestError, match=r"at most 1024 pixels .* e\.g\. 32x32") \
+                as info:
             engine.generate(["a"], SamplingParams(height=64, width=32))
-        assert info.value.status_code == 413 and info.value.param == "size"
+        assert info.value.status_code == 400 and info.value.param == "size"
         assert engine.generate(["a"], SamplingParams(height=32, width=32))[0].ok
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3_engine():
+    with Engine("tiny-sd3", executor="inproc", warmup=False) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "match"),
+    [
+        ({"height": 72}, "height", "multiple of 16"),
+        ({"timesteps": (999, 500)}, "timesteps", "`timesteps` is not supported"),
+        ({"extra": {"no_such_knob": 1}}, "extra", "'no_such_knob' is not accepted"),
+        ({"extra": {"prompt_embeds": None}}, "extra", "'prompt_embeds' is not accepted"),
+    ],
+)
+def test_model_dependent_checks_run_at_admission(tiny_sd3_engine, params, param, match):
+    """Refused before queueing, with a 400 naming the parameter, never at wave time."""
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        tiny_sd3_engine.generate(["a red cat"], SamplingParams(**params))
+    assert info.value.status_code == 400 and info.value.param == param
+    assert tiny_sd3_engine.num_unfinished == 0 and tiny_sd3_engine.num_waiting == 0
+
+
+def test_unknown_engine_options_fail_naming_the_option():
+    """A typo is not passed to the pipeline's from_pretrained; it fails with a hint."""
+    with pytest.raises(ConfigError, match=r"unknown engine option `max_num_seq`; did you mean "
+                                          r"`max_num_seqs`\?") as info:
+        Engine("tiny-sd", max_num_seq=4)
+    assert info.value.param == "max_num_seq"
+
+
+def test_pipeline_load_arguments_go_through_pipeline_kwargs():
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", warmup=False,
+                pipeline_kwargs={"variant": "fp16"}) as engine:
+        assert engine.executor.runner.pipeline.kwargs == {"variant": "fp16"}

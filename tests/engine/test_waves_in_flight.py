@@ -78,9 +78,6 @@ class QueuedExecutor(Executor):
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self.submit_batch(scheduler_output).result()
 
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        raise AssertionError("the batch path is under test")
-
     def check_health(self) -> None:
         pass
 
@@ -92,13 +89,13 @@ class Harness:
     """An EngineCore on a QueuedExecutor; outputs land in `futures` by request id."""
 
     def __init__(self, max_num_seqs: int, max_waves_in_flight: int, start: bool = True,
-                 executor: Executor | None = None, batch: bool = True) -> None:
+                 executor: Executor | None = None) -> None:
         config = EngineConfig(model="fake", warmup=False, max_num_seqs=max_num_seqs,
                               max_waves_in_flight=max_waves_in_flight)
         self.executor = executor or QueuedExecutor(config)
         self.futures: dict[str, Future[DiffusionOutput]] = {}
         self.arrivals: dict[str, float] = {}
-        self.core = EngineCore(config, self.executor, supports_request_batch=batch,
+        self.core = EngineCore(config, self.executor, supports_request_batch=True,
                                deliver=lambda request, out: self.futures[
                                    request.request_id].set_result(out))
         if start:
@@ -249,7 +246,7 @@ def test_stop_with_waves_in_flight_waits_for_them_and_delivers_nothing_late(harn
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_max_waves_in_flight_must_be_a_positive_integer(bad):
-    with pytest.raises(ConfigError, match=f"max_waves_in_flight must be an integer >= 1, "
+    with pytest.raises(ConfigError, match=f"`max_waves_in_flight` must be an integer >= 1, "
                                           f"got {bad!r}"):
         EngineConfig(model="fake", max_waves_in_flight=bad)
 
@@ -264,33 +261,3 @@ def test_the_inproc_executor_holds_one_wave_whatever_the_config_says():
     assert all(o.ok for o in outs)
 
 
-class PerRequestExecutor(Executor):
-    """The per-request path's calls: each answered at once; prompt "bad" fails in the
-    executor itself (as a dead worker would)."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        self.max_concurrent_waves = config.max_waves_in_flight
-
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        if request.prompt == "prompt bad":
-            raise EngineDeadError("worker process died (exit code -9)")
-        return DiffusionOutput(request.request_id, images=[request.prompt], batch_size=1)
-
-    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        raise AssertionError("the per-request path is under test")
-
-    def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-
-def test_per_request_path_an_executor_failure_fails_only_its_request(harness):
-    config = EngineConfig(model="fake", warmup=False, max_num_seqs=2)
-    h = harness(max_num_seqs=2, executor=PerRequestExecutor(config), batch=False)
-    h.add("ok", "bad")
-    assert h.result("ok").ok and h.result("ok").images == ["prompt ok"]
-    bad = h.result("bad")
-    assert not bad.ok and "exit code -9" in bad.error.message

@@ -77,7 +77,7 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--request-batch-max-wait-ms", "nan"], "must be a finite number >= 0"),
         (["--request-timeout", "0"], "must be a finite number > 0"),
         (["--port", "70000"], "must be between 0 and 65535"),
-        (["--executor", "ray"], "invalid choice"),
+        (["--executor", "ray"], "must be one of 'mp', 'inproc', got 'ray'"),
         (["--max-queue-size", "0"], "must be an integer >= 1"),
         (["--png-compress-level", "10"], "must be an integer between 0 and 9, got 10"),
         (["--png-compress-level", "-1"], "must be an integer between 0 and 9, got -1"),

@@ -8,8 +8,8 @@ worker processes, which pay torch's import time, so all are marked slow.
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -58,9 +58,6 @@ class FakeRunner:
             name="FakeRunnerPipeline", default_height=64, default_width=64,
             default_num_inference_steps=2, default_guidance_scale=5.0, size_multiple=8,
         )
-
-    def execute_request(self, request: DiffusionRequest) -> DiffusionOutput:
-        return self._one(request, 0)
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         outputs = [self._one(r, i) for i, r in enumerate(scheduler_output.requests)]
@@ -138,7 +135,37 @@ def wait_for_file(path: Path, timeout_s: float = DEADLINE_S) -> None:
 
 
 def worker_children() -> set[int]:
-    return {p.pid for p in multiprocessing.active_children() if p.name == "diffbatch-worker"}
+    """Pids of this process's live worker processes (`python -m diffbatch.worker`)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"diffbatch.worker" in cmdline and " Z " not in stat:
+            found.add(int(entry.name))
+    return found
+
+
+def wait_gone(pid: int, timeout_s: float = DEADLINE_S) -> bool:
+    """Wait (on the process's pidfd, not a sleep loop) until `pid` has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def run_one(executor: MultiprocExecutor, req: DiffusionRequest) -> DiffusionOutput:
+    """`req` run in a wave of its own; its output."""
+    return executor.execute_batch(wave(0, req)).outputs[req.request_id]
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +209,8 @@ def test_execute_batch_returns_per_request_outputs_through_shm(executor, monkeyp
     assert segments_of(executor.worker_pid) == []  # and were unlinked on arrival
 
 
-def test_execute_request(executor):
-    out = executor.execute_request(request("solo"))
+def test_a_wave_of_one(executor):
+    out = run_one(executor, request("solo"))
     assert out.request_id == "solo" and out.ok
     assert out.images.shape == IMAGE_SHAPE
 
@@ -200,15 +227,15 @@ def test_runner_errors_become_error_outputs_and_worker_keeps_serving(executor):
     for out in result.outputs.values():
         assert out.error.message == "RuntimeError: unexpected runner bug"
         assert out.error.status_code == 500
-    out = executor.execute_request(request("x3", "raise"))
+    out = run_one(executor, request("x3", "raise"))
     assert out.error.message == "RuntimeError: unexpected runner bug"
 
     # A call the worker cannot even read is answered with the error too.
-    out = executor.execute_request(request("odd", obj=Unreadable()))
+    out = run_one(executor, request("odd", obj=Unreadable()))
     assert out.request_id == "odd"
     assert out.error.message == "RuntimeError: cannot rebuild this object here"
 
-    assert executor.execute_request(request("after")).ok
+    assert run_one(executor, request("after")).ok
     assert executor.worker_pid == pid
     executor.check_health()
 
@@ -217,20 +244,21 @@ def test_submitted_calls_queue_at_the_worker_and_each_gets_its_own_answer(execut
     assert executor.max_concurrent_waves == 2  # the config's max_waves_in_flight
     futures = [
         executor.submit_batch(wave(30, request("q0"), request("q1"))),
-        executor.submit_request(request("q2", "fail")),
-        executor.submit_request(request("q3", obj=Unreadable())),  # the worker can't read it
+        executor.submit_batch(wave(32, request("q2", "fail"))),
+        executor.submit_batch(wave(33, request("q3", obj=Unreadable()))),  # unreadable there
         executor.submit_batch(wave(31, request("q4", "raise"))),
-        executor.submit_request(request("q5")),
+        executor.submit_batch(wave(34, request("q5"))),
     ]  # all sent before the first answer is read
     first = futures[0].result(DEADLINE_S)
     assert first.req_ids == ["q0", "q1"] and all(o.ok for o in first.outputs.values())
     assert torch.equal(first.outputs["q1"].images, torch.full(IMAGE_SHAPE, 1.0))
-    assert futures[1].result(DEADLINE_S).error.message == "ValueError: pipeline broke"
-    assert futures[2].result(DEADLINE_S).error.message == (
+    assert futures[1].result(DEADLINE_S).outputs["q2"].error.message == (
+        "ValueError: pipeline broke")
+    assert futures[2].result(DEADLINE_S).outputs["q3"].error.message == (
         "RuntimeError: cannot rebuild this object here")
     assert futures[3].result(DEADLINE_S).outputs["q4"].error.message == (
         "RuntimeError: unexpected runner bug")
-    last = futures[4].result(DEADLINE_S)
+    last = futures[4].result(DEADLINE_S).outputs["q5"]
     assert last.request_id == "q5" and last.ok
     assert segments_of(executor.worker_pid) == []
 
@@ -251,23 +279,63 @@ def test_load_failure_fails_startup_with_the_workers_message(factory, exc_type, 
     assert worker_children() <= before  # the failed worker was reaped
 
 
-def test_engine_at_a_scripts_top_level_fails_with_the_main_guard_fix(tmp_path):
-    """A script without `if __name__ == "__main__":` re-runs in the spawned worker."""
+def test_an_executor_at_a_scripts_top_level_works_without_a_main_guard(tmp_path):
+    """The worker is its own program: the user's script runs once, in its own process."""
+    runs = tmp_path / "runs"
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""
+        with open({str(runs)!r}, "a") as f:
+            f.write("ran\\n")
         from diffbatch.config import EngineConfig
         from diffbatch.executor.multiproc import MultiprocExecutor
-        MultiprocExecutor(EngineConfig(model="fake", warmup=False, torch_num_threads=1),
-                          runner_factory="{FAKE}", startup_timeout_s=60)
+        from diffbatch.request import DiffusionRequest
+        from diffbatch.sampling_params import SamplingParams
+        from diffbatch.sched.output import SchedulerOutput
+        ex = MultiprocExecutor(EngineConfig(model="fake", warmup=False, torch_num_threads=1),
+                               runner_factory="{FAKE}", startup_timeout_s=60)
+        r = DiffusionRequest("top", "a cat", SamplingParams(seed=1))
+        out = ex.execute_batch(SchedulerOutput(wave_id=1, requests=[r], key=None))
+        print("ok" if out.outputs["top"].ok else "failed")
+        ex.shutdown()
     """))
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env,
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=DEADLINE_S)
-    assert done.returncode != 0
-    assert "ConfigError" in done.stderr
-    assert 'if __name__ == "__main__":' in done.stderr
-    assert "exited during start-up" in done.stderr  # the parent's own error
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert runs.read_text() == "ran\n"  # the worker never re-ran the script
+
+
+def test_a_killed_engine_process_takes_its_worker_down_mid_wave(tmp_path):
+    """SIGKILL of the engine process: the worker exits although it is inside a wave."""
+    marker = tmp_path / "running"
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        from diffbatch.config import EngineConfig
+        from diffbatch.executor.multiproc import MultiprocExecutor
+        from diffbatch.request import DiffusionRequest
+        from diffbatch.sampling_params import SamplingParams
+        from diffbatch.sched.output import SchedulerOutput
+        ex = MultiprocExecutor(EngineConfig(model="fake", warmup=False, torch_num_threads=1),
+                               runner_factory="{FAKE}", startup_timeout_s=60)
+        params = SamplingParams(seed=1, extra={{"marker": {str(marker)!r}}})
+        r = DiffusionRequest("b", "block", params)
+        ex.execute_batch(SchedulerOutput(wave_id=1, requests=[r], key=None))  # never returns
+    """))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    engine = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env)
+    try:
+        wait_for_file(marker)
+        worker_pid = int(marker.read_text())
+        engine.kill()
+        engine.wait(DEADLINE_S)
+        assert wait_gone(worker_pid), "the worker outlived its engine process"
+        assert segments_of(worker_pid) == []
+    finally:
+        if engine.poll() is None:
+            engine.kill()
 
 
 def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
@@ -288,7 +356,7 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
         with pytest.raises(EngineDeadError, match="died"):
             ex.check_health()
         with pytest.raises(EngineDeadError, match="replacement worker is starting"):
-            ex.execute_request(request("during-restart"))
+            run_one(ex, request("during-restart"))
 
         assert ex.wait_healthy(DEADLINE_S)
         ex.check_health()
@@ -301,15 +369,15 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
         os.kill(idle_pid, signal.SIGKILL)
         # Wait until it is gone (its sentinel; joining here would race the reader
         # thread, which reaps it), not a fixed sleep.
-        assert multiprocessing.connection.wait([ex._worker.process.sentinel], DEADLINE_S)
+        assert wait_gone(idle_pid)
         with pytest.raises(EngineDeadError, match="SIGKILL"):
             ex.check_health()
         assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, idle_pid)
-        assert ex.execute_request(request("third")).ok
+        assert run_one(ex, request("third")).ok
 
         process = ex._worker.process
         ex.shutdown()
-        assert process.exitcode == 0  # an idle worker exits on the shutdown call
+        assert process.returncode == 0  # an idle worker exits on the shutdown call
     finally:
         ex.shutdown()
 
@@ -328,7 +396,7 @@ def test_a_worker_death_fails_every_queued_call_with_its_own_name(tmp_path):
         with pytest.raises(EngineDeadError, match=r"SIGKILL\)\) while running wave 41 \(2 "):
             queued.result(DEADLINE_S)
         assert ex.wait_healthy(DEADLINE_S)
-        assert ex.execute_request(request("after")).ok
+        assert run_one(ex, request("after")).ok
         assert segments_of(pid) == []
     finally:
         ex.shutdown()
@@ -340,7 +408,7 @@ def test_worker_cpus_pins_the_worker_process():
     ex = MultiprocExecutor(make_config(worker_cpus=str(cpu)), runner_factory=FAKE)
     try:
         assert os.sched_getaffinity(ex.worker_pid) == {cpu}
-        assert ex.execute_request(request("pinned")).ok
+        assert run_one(ex, request("pinned")).ok
     finally:
         ex.shutdown()
     assert os.sched_getaffinity(0) == before  # only the worker was pinned
@@ -356,10 +424,11 @@ def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
 
     marker = tmp_path / "running"
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(ex.execute_request, request("b", "block", marker=str(marker)))
+        pending = pool.submit(run_one, ex, request("b", "block", marker=str(marker)))
         wait_for_file(marker)
         ex.shutdown()  # the worker is stuck in the runner: shutdown escalates to SIGTERM
-        with pytest.raises(EngineClosedError, match="shut down while running request b"):
+        with pytest.raises(EngineClosedError,
+                           match=r"shut down while running wave 0 \(1 request\)"):
             pending.result(timeout=60)
 
     assert process_gone(pid)
@@ -370,7 +439,7 @@ def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
     with pytest.raises(EngineClosedError):
         ex.check_health()
     with pytest.raises(EngineClosedError):
-        ex.execute_request(request("late"))
+        run_one(ex, request("late"))
 
 
 def test_worker_answers_calls_and_exits_when_the_pipe_closes():
@@ -382,15 +451,13 @@ def test_worker_answers_calls_and_exits_when_the_pipe_closes():
     try:
         ready = recv_message(conn)
         assert isinstance(ready, WorkerReady) and ready.ok and ready.pid == process.pid
-        send_message(conn, WorkerCall(1, "check_health"))
-        reply = recv_message(conn)
-        assert reply.call_id == 1 and reply.ok and reply.result is None
         send_message(conn, WorkerCall(2, "no_such_method"))
         reply = recv_message(conn)
         assert reply.call_id == 2 and "unknown worker method" in reply.error.message
-        send_message(conn, WorkerCall(3, "execute_request", request("r")))
+        send_message(conn, WorkerCall(3, "execute_batch", wave(3, request("r"))))
         reply = recv_message(conn)
-        assert isinstance(reply.result.images, ShmTensorHandle)
+        assert reply.call_id == 3
+        assert isinstance(reply.result.outputs["r"].images, ShmTensorHandle)
         shm.release(reply.result)
         conn.close()  # as if the engine process died
         process.join(DEADLINE_S)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffbatch.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.pipelines.diffusers_t2i import (
     DiffusersPerRequestPipeline,
     DiffusersT2IPipeline,
@@ -116,20 +116,12 @@ def test_sd3_custom_sigmas(load_tiny) -> None:
     assert _max_diff(a, b) > 1e-3
 
 
-@pytest.mark.parametrize(
-    ("params", "match"),
-    [
-        ({"height": 72}, "multiple of 16"),
-        ({"timesteps": (999, 500)}, "`timesteps` is not supported"),
-        ({"extra": {"no_such_knob": 1}}, "no_such_knob"),
-        ({"extra": {"prompt_embeds": None}}, "sets it itself"),
-    ],
-)
-def test_bad_params_are_invalid_requests(params: dict, match: str, load_tiny) -> None:
-    pipeline = load_tiny("tiny-sd3")
-    request = make_request(pipeline, "r", "a red cat", **params)
-    with pytest.raises(InvalidRequestError, match=match):
-        pipeline.forward(make_batch([request]))
+def test_info_declares_the_call_arguments_extras_may_use(load_tiny) -> None:
+    """What the engine checks `extra`, `sigmas` and `timesteps` against at admission."""
+    accepted = load_tiny("tiny-sd3").info().call_arguments
+    assert "sigmas" in accepted and "max_sequence_length" in accepted
+    for name in ("timesteps", "no_such_knob", "prompt_embeds", "prompt", "generator"):
+        assert name not in accepted
 
 
 def test_generator_count_must_match(load_tiny) -> None:

@@ -37,6 +37,11 @@ def wave(*requests: DiffusionRequest) -> SchedulerOutput:
     return SchedulerOutput(wave_id=1, requests=list(requests), key=requests[0].key)
 
 
+def run_alone(runner: ModelRunner, request: DiffusionRequest):
+    """The output of `request` run in a wave of its own."""
+    return runner.execute_batch(wave(request)).outputs[request.request_id]
+
+
 def runner_with(pipeline) -> ModelRunner:
     return ModelRunner(EngineConfig(executor="inproc"), pipeline=pipeline)
 
@@ -59,7 +64,7 @@ def test_outputs_are_routed_by_request_id_and_depend_only_on_own_seed():
     assert out.outputs["a"].images.shape == (2, 3, 16, 16)
     assert out.outputs["b"].images.shape == (2, 3, 16, 16)
     assert out.outputs["a"].batch_size == 2 and out.outputs["a"].seed == 1
-    alone = runner.execute_request(make_request("b2", "dog", 2, n=2))
+    alone = run_alone(runner, make_request("b2", "dog", 2, n=2))
     assert torch.equal(alone.images, out.outputs["b"].images)
     gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     expected = fake_images("cat", gens, 16, 16)
@@ -68,7 +73,7 @@ def test_outputs_are_routed_by_request_id_and_depend_only_on_own_seed():
 
 def test_pil_output_type_ships_uint8_hwc():
     runner = runner_with(FakeBatchPipeline())
-    out = runner.execute_request(make_request("a", output_type="pil"))
+    out = run_alone(runner, make_request("a", output_type="pil"))
     assert out.images.dtype == torch.uint8 and out.images.shape == (1, 16, 16, 3)
 
 
@@ -103,7 +108,7 @@ def test_pipeline_exception_fails_the_wave_without_isolation():
     out = runner.execute_batch(wave(make_request("a"), make_request("b", "poison pill")))
     assert all("poisoned prompt" in o.error.message for o in out.outputs.values())
     assert out.num_forwards == 1
-    assert runner.execute_request(make_request("c")).ok
+    assert run_alone(runner, make_request("c")).ok
 
 
 def test_bisect_isolates_the_failing_request_and_keeps_the_others_images():
@@ -117,7 +122,7 @@ def test_bisect_isolates_the_failing_request_and_keeps_the_others_images():
     assert out.num_forwards - 1 <= 2 * 3  # at most 2*log2(8) extra forwards
     for i in range(8):
         if i != 5:
-            alone = runner.execute_request(make_request(f"solo{i}", f"prompt {i}", seed=i))
+            alone = run_alone(runner, make_request(f"solo{i}", f"prompt {i}", seed=i))
             assert torch.equal(out.outputs[f"r{i}"].images, alone.images)
             assert out.outputs[f"r{i}"].batch_size == 8
 

@@ -153,25 +153,9 @@ def run_server(args: argparse.Namespace) -> None:
     """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
     import uvicorn
 
-    from diffbatch import Engine
+    from diffbatch import Engine, EngineConfig
 
-    engine = Engine(
-        args.model,
-        max_num_seqs=args.max_num_seqs,
-        max_waves_in_flight=args.max_waves_in_flight,
-        request_batch_max_wait_ms=args.request_batch_max_wait_ms,
-        executor=args.executor,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_queue_size=args.max_queue_size,
-        lora_dir=args.lora_dir,
-        scheduling_policy=args.scheduling_policy,
-        max_head_wait_ms=args.max_head_wait_ms,
-        max_wave_pixels=args.max_wave_pixels,
-        batch_error_isolation=args.batch_error_isolation,
-        worker_cpus=args.worker_cpus,
-    )
+    engine = Engine.from_config(EngineConfig.from_cli_args(args))
     try:
         app = build_app(
             engine,

@@ -22,22 +22,20 @@ replica starts; a bad or unknown argument fails with its name and value.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import typing
 from typing import Any
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     model_validator,
 )
 
 from diffbatch.config import EngineConfig
 from diffbatch.errors import ConfigError
+from diffbatch.options import Rule
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +44,9 @@ DEFAULT_DEPLOYMENT_NAME = "diffbatch"
 RAY_DEFAULT_MAX_ONGOING_REQUESTS = 5
 
 
-@functools.cache
-def _engine_field_types() -> dict[str, Any]:
-    """`EngineConfig` field name -> its type (what builder strings convert to)."""
-    hints = typing.get_type_hints(EngineConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
+def _engine_rules() -> dict[str, Rule]:
+    """`EngineConfig` field name -> its rule (what parses builder strings)."""
+    return {f.name: f.metadata["option"].rule for f in dataclasses.fields(EngineConfig)}
 
 
 class RayServeArgs(BaseModel):
@@ -85,20 +81,19 @@ class RayServeArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RayServeArgs:
-        # 1. Engine arguments: known `EngineConfig` fields, converted to their types.
+        # 1. Engine arguments: known `EngineConfig` fields, converted by their rules.
         extra = self.model_extra if self.model_extra is not None else {}
-        types = _engine_field_types()
+        rules = _engine_rules()
         for name in list(extra):
-            if name not in types:
+            if name not in rules:
                 raise ValueError(
                     f"unknown argument `{name}` (got {extra[name]!r}); engine arguments "
-                    f"are EngineConfig fields: {', '.join(types)}"
+                    f"are EngineConfig fields: {', '.join(rules)}"
                 )
             try:
-                extra[name] = TypeAdapter(types[name]).validate_python(extra[name])
-            except ValidationError as exc:
-                message = exc.errors()[0]["msg"]
-                raise ValueError(f"`{name}`: {message} (got {extra[name]!r})") from None
+                extra[name] = rules[name].convert(extra[name])
+            except ValueError as exc:
+                raise ValueError(f"`{name}` {exc}") from None
         # 2. Autoscaling bounds.
         if self.max_replicas is None:
             for name in ("min_replicas", "target_ongoing_requests"):
@@ -142,7 +137,7 @@ class RayServeArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """Each replica's `EngineConfig` (validated by `EngineConfig` itself)."""
-        return EngineConfig(**self.engine_kwargs())
+        return EngineConfig.from_options(**self.engine_kwargs())
 
     def app_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of each replica's `build_app(engine, ...)`, but the model name."""

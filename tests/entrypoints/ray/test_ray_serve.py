@@ -81,9 +81,9 @@ def test_args_autoscaling_bounds() -> None:
     ({"num_replica": 2}, "unknown argument `num_replica` (got 2); engine arguments are "
                          "EngineConfig fields: model,"),
     ({"num_replicas": 0}, "`num_replicas`: Input should be greater than or equal to 1 (got 0)"),
-    ({"executor": "thread"}, "`executor`: Input should be 'mp' or 'inproc' (got 'thread')"),
-    ({"max_num_seqs": "many"}, "`max_num_seqs`: Input should be a valid integer"),
-    ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),  # EngineConfig's
+    ({"executor": "thread"}, "`executor` must be one of 'mp', 'inproc', got 'thread'"),
+    ({"max_num_seqs": "many"}, "`max_num_seqs` must be an integer >= 1, got 'many'"),
+    ({"max_num_seqs": 0}, "`max_num_seqs` must be an integer >= 1, got 0"),  # EngineConfig's
     ({"png_compress_level": 10}, "`png_compress_level`: Input should be less than or equal "
                                  "to 9 (got 10)"),
     ({"min_replicas": 1}, "`min_replicas` needs autoscaling: also set `max_replicas`"),
