@@ -10,6 +10,7 @@ from typing import Any, Literal
 from diffbatch.cpus import existing_cpus, parse_cpu_list
 from diffbatch.errors import ConfigError
 from diffbatch.options import (
+    AUTO,
     CpuList,
     Directory,
     Flag,
@@ -17,6 +18,7 @@ from diffbatch.options import (
     IntRange,
     OneOf,
     Optional,
+    OrAuto,
     Rule,
     Text,
     option,
@@ -27,6 +29,7 @@ SchedulingPolicy = Literal["fifo", "grouped"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "grouped")
 BatchErrorIsolation = Literal["bisect", "none"]
 DEFAULT_SHM_THRESHOLD_BYTES = 1 << 20  # 1 MiB: larger tensors cross processes via shm
+DEFAULT_MAX_NUM_SEQS_LIMIT = 32  # max_num_seqs="auto" never goes beyond this by default
 
 
 class Mapping(Rule):
@@ -57,15 +60,27 @@ class EngineConfig:
         help="pipeline class as 'pkg.module:Class' (a class object in Python); a diffusers "
         "DiffusionPipeline subclass runs one request at a time",
         default_help="diffbatch's batched diffusers adapter")
-    max_num_seqs: int = option(
-        1, rule=IntRange(1), help="most requests in one batched forward (wave)")
+    max_num_seqs: int | Literal["auto"] = option(
+        AUTO, rule=OrAuto(IntRange(1)),
+        help="most requests in one batched forward (wave); auto: per shape, the wave size "
+        "beyond which the learned cost per image stops falling by 10%% (docs/serving.md)")
+    max_num_seqs_limit: int | None = option(
+        None, rule=Optional(IntRange(1)),
+        help="auto: never choose a wave larger than this",
+        default_help=f"{DEFAULT_MAX_NUM_SEQS_LIMIT}, or less if memory says so")
     max_waves_in_flight: int = option(
         2, rule=IntRange(1),
         help="most waves handed to the executor at once: with 2, a full wave waits at the "
         "worker while the last one runs (1 = one wave at a time; inproc holds one)")
-    request_batch_max_wait_ms: float = option(
-        0.0, rule=FloatRange(0.0),
-        help="how long a wave may wait for more compatible requests (0 = off)")
+    request_batch_max_wait_ms: float | Literal["auto"] = option(
+        AUTO, rule=OrAuto(FloatRange(0.0)),
+        help="how long an idle engine may wait for more compatible requests before a wave "
+        "(0 = off); auto: only when the arrival rate and the learned cost curve say the "
+        "bigger wave finishes everyone sooner on average")
+    calibration_budget_s: float = option(
+        10.0, rule=FloatRange(0.0),
+        help="auto: most seconds the start-up calibration of the cost curve may take "
+        "(0 = learn from traffic only)")
     executor: ExecutorKind = option(
         "mp", rule=OneOf(("mp", "inproc")),
         help="run the pipeline in a worker process (mp) or in this process (inproc)")
@@ -164,6 +179,21 @@ class EngineConfig:
         """Build from a namespace parsed with the flags of `add_cli_args`."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls.from_options(**given)
+
+    @property
+    def auto_capacity(self) -> bool:
+        return self.max_num_seqs == AUTO
+
+    @property
+    def auto_wait(self) -> bool:
+        return self.request_batch_max_wait_ms == AUTO
+
+    @property
+    def capacity_limit(self) -> int:
+        """The most requests a wave may hold: `max_num_seqs`, or the auto limit."""
+        if isinstance(self.max_num_seqs, int):
+            return self.max_num_seqs
+        return self.max_num_seqs_limit or DEFAULT_MAX_NUM_SEQS_LIMIT
 
     def _check_worker_cpus(self) -> None:
         try:

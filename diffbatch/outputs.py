@@ -75,6 +75,11 @@ class BatchRunnerOutput:
     outputs: dict[str, DiffusionOutput]  # request_id -> output, insertion = wave order
     forward_time_ms: float = 0.0  # time spent in the pipeline forward(s) of this wave
     num_forwards: int = 1  # how many pipeline forwards served this wave
+    # The runner's memory after the wave: its peak so far (process RSS on CPU, allocated
+    # device memory on CUDA) and what is still free (MemAvailable / free device memory),
+    # in bytes; 0 when unknown. The start-up calibration bounds wave sizes with them.
+    peak_memory_bytes: int = 0
+    free_memory_bytes: int = 0
 
     @classmethod
     def failed(cls, request_ids: list[str], error: RequestError) -> BatchRunnerOutput:

@@ -76,6 +76,30 @@ def check_outputs(pipeline_name: str, batch: DiffusionRequestBatch, outputs: Any
             )
 
 
+def memory_usage(device: str) -> tuple[int, int]:
+    """(peak bytes used so far, bytes still free) of this process on `device`; 0 = unknown.
+
+    CUDA: peak allocated device memory and the device's free memory. CPU: peak RSS
+    (`ru_maxrss`) and the machine's MemAvailable.
+    """
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        return int(torch.cuda.max_memory_allocated()), int(free)
+    peak = free = 0
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except (ImportError, OSError, ValueError):
+        pass
+    return peak, free
+
+
 def to_output_type(images: Any, output_type: str) -> Any:
     """Convert a float tensor [n, C, H, W] in [0, 1] into what crosses to the engine.
 
@@ -150,9 +174,10 @@ class ModelRunner:
         for out in outputs:
             out.execute_time_ms = forward_ms
             out.batch_size = len(requests)
+        peak, free = memory_usage(self._info.device)
         return BatchRunnerOutput(
             outputs={out.request_id: out for out in outputs}, forward_time_ms=forward_ms,
-            num_forwards=self._num_forwards,
+            num_forwards=self._num_forwards, peak_memory_bytes=peak, free_memory_bytes=free,
         )
 
     def _isolate(

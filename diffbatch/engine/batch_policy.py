@@ -1,0 +1,237 @@
+"""How big a wave may be and how long to wait for it: `BatchPolicy`.
+
+With fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) it hands
+them to the scheduler and the admission wait as they are. With "auto" (the
+default) it chooses both per shape, from the learned cost curve
+(`diffbatch.engine.cost_model`) and the observed arrival rate:
+
+- capacity per shape comes from `WaveCostModel.capacity` (the wave size beyond
+  which a bigger wave stops cutting the cost per image by 10%), bounded by the
+  limit; with a backlog bigger than that, the next doubling is tried once so the
+  curve keeps learning;
+- the admission wait follows the rule below.
+
+The admission wait runs only while nothing is in flight (as a fixed wait does).
+With `q` requests waiting, arrivals at rate `r` per second and a learned wave time
+`t(B)`, waiting for `k` more takes about `d = k / r` and then runs one wave of
+`q + k`; starting now runs the `q` at once and the `k` in the next wave, which can
+start when both the first wave is done and they have arrived. Measured from each
+request's own arrival (arrivals spread evenly over `d`, so on average `d / 2`
+after now), the mean latencies are
+
+    wait:       (q * (d + t(q+k)) + k * (d/2 + t(q+k))) / (q + k)
+    start now:  (q * t(q) + k * (max(t(q), d) + t(k) - d/2)) / (q + k)
+
+The engine waits for the `k` (up to capacity) that saves the most, only if it saves
+anything, and never longer than `wait_bound_ms` (the shape's single-request wave
+time, capped at `MAX_WAIT_MS`): at low load `d` is long and waiting never pays;
+under a burst it pays until the wave is full. The rule is in `choose_wait`, a pure
+function of those numbers; docs/serving.md walks through it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
+from diffbatch.engine.cost_model import Shape, WaveCostModel
+
+if TYPE_CHECKING:
+    from diffbatch.config import EngineConfig
+    from diffbatch.pipelines.interface import PipelineInfo
+    from diffbatch.sampling_params import SamplingParamsKey
+
+MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the curve says
+RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
+SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
+
+
+@dataclass(frozen=True)
+class WaitPlan:
+    """What the admission wait should do before the next wave."""
+
+    target: int  # end the wait once this many requests wait (<= capacity)
+    max_wait_ms: float  # and at the latest after this long; 0 = start now
+    stable_window_ms: float  # or once no request arrived for this long
+
+
+def choose_wait(
+    num_waiting: int,
+    rate_per_s: float,
+    wave_ms: Callable[[int], float],
+    capacity: int,
+    wait_bound_ms: float,
+) -> WaitPlan:
+    """The wait rule of the module docstring; `wave_ms(B)` is the learned wave time."""
+    q = num_waiting
+    if q < 1 or q >= capacity or rate_per_s <= 0 or not math.isfinite(rate_per_s):
+        return WaitPlan(target=max(q, 1), max_wait_ms=0.0, stable_window_ms=0.0)
+    t_q = wave_ms(q)
+    best_k, best_saving = 0, 0.0
+    for k in range(1, capacity - q + 1):
+        d = 1000.0 * k / rate_per_s
+        if d > wait_bound_ms:
+            break
+        t_all = wave_ms(q + k)
+        wait = (q * (d + t_all) + k * (d / 2 + t_all)) / (q + k)
+        now = (q * t_q + k * (max(t_q, d) + wave_ms(k) - d / 2)) / (q + k)
+        if now - wait > best_saving:
+            best_k, best_saving = k, now - wait
+    if best_k == 0:
+        return WaitPlan(target=q, max_wait_ms=0.0, stable_window_ms=0.0)
+    gap_ms = 1000.0 / rate_per_s
+    max_wait = min(wait_bound_ms, SLACK * 1000.0 * best_k / rate_per_s)
+    # a quiet spell of a few mean gaps means the burst is over
+    return WaitPlan(target=q + best_k, max_wait_ms=max_wait,
+                    stable_window_ms=min(max_wait, 3.0 * gap_ms))
+
+
+class ArrivalRate:
+    """Requests per second, from the gaps between arrival events; thread-safe.
+
+    Requests added together (one `generate` call) are one event of several
+    requests: a list of prompts does not look like a burst still arriving.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._last: float | None = None
+        self._gap_s_per_request: float | None = None
+        self._lock = threading.Lock()
+
+    def observe(self, count: int = 1) -> None:
+        """`count` requests arrived now."""
+        now = self.clock()
+        with self._lock:
+            if self._last is not None and count > 0:
+                gap = (now - self._last) / count
+                old = self._gap_s_per_request
+                self._gap_s_per_request = gap if old is None else (
+                    old + RATE_SMOOTHING * (gap - old))
+            self._last = now
+
+    def rate_per_s(self) -> float:
+        """The smoothed rate, lowered when the time since the last arrival says the
+        stream has slowed down (0 until two arrival events were seen)."""
+        with self._lock:
+            gap, last = self._gap_s_per_request, self._last
+        if gap is None or last is None:
+            return 0.0
+        idle = self.clock() - last
+        return 1.0 / max(gap, idle, 1e-6)
+
+
+class BatchPolicy:
+    """Capacity and admission wait per batch key, fixed or learned; thread-safe.
+
+    Args:
+        config: the engine's config (`max_num_seqs`, `request_batch_max_wait_ms`,
+            their "auto" values and the auto limit).
+        info: the loaded pipeline's info (its default shape seeds the cost model).
+        supports_request_batch: False pins the capacity to 1.
+        limit: the largest wave "auto" may choose (the config's limit, or what
+            memory allows, whichever is smaller).
+    """
+
+    def __init__(
+        self, config: EngineConfig, info: PipelineInfo, *, supports_request_batch: bool,
+        limit: int | None = None, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.batching = supports_request_batch
+        self.limit = 1 if not supports_request_batch else max(1, limit or config.capacity_limit)
+        self.default_shape = Shape(info.default_height, info.default_width, 1,
+                                   info.cfg_threshold is not None
+                                   and info.default_guidance_scale > info.cfg_threshold)
+        self.cost = WaveCostModel(self.limit, self.default_shape)
+        self.arrivals = ArrivalRate(clock)
+        self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
+        self._lock = threading.Lock()
+
+    @property
+    def learns(self) -> bool:
+        """Whether anything here is "auto" (then waves feed the cost model)."""
+        return self.batching and (self.config.auto_capacity or self.config.auto_wait)
+
+    def set_limit(self, limit: int) -> None:
+        """Lower the auto limit (e.g. to what memory allows, found by calibration)."""
+        self.limit = max(1, min(self.limit, limit))
+        self.cost.limit = self.limit
+
+    # -- capacity ------------------------------------------------------------------
+    def capacity(self, key: SamplingParamsKey | None, num_waiting: int = 0) -> int:
+        """Most requests in a wave of `key`; with a backlog of `num_waiting` beyond the
+        learned capacity, the next untried doubling (so the curve keeps learning)."""
+        if not self.batching:
+            return 1
+        if not self.config.auto_capacity:
+            return self.config.capacity_limit
+        if key is None:
+            return self.limit
+        shape = Shape.of(key)
+        capacity = self.cost.capacity(shape)
+        if num_waiting > capacity:
+            trial = self.cost.next_size_to_try(shape)
+            if trial is not None:
+                return min(trial, num_waiting)
+        return capacity
+
+    # -- admission wait --------------------------------------------------------------
+    def plan_wait(self, key: SamplingParamsKey | None, num_waiting: int) -> WaitPlan:
+        """What the admission wait should do with `num_waiting` requests of `key` idle."""
+        capacity = self.capacity(key)
+        if not self.batching or capacity <= 1:
+            return WaitPlan(target=1, max_wait_ms=0.0, stable_window_ms=0.0)
+        wait = self.config.request_batch_max_wait_ms
+        if not self.config.auto_wait:
+            fixed = float(wait)
+            return WaitPlan(target=capacity, max_wait_ms=fixed,
+                            stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
+        if key is None:
+            return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+        shape, steps = Shape.of(key), key.num_inference_steps
+
+        def wave_ms(size: int) -> float:
+            estimate = self.cost.estimate_ms(shape, size, steps)
+            return float("inf") if estimate is None else estimate
+
+        one = wave_ms(1)
+        if not math.isfinite(one):  # nothing learned yet: no grounds to wait
+            return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+        plan = choose_wait(num_waiting, self.arrivals.rate_per_s(), wave_ms, capacity,
+                           wait_bound_ms=min(one, MAX_WAIT_MS))
+        with self._lock:
+            self._last_wait_ms[shape.label()] = plan.max_wait_ms
+        return plan
+
+    # -- learning --------------------------------------------------------------------
+    def observe_arrivals(self, count: int) -> None:
+        self.arrivals.observe(count)
+
+    def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
+                     num_forwards: int = 1) -> None:
+        """Feed one finished wave to the cost model (only clean single-forward waves)."""
+        if key is None or num_forwards != 1 or not self.learns:
+            return
+        self.cost.observe(Shape.of(key), size, key.num_inference_steps, forward_ms)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per shape: per-image ms by wave size, capacity, last planned wait (metrics)."""
+        with self._lock:
+            waits = dict(self._last_wait_ms)
+        per_image = self.cost.per_image_ms()
+        shapes = {s.label(): s for s in self.cost.shapes()}
+        out: dict[str, dict[str, object]] = {}
+        for label, table in per_image.items():
+            shape = shapes[label]
+            out[label] = {"per_image_ms": table, "capacity": self.cost.capacity(shape),
+                          "wait_ms": waits.get(label, 0.0)}
+        return out
+
+
+__all__ = ["MAX_WAIT_MS", "ArrivalRate", "BatchPolicy", "WaitPlan", "choose_wait"]

@@ -1,0 +1,192 @@
+"""The learned cost curve: how long a wave of B requests takes, per shape.
+
+Every wave the engine runs is one observation: its shape, its step count, its size
+B and its forward time. `WaveCostModel` keeps, per shape (height, width, images
+per request, CFG on or off), a smoothed forward time per wave size, measured at
+some step count; an estimate at another step count is scaled by the step ratio
+(steps dominate a wave's cost; the fixed part, text encoding and decoding, is
+small beside them at any useful step count). A start-up calibration seeds the
+model's default shape (`diffbatch.engine.calibration`); other shapes are learned
+as they appear.
+
+From the curve the model derives a shape's **capacity**, the wave size beyond
+which a bigger wave stops paying:
+
+    capacity = the largest B on the ladder 1, 2, 4, 8, ... (up to the limit) such
+    that every doubling up to B cut the cost per image, t(B) / B, by at least
+    `MIN_GAIN` (10%).
+
+A doubling that has not been measured yet is tried once the curve says the last
+one still paid (`next_size_to_try`), so the curve grows with the traffic it sees;
+until a shape has two sizes measured, its capacity is the default shape's, scaled
+by the pixel ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diffbatch.sampling_params import SamplingParamsKey
+
+MIN_GAIN = 0.10  # a doubling must cut the cost per image by this much to be worth it
+SMOOTHING = 0.3  # weight of a new observation in the smoothed forward time
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What decides a wave's cost per step, besides its size."""
+
+    height: int
+    width: int
+    num_outputs_per_prompt: int  # n: images per request
+    cfg: bool  # classifier-free guidance doubles the denoiser's batch
+
+    @classmethod
+    def of(cls, key: SamplingParamsKey) -> Shape:
+        return cls(key.height, key.width, key.num_outputs_per_prompt, key.cfg_enabled)
+
+    @property
+    def pixels(self) -> int:
+        """Output pixels of one request: n * H * W."""
+        return self.num_outputs_per_prompt * self.height * self.width
+
+    def label(self) -> str:
+        """Short form for metrics and logs, e.g. "64x64/n1/cfg"."""
+        return (f"{self.width}x{self.height}/n{self.num_outputs_per_prompt}"
+                + ("/cfg" if self.cfg else ""))
+
+
+@dataclass
+class _Curve:
+    """One shape's observations: wave size -> smoothed forward ms at `steps` steps."""
+
+    steps: int  # the step count the times below are scaled to
+    ms: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, size: int, steps: int, forward_ms: float) -> None:
+        scaled = forward_ms * self.steps / steps
+        old = self.ms.get(size)
+        self.ms[size] = scaled if old is None else old + SMOOTHING * (scaled - old)
+
+    def estimate_ms(self, size: int) -> float | None:
+        """Forward ms of a wave of `size` at `steps`: measured, interpolated between the
+        nearest measured sizes, or extrapolated from the nearest one (as no gain)."""
+        if size in self.ms:
+            return self.ms[size]
+        if not self.ms:
+            return None
+        below = [b for b in self.ms if b < size]
+        above = [b for b in self.ms if b > size]
+        if below and above:
+            lo, hi = max(below), min(above)
+            frac = (size - lo) / (hi - lo)
+            return self.ms[lo] + frac * (self.ms[hi] - self.ms[lo])
+        # Outside the measured range: the same cost per image as the nearest size
+        # (beyond the largest, no further gain is assumed).
+        nearest = max(below) if below else min(above)
+        return self.ms[nearest] * size / nearest
+
+
+class WaveCostModel:
+    """Learned wave cost per shape; thread-safe. See the module docstring."""
+
+    def __init__(self, limit: int, default_shape: Shape | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit  # no capacity above this (memory, --max-num-seqs-limit)
+        self.default_shape = default_shape
+        self._curves: dict[Shape, _Curve] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, shape: Shape, size: int, steps: int, forward_ms: float) -> None:
+        """Record one wave: `size` requests of `shape` at `steps` steps took `forward_ms`."""
+        if size < 1 or steps < 1 or not math.isfinite(forward_ms) or forward_ms <= 0:
+            return
+        with self._lock:
+            curve = self._curves.setdefault(shape, _Curve(steps))
+            curve.observe(size, steps, forward_ms)
+
+    def estimate_ms(self, shape: Shape, size: int, steps: int) -> float | None:
+        """Forward ms of a wave of `size` at `steps` steps; None when nothing is known."""
+        with self._lock:
+            curve = self._curves.get(shape)
+            if curve is None:
+                curve, scale = self._proxy(shape)
+                if curve is None:
+                    return None
+            else:
+                scale = 1.0
+            estimate = curve.estimate_ms(size)
+        return None if estimate is None else estimate * scale * steps / curve.steps
+
+    def _proxy(self, shape: Shape) -> tuple[_Curve | None, float]:
+        """(Holding the lock.) The default shape's curve, scaled by pixels, for an
+        unseen shape."""
+        default = self.default_shape
+        if default is None or default not in self._curves:
+            return None, 1.0
+        return self._curves[default], shape.pixels / default.pixels
+
+    def capacity(self, shape: Shape) -> int:
+        """The shape's capacity (see the module docstring); 1 <= capacity <= limit."""
+        with self._lock:
+            curve = self._curves.get(shape)
+            if curve is not None and len(curve.ms) >= 2:
+                return capacity_from_curve(curve.ms, self.limit)
+            default = self.default_shape
+            if default is None or default not in self._curves:
+                return min(self.limit, max(curve.ms)) if curve is not None else 1
+            base = capacity_from_curve(self._curves[default].ms, self.limit)
+        scaled = base * default.pixels / shape.pixels
+        return max(1, min(self.limit, 1 << max(0, int(math.log2(max(scaled, 1.0))))))
+
+    def next_size_to_try(self, shape: Shape) -> int | None:
+        """A wave size worth measuring for `shape` (the doubling after its capacity),
+        or None when the curve already says where gains stop."""
+        with self._lock:
+            curve = self._curves.get(shape)
+            if curve is None:
+                return None
+            sizes = curve.ms
+            cap = capacity_from_curve(sizes, self.limit)
+        nxt = cap * 2
+        if nxt > self.limit or nxt in sizes:
+            return None
+        return nxt
+
+    def per_image_ms(self) -> dict[str, dict[int, float]]:
+        """Shape label -> wave size -> measured forward ms per image (for metrics)."""
+        with self._lock:
+            return {shape.label(): {b: ms / b for b, ms in sorted(curve.ms.items())}
+                    for shape, curve in self._curves.items()}
+
+    def shapes(self) -> list[Shape]:
+        with self._lock:
+            return list(self._curves)
+
+
+def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
+    """The capacity rule on measured forward times `ms` (wave size -> ms).
+
+    Walks the ladder 1, 2, 4, ... while the next size is measured (or lies within
+    the measured range, interpolated) and cuts the cost per image by `MIN_GAIN`.
+    """
+    if not ms:
+        return 1
+    curve = _Curve(steps=1, ms=dict(ms))
+    top = max(ms)
+    size = 1
+    while size * 2 <= min(limit, top):
+        here, there = curve.estimate_ms(size), curve.estimate_ms(size * 2)
+        assert here is not None and there is not None
+        if there / (size * 2) > (1.0 - MIN_GAIN) * here / size:
+            break
+        size *= 2
+    return max(1, min(size, limit))
+
+
+__all__ = ["MIN_GAIN", "Shape", "WaveCostModel", "capacity_from_curve"]
