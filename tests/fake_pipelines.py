@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
-from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 POISON = "poison"
 

@@ -13,7 +13,7 @@ from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 
 if TYPE_CHECKING:
     from diffbatch.outputs import DiffusionOutput
-    from diffbatch.sched.output import DiffusionRequestBatch
+    from diffbatch.pipelines.interface import DiffusionRequestBatch
 
 POISON = "poison"
 

@@ -23,16 +23,13 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from diffbatch.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
-
-if TYPE_CHECKING:
-    from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
-from diffbatch.sched.output import DiffusionRequestBatch
 
 torch.set_num_threads(1)
 
