@@ -130,7 +130,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="seed of the engine's random source for unseeded requests")
     engine.add_argument("--device", default=None, help="torch device (default: auto)")
     engine.add_argument("--dtype", default=None, help="torch dtype, e.g. float16 (default: auto)")
-    from diffbatch.entrypoints.ray_serve import add_ray_args  # imports Ray only when run
+    from diffbatch.entrypoints.ray.server import add_ray_args  # imports Ray only when run
 
     add_ray_args(parser)
     parser.set_defaults(func=_cmd_serve)
@@ -138,7 +138,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
-        from diffbatch.entrypoints.ray_serve import run_ray_server
+        from diffbatch.entrypoints.ray.server import run_ray_server
 
         run_ray_server(args)
         return 0
