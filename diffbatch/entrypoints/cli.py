@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from diffbatch.entrypoints.arg_types import (
+from diffbatch.arg_types import (
     cpu_list,
     directory,
     float_at_least,

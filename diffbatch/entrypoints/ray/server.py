@@ -89,7 +89,7 @@ def _require_ray() -> None:
 # -- CLI ---------------------------------------------------------------------------------
 def add_ray_args(parser: argparse.ArgumentParser) -> None:
     """Add the Ray Serve flags (`--ray`, `--num-replicas`, ...) to `diffbatch serve`."""
-    from diffbatch.entrypoints.arg_types import float_at_least, int_at_least
+    from diffbatch.arg_types import float_at_least, int_at_least
 
     group = parser.add_argument_group(
         "ray", "scale out on Ray Serve (needs the `[ray]` extra); every replica runs "
