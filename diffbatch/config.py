@@ -37,7 +37,7 @@ class EngineConfig:
         lora_dir: folder that LoRA adapter names resolve in (None = only paths given
             through the Python API).
         warmup: run one small request through the whole path at start-up.
-        scheduling_policy: "fifo" (the seed's conservative waves: an incompatible head
+        scheduling_policy: "fifo" (conservative waves, the default: an incompatible head
             blocks) or "grouped" (waves from the best compatible group; see sched/grouped.py).
         max_head_wait_ms: "grouped" only: once the oldest request waited this long, its
             group goes next (no starvation).

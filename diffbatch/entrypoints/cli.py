@@ -105,8 +105,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--scheduling-policy", choices=("fifo", "grouped"), default="fifo",
-        help="fifo: waves from the queue head, an incompatible head blocks (the seed's "
-        "policy); grouped: waves from the best compatible group, by priority and age",
+        help="fifo: waves from the queue head, an incompatible head blocks (conservative, "
+        "FIFO order kept); grouped: waves from the best compatible group, by priority and age",
     )
     engine.add_argument(
         "--max-head-wait-ms", type=float_at_least(0.0, strict=False), default=2000.0,
@@ -129,7 +129,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--seed", type=int_at_least(0), default=None,
                         help="seed of the engine's random source for unseeded requests")
     engine.add_argument("--device", default=None, help="torch device (default: auto)")
-    engine.add_argument("--dtype", default=None, help="torch dtype, e.g. float16 (default: auto)")
+    engine.add_argument("--dtype", default=None, help="torch dtype, e.g. bf16 (default: float32)")
     from diffbatch.entrypoints.ray.server import add_ray_args  # imports Ray only when run
 
     add_ray_args(parser)

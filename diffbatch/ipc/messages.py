@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 WorkerMethod = Literal["execute_batch", "execute_request", "check_health", "shutdown"]
 WORKER_METHODS: tuple[str, ...] = ("execute_batch", "execute_request", "check_health", "shutdown")
 # The call id of a reply to a call the worker could not unpickle (so it cannot know
-# the id); the executor has one call in flight and takes it as that call's answer.
+# the id). The executor may have several calls in flight per worker; the worker
+# answers them in order, so the executor takes it as its oldest unanswered call's answer.
 UNREADABLE_CALL_ID = -1
 
 
