@@ -98,7 +98,7 @@ def ray_servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     from ray import serve
 
     from diffbatch.entrypoints.ray.proxy import serve_start_options
-    from diffbatch.entrypoints.ray_serve import build_app
+    from diffbatch.entrypoints.ray.server import build_app
 
     ray.init(address="local", num_cpus=args.cores, include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)

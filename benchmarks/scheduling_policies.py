@@ -54,7 +54,8 @@ NO_COBATCH_CLASS = "scheduling_policies.NoGuidanceCoBatching"
 
 
 class NoGuidanceCoBatching(DiffusersT2IPipeline):
-    """The diffusers adapter with per-request guidance declared off (the seed's keys)."""
+    """The diffusers adapter with per-request guidance declared off: `guidance_scale`
+    is part of the batch key, so requests with different scales never share a wave."""
 
     def _make_info(self) -> PipelineInfo:
         return replace(super()._make_info(), supports_per_request_guidance=False)

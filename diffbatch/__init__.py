@@ -21,10 +21,10 @@ from diffbatch.errors import (
     RequestTimeoutError,
 )
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
-from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
+from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
-from diffbatch.sched.output import DiffusionRequestBatch, SchedulerOutput
+from diffbatch.sched.output import SchedulerOutput
 
 __version__ = "0.1.0"
 

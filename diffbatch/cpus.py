@@ -2,10 +2,10 @@
 
 On a CPU-only host the worker's forward shares the cores with the server process
 (HTTP, PNG encoding) and whatever else runs there. `EngineConfig.worker_cpus` pins
-the worker, and the torch threads it starts, to the CPUs given. Measured here: the
-same tiny-sd3 wave ran 6.6% slower in an unpinned worker than in-process, and as
-fast when both were pinned to one core; served over HTTP on 2 cores it did not
-change P2 (docs/benchmarks.md), so it is a deployment option, off by default.
+the worker, and the torch threads it starts, to the CPUs given. Pinning removed the
+gap between an unpinned worker and the same wave in-process, but did not change
+served throughput on a 2-core host (measured in docs/benchmarks.md, "Measured
+reasons in the code"), so it is a deployment option, off by default.
 """
 
 from __future__ import annotations

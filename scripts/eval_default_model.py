@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diffbatch.pipelines import shapes_data as sd  # noqa: E402
+from scripts import shapes_data as sd  # noqa: E402
 
 
 def load(folder: Path):

@@ -39,8 +39,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diffbatch.pipelines import shapes_data as sd  # noqa: E402
 from diffbatch.pipelines.tiny import bytes_to_unicode  # noqa: E402
+from scripts import shapes_data as sd  # noqa: E402
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 MAX_LEN = 20

@@ -3,6 +3,10 @@
 Importable by name (`tests.fake_pipelines.FakeBatchPipeline`) so worker processes
 can load them too. Images depend only on each request's seed and prompt, like a
 real batch-invariant pipeline.
+
+A prompt containing `POISON` makes `FakeBatchPipeline` and `PoisonTinySD` (the real
+diffusers adapter, for end-to-end tests with model "tiny-sd") fail the whole wave
+that holds it, the way a request with bad input breaks a fused forward.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from typing import Any
 import torch
 
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
-from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
-POISON = "poison"
+POISON = "poison"  # a prompt containing it fails its wave
 
 
 def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) -> torch.Tensor:
@@ -144,3 +148,13 @@ class SmallModelPipeline(FakeBatchPipeline):
 
     def info(self) -> PipelineInfo:
         return dataclasses.replace(super().info(), model_max_pixels=32 * 32)
+
+
+class PoisonTinySD(DiffusersT2IPipeline):
+    """The real diffusers adapter, failing every forward whose wave holds a poisoned prompt."""
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        poisoned = [i for i, p in enumerate(batch.prompts) if POISON in p]
+        if poisoned:
+            raise RuntimeError(f"poisoned prompt at wave position(s) {poisoned}")
+        return super().forward(batch)

@@ -6,7 +6,7 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.pipelines.registry import resolve_model_path
-from diffbatch.pipelines.tiny import make_tiny_lora
+from tests.lora_utils import make_tiny_lora
 
 pytestmark = pytest.mark.slow
 

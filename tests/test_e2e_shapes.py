@@ -11,7 +11,7 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.pipelines.registry import DEFAULT_MODEL, packaged_models
-from diffbatch.pipelines.shapes_data import SHAPE_COLOURS, judge_colour, judge_shape
+from scripts.shapes_data import SHAPE_COLOURS, judge_colour, judge_shape
 
 pytestmark = [
     pytest.mark.slow,

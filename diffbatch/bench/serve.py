@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from diffbatch.entrypoints.arg_types import int_at_least
+from diffbatch.arg_types import int_at_least
 
 logger = logging.getLogger(__name__)
 

@@ -130,7 +130,7 @@ class EngineCore:
         """
         with self.cond:
             self._stopped = True
-            open_ids = list(self.scheduler.requests)
+            open_ids = self.scheduler.request_ids()
             open_requests = self.scheduler.finish_requests(open_ids, RequestStatus.FINISHED_ERROR)
             self.cond.notify_all()
         return open_requests
@@ -225,7 +225,7 @@ class EngineCore:
             except Exception:  # a bug in the loop must not leave callers hanging forever
                 logger.exception("engine loop step failed; failing its requests")
                 with self.cond:
-                    running = list(self.scheduler.running)
+                    running = self.scheduler.running_request_ids()
                     failed = self.scheduler.finish_requests(
                         running, RequestStatus.FINISHED_ERROR
                     )

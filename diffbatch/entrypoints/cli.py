@@ -14,13 +14,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from diffbatch.config import add_cli_args
-from diffbatch.entrypoints.arg_types import (
+from diffbatch.arg_types import (
     float_at_least,
     int_at_least,
     int_between,
     port,
 )
+from diffbatch.config import add_cli_args
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower)
 
     add_cli_args(parser)  # the engine flags, one per EngineConfig field
-    from diffbatch.entrypoints.ray_serve import add_ray_args  # imports Ray only when run
+    from diffbatch.entrypoints.ray.server import add_ray_args  # imports Ray only when run
 
     add_ray_args(parser)
     parser.set_defaults(func=_cmd_serve)
@@ -95,7 +95,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
-        from diffbatch.entrypoints.ray_serve import run_ray_server
+        from diffbatch.entrypoints.ray.server import run_ray_server
 
         run_ray_server(args)
         return 0

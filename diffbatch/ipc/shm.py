@@ -18,8 +18,9 @@ Segment lifetime, the contract this file keeps:
 
 NOTE: segments are written with `pwrite` and read with `preadv` on the segment's file
 descriptor, not through `multiprocessing.shared_memory.SharedMemory` mappings:
-- it is ~3x faster for image-sized tensors: a fresh mapping page-faults on every
-  4 KiB page in both processes, while one syscall copies straight in or out;
+- it is faster for image-sized tensors (measured in docs/benchmarks.md, "Measured
+  reasons in the code"): a fresh mapping page-faults on every 4 KiB page in both
+  processes, while one syscall copies straight in or out;
 - a full /dev/shm (Docker's default is 64 MiB) fails the write with ENOSPC, and the
   tensor stays inline, where writing through a mapping would kill the worker with
   SIGBUS;
@@ -164,8 +165,9 @@ class InlineTensor:
     """A small torch tensor as raw bytes, so it pickles as one memcpy.
 
     NOTE: pickling a torch tensor goes through `torch.save`/`torch.load` of its storage,
-    ~100x slower than plain bytes for an image-sized uint8 tensor; on the engine thread
-    that stalls the worker between waves. Small tensors therefore travel as bytes too.
+    far slower than plain bytes for an image-sized uint8 tensor (measured in
+    docs/benchmarks.md); on the engine thread that stalls the worker between waves.
+    Small tensors therefore travel as bytes too.
     """
 
     data: bytes  # the tensor's contiguous bytes

@@ -22,17 +22,15 @@ import inspect
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
-
-if TYPE_CHECKING:
-    from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +73,39 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.lower().removeprefix("torch.")]
     raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+
+
+class TorchvisionFallbackFilter(logging.Filter):
+    """Drops transformers' notice that an `<Model>ImageProcessor` falls back to its PIL
+    twin because torchvision is not installed, and nothing else.
+
+    NOTE: diffusers' StableDiffusion pipeline module and its IP-adapter loader import
+    `CLIPImageProcessor` and `SiglipImageProcessor` at import time, so every engine start
+    printed two such warnings, whatever the model folder holds. torchvision is left out
+    on purpose, and diffbatch runs no image processor (no safety checker, no IP adapter:
+    those components are loaded as None), so the fallback changes nothing here.
+    """
+
+    LOGGER = "transformers.utils.import_utils"
+    _PATTERN = re.compile(
+        r"`\w+ImageProcessor` requires torchvision \(not installed\); "
+        r"falling back to `\w+ImageProcessorPil`"
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self._PATTERN.match(record.getMessage())
+
+    @classmethod
+    def install(cls) -> None:
+        """Add the filter to transformers' import logger, once per process."""
+        target = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(f, cls) for f in target.filters):
+            target.addFilter(cls())
+
+
+# Installed on import: the builders in tiny.py and `from_pretrained` below both import
+# diffusers pipeline modules, and both import this module first.
+TorchvisionFallbackFilter.install()
 
 
 def _disable_progress_bars() -> None:

@@ -21,12 +21,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diffbatch.request import DiffusionRequest, RequestStatus
+from diffbatch.sched.base import SchedulerBase
 from diffbatch.sched.output import SchedulerOutput
-from diffbatch.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParamsKey
@@ -39,7 +40,7 @@ def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
     return num_requests * key.num_outputs_per_prompt * key.height * key.width
 
 
-class GroupedScheduler(Scheduler):
+class GroupedScheduler(SchedulerBase):
     """Groups by key, picks groups by priority and age; see the module docstring."""
 
     def __init__(
@@ -59,13 +60,14 @@ class GroupedScheduler(Scheduler):
         self.max_wave_pixels = max_wave_pixels
         self.clock = clock
         self._seq = itertools.count()
+        self._arrivals: deque[DiffusionRequest] = deque()  # arrival order, for starvation
         self._best: list[_Entry] = []  # every waiting request, best first
         self._groups: dict[SamplingParamsKey, list[_Entry]] = {}  # key -> its best-first heap
-        # `self.waiting` (from Scheduler) stays the arrival-order deque, for the starvation rule.
         self.num_heap_ops = 0  # work counter: heap pushes and pops (tests count work with it)
 
-    def add_request(self, request: DiffusionRequest) -> None:
-        super().add_request(request)
+    def _enqueue(self, request: DiffusionRequest) -> None:
+        assert request.key is not None  # add_request rejects a request without a key
+        self._arrivals.append(request)
         entry = (request.priority, next(self._seq), request)
         heapq.heappush(self._best, entry)
         heapq.heappush(self._groups.setdefault(request.key, []), entry)
@@ -76,14 +78,28 @@ class GroupedScheduler(Scheduler):
             heapq.heappop(heap)
             self.num_heap_ops += 1
 
+    def _pop_finished_arrivals(self) -> None:
+        """Drop scheduled or finished requests from the head of the arrival deque."""
+        while self._arrivals and self._arrivals[0].status != RequestStatus.WAITING:
+            self._arrivals.popleft()
+
+    def _drop_finished_waiting(self) -> None:
+        if self.num_waiting == 0:
+            self._arrivals.clear()  # only scheduled or finished entries are left
+            self._best.clear()
+            self._groups.clear()
+        else:
+            self._pop_finished_arrivals()
+
     def _pick_key(self) -> tuple[SamplingParamsKey, str] | None:
         """The key of the next wave, and "starvation" when that rule overrode priority."""
-        self._pop_finished_heads()
-        if not self.waiting:
+        self._pop_finished_arrivals()
+        if not self._arrivals:
             return None
         self._pop_finished(self._best)
         best = self._best[0][2].key
-        oldest = self.waiting[0]
+        oldest = self._arrivals[0]
+        assert best is not None and oldest.key is not None
         waited_ms = (self.clock() - oldest.arrival_time) * 1000.0
         if waited_ms > self.max_head_wait_ms and oldest.key != best:
             return oldest.key, "starvation"
@@ -110,21 +126,12 @@ class GroupedScheduler(Scheduler):
                 break
             request = heapq.heappop(group)[2]
             self.num_heap_ops += 1
-            request.status = RequestStatus.RUNNING
-            self.running[request.request_id] = request
-            self._num_waiting -= 1
+            self._start(request)
             wave.append(request)
         if not group:
             del self._groups[key]
-        self._pop_finished_heads()  # drop scheduled requests from the arrival deque head
-        if self._num_waiting == 0:
-            self.waiting.clear()
-            self._best.clear()
-            self._groups.clear()
-        wave_id = self._next_wave_id
-        self._next_wave_id += 1
-        return SchedulerOutput(wave_id=wave_id, requests=wave, key=key,
-                               close_reason=forced or close_reason)
+        self._drop_finished_waiting()
+        return self._make_wave(wave, key, forced or close_reason)
 
     def has_full_wave(self) -> bool:
         """The next group holds a wave's worth: `max_num_seqs` requests, or as many as
@@ -143,19 +150,6 @@ class GroupedScheduler(Scheduler):
                 if count >= limit:
                     return True
         return False
-
-    def _pop_finished_heads(self) -> None:
-        while self.waiting and self.waiting[0].status != RequestStatus.WAITING:
-            self.waiting.popleft()
-
-    def finish_requests(
-        self, request_ids: list[str], status: RequestStatus
-    ) -> list[DiffusionRequest]:
-        done = super().finish_requests(request_ids, status)
-        if self._num_waiting == 0:
-            self._best.clear()
-            self._groups.clear()
-        return done
 
 
 __all__ = ["GroupedScheduler", "wave_pixels"]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
     from diffbatch.request import DiffusionRequest, RequestStatus
+    from diffbatch.sampling_params import SamplingParamsKey
     from diffbatch.sched.output import SchedulerOutput
 
 
@@ -62,6 +63,14 @@ class SchedulerInterface(ABC):
         ids are ignored.
         """
 
+    @abstractmethod
+    def request_ids(self) -> list[str]:
+        """Ids of every active (unfinished) request, waiting or running."""
+
+    @abstractmethod
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests scheduled in a wave and not finished yet."""
+
     @property
     @abstractmethod
     def num_waiting(self) -> int: ...
@@ -69,6 +78,10 @@ class SchedulerInterface(ABC):
     @property
     @abstractmethod
     def num_running(self) -> int: ...
+
+    @abstractmethod
+    def num_waiting_by_key(self) -> dict[SamplingParamsKey, int]:
+        """Waiting requests per key (for metrics; may cost O(active requests))."""
 
     def has_unfinished_requests(self) -> bool:
         return self.num_waiting + self.num_running > 0

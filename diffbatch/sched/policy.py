@@ -11,12 +11,13 @@ from diffbatch.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
+    from diffbatch.sched.interface import SchedulerInterface
 
 
 def make_scheduler(
     config: EngineConfig, clock: Callable[[], float] = time.monotonic
-) -> Scheduler:
-    """`fifo`: the seed's conservative FIFO waves; `grouped`: best compatible group."""
+) -> SchedulerInterface:
+    """`fifo`: conservative FIFO waves (the default); `grouped`: best compatible group."""
     if config.scheduling_policy == "grouped":
         return GroupedScheduler(
             config.max_num_seqs,

@@ -2,12 +2,12 @@
 
 glibc's malloc serves large blocks with `mmap` and gives freed memory at the top of
 the heap back to the OS, and it moves both thresholds as the process runs. What a
-worker ends up with depends on its allocation history: measured here (tiny-sd3,
-64x64, waves of 8), one worker took 1,500 page faults and 2.9 ms of system time per
-image, because every wave's activations came from fresh pages, and ran 12% slower
-than the same pipeline in another process; with the thresholds fixed, it took none
-and ran as fast (docs/benchmarks.md). A worker runs the same shapes over and over,
-so keeping its peak heap is what it wants.
+worker ends up with depends on its allocation history: a worker could take its
+every wave's activations from fresh pages, paying page faults and system time per
+image and running slower than the same pipeline in another process; with the
+thresholds fixed it took none and ran as fast (measured in docs/benchmarks.md,
+"Measured reasons in the code"). A worker runs the same shapes over and over, so
+keeping its peak heap is what it wants.
 
 `tune_malloc()` fixes both thresholds with `mallopt` (glibc only; elsewhere it does
 nothing). A user's own `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` or

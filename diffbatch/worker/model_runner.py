@@ -20,7 +20,8 @@ import torch
 
 from diffbatch.errors import ModelNotFoundError, PipelineError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
-from diffbatch.sched.output import DiffusionRequestBatch, SchedulerOutput
+from diffbatch.pipelines.interface import DiffusionRequestBatch
+from diffbatch.sched.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig

@@ -115,7 +115,7 @@ def test_abort_waiting_and_running_requests(gate):
         gate.release.set()
         assert engine.generate(["after"])[0].ok
         assert engine.num_unfinished == 0 and engine.num_waiting == engine.num_running == 0
-        assert engine.core.scheduler.requests == {}
+        assert engine.core.scheduler.request_ids() == []
         assert engine.metrics.count("aborted") == 2
 
 

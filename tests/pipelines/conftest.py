@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
-from diffbatch.sched.output import DiffusionRequestBatch
 
 torch.set_num_threads(1)
 
@@ -62,7 +62,7 @@ def load_tiny(model_cache_dir: str) -> Callable[[str], DiffusersT2IPipeline]:
 def tiny_lora(model_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random LoRA adapter for tiny-sd, made once per session; returns its folder."""
     from diffbatch.pipelines.registry import resolve_model_path
-    from diffbatch.pipelines.tiny import make_tiny_lora
+    from tests.lora_utils import make_tiny_lora
 
     out = tmp_path_factory.mktemp("tiny-lora")
     return make_tiny_lora(resolve_model_path("tiny-sd"), out, seed=0, rank=4)

@@ -1,7 +1,11 @@
-"""Tests of the diffusers adapter: one call per wave, batch invariance, quirks, LoRA."""
+"""Tests of the diffusers adapter: one call per wave, batch invariance, quirks, LoRA, logs."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.pipelines.diffusers_t2i import (
     DiffusersPerRequestPipeline,
     DiffusersT2IPipeline,
+    TorchvisionFallbackFilter,
     resolve_dtype,
 )
 from diffbatch.pipelines.registry import resolve_model_path
@@ -197,3 +202,46 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype(torch.float64) is torch.float64
     with pytest.raises(ConfigError, match="dtype must be one of"):
         resolve_dtype("float8")
+
+
+def _log_record(message: str) -> logging.LogRecord:
+    return logging.LogRecord(TorchvisionFallbackFilter.LOGGER, logging.WARNING, __file__, 1,
+                             message, None, None)
+
+
+def test_torchvision_fallback_filter_drops_exactly_that_notice() -> None:
+    fallback = _log_record(
+        "`CLIPImageProcessor` requires torchvision (not installed); falling back to "
+        "`CLIPImageProcessorPil` for backward compatibility. Install torchvision to use the "
+        "default backend, or import `CLIPImageProcessorPil` directly to silence this warning."
+    )
+    assert not TorchvisionFallbackFilter().filter(fallback)
+    for other in ("Could not import module 'Foo'.",
+                  "`CLIPImageProcessor` requires torchvision, which is broken",
+                  "torchvision (not installed)"):
+        assert TorchvisionFallbackFilter().filter(_log_record(other)), other
+    installed = logging.getLogger(TorchvisionFallbackFilter.LOGGER).filters
+    assert sum(isinstance(f, TorchvisionFallbackFilter) for f in installed) == 1
+    TorchvisionFallbackFilter.install()  # idempotent
+    assert sum(isinstance(f, TorchvisionFallbackFilter) for f in installed) == 1
+
+
+_ENGINE_START = """
+import logging
+from diffbatch import Engine
+for executor in ("inproc", "mp"):
+    Engine("tiny-sd", executor=executor, torch_num_threads=1).close()
+logging.getLogger("transformers.utils.import_utils").warning("another transformers warning")
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_start_prints_no_torchvision_warning(model_cache_dir: str) -> None:
+    # A fresh interpreter: in this one diffusers' pipeline modules may be imported already.
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", _ENGINE_START], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torchvision" not in done.stderr, done.stderr
+    assert "another transformers warning" in done.stderr  # other warnings still show

@@ -1,4 +1,4 @@
-"""Tests of the built-in tiny models: build, reload, real tokenizers, safe caching, LoRA."""
+"""Tests of the built-in tiny models: build, reload, real tokenizers, safe caching."""
 
 from __future__ import annotations
 
@@ -152,20 +152,3 @@ def test_cache_dir_default_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 def test_unknown_tiny_name_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="tiny-sd"):
         tiny.build_tiny_model("tiny-nope", tmp_path)
-
-
-def test_make_tiny_lora_saves_a_diffusers_lora(model_cache_dir: str, tmp_path: Path) -> None:
-    from diffusers import StableDiffusionPipeline
-
-    out = tiny.make_tiny_lora(tiny.ensure_tiny_model("tiny-sd"), tmp_path / "lora", rank=2)
-    assert out == str(tmp_path / "lora")
-    state = load_file(Path(out) / "pytorch_lora_weights.safetensors")
-    assert state and all(k.startswith("unet.") for k in state)
-    lora_b = [v for k, v in state.items() if "lora_B" in k or "lora.up" in k]
-    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)
-    assert {min(v.shape) for k, v in state.items() if "lora_A" in k or "lora.down" in k} == {2}
-    pipe = StableDiffusionPipeline.from_pretrained(
-        tiny.ensure_tiny_model("tiny-sd"), safety_checker=None, requires_safety_checker=False
-    )
-    pipe.load_lora_weights(out, adapter_name="test")
-    assert "test" in pipe.get_list_adapters()["unet"]

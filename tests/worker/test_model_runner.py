@@ -13,7 +13,7 @@ from diffbatch import (
     SamplingParamsKey,
     SchedulerOutput,
 )
-from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.worker.model_runner import ModelRunner, check_outputs, make_generators
 from tests.fake_pipelines import (
     FakeBatchPipeline,

@@ -2,7 +2,7 @@
 
 `RayServeArgs` is what both ways of starting take: `diffbatch serve --ray` builds it
 from the CLI namespace, and the application builder (`serve run
-diffbatch.entrypoints.ray_serve:build_app model=tiny-sd num_replicas=2`, or a Serve
+diffbatch.entrypoints.ray.server:build_app model=tiny-sd num_replicas=2`, or a Serve
 config file's `args:`) builds it from a dict whose values may be strings. Names are
 the `diffbatch serve` flags' destinations (`--max-num-seqs 4` is `max_num_seqs=4`).
 Three groups:

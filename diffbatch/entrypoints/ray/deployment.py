@@ -18,7 +18,7 @@ A client disconnect reaches the replica through Ray Serve: the proxy cancels the
 replica-side request, which cancels the route handler, and `Engine.generate_async`
 aborts the engine request on cancellation (the same path as `diffbatch serve`).
 
-This module imports Ray; `diffbatch.entrypoints.ray_serve` imports it only when a
+This module imports Ray; `diffbatch.entrypoints.ray.server` imports it only when a
 Ray application is built.
 """
 

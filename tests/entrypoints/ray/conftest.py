@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from diffbatch.entrypoints.ray.proxy import serve_start_options
-from diffbatch.sched.output import DiffusionRequestBatch
+from diffbatch.pipelines.interface import DiffusionRequestBatch
 from tests.fake_pipelines import FakeBatchPipeline
 
 RAY_NUM_CPUS = 2

@@ -31,7 +31,7 @@ from PIL import Image
 
 from diffbatch.entrypoints.ray.args import RayServeArgs
 from diffbatch.entrypoints.ray.proxy import REPLICA_FAILED_MESSAGE, ReplicaFailureMiddleware
-from diffbatch.entrypoints.ray_serve import REPLICA_HEADER, args_from_namespace, build_app
+from diffbatch.entrypoints.ray.server import REPLICA_HEADER, args_from_namespace, build_app
 from diffbatch.errors import ConfigError
 from tests.entrypoints.ray.conftest import RayCluster, wait_until
 
@@ -410,7 +410,7 @@ def test_serve_config_file(ray_cluster: RayCluster, tmp_path: Path) -> None:
         "applications:\n"
         "  - name: cfg\n"
         "    route_prefix: /cfg\n"
-        "    import_path: diffbatch.entrypoints.ray_serve:build_app\n"
+        "    import_path: diffbatch.entrypoints.ray.server:build_app\n"
         "    args:\n"
         f"      pipeline_class: {GATED}\n"
         "      served_model_name: from-config\n"
@@ -442,7 +442,7 @@ def test_serve_config_file(ray_cluster: RayCluster, tmp_path: Path) -> None:
 def test_cli_serves_on_ray_and_cleans_up_on_sigterm(ray_cluster: RayCluster) -> None:
     import ray
 
-    from diffbatch.entrypoints.ray_serve import DEFAULT_APP_NAME
+    from diffbatch.entrypoints.ray.server import DEFAULT_APP_NAME
     from diffbatch.pipelines.tiny import ensure_tiny_model
 
     ensure_tiny_model(MODEL)

@@ -6,14 +6,14 @@ Two ways to start the same application (see docs/scaling.md):
   usual serve flag (`add_ray_args` adds the Ray flags, `run_ray_server` runs it);
 - Ray Serve's application builder convention, `build_app(args) -> Application`:
 
-      serve run diffbatch.entrypoints.ray_serve:build_app model=tiny-sd num_replicas=2
+      serve run diffbatch.entrypoints.ray.server:build_app model=tiny-sd num_replicas=2
 
   or in a Serve config file:
 
       applications:
         - name: diffbatch
           route_prefix: /
-          import_path: diffbatch.entrypoints.ray_serve:build_app
+          import_path: diffbatch.entrypoints.ray.server:build_app
           args: {model: tiny-sd, num_replicas: 2, max_num_seqs: 4}
 
 Ray Serve is the distributed part: it places replicas on the cluster's nodes,
@@ -89,7 +89,7 @@ def _require_ray() -> None:
 # -- CLI ---------------------------------------------------------------------------------
 def add_ray_args(parser: argparse.ArgumentParser) -> None:
     """Add the Ray Serve flags (`--ray`, `--num-replicas`, ...) to `diffbatch serve`."""
-    from diffbatch.entrypoints.arg_types import float_at_least, int_at_least
+    from diffbatch.arg_types import float_at_least, int_at_least
 
     group = parser.add_argument_group(
         "ray", "scale out on Ray Serve (needs the `[ray]` extra); every replica runs "

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffbatch.pipelines import shapes_data as sd
+from scripts import shapes_data as sd
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "diffbatch" / "models" / "shapes"
 

@@ -1,0 +1,55 @@
+"""The engine core's loop: a failing step fails only the running requests, and stop()."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffbatch import Engine, SamplingParams
+from tests.fake_pipelines import GatedPipeline
+
+
+@pytest.fixture
+def gate():
+    GatedPipeline.entered.clear()
+    GatedPipeline.release.clear()
+    yield GatedPipeline
+    GatedPipeline.release.set()
+
+
+def submit(engine: Engine, prompt: str, request_id: str):
+    _, future = engine._submit(prompt, SamplingParams(), request_id, 0)
+    return future
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_loop_goes_on(gate, monkeypatch):
+    with Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=1) as engine:
+        scheduler = engine.core.scheduler
+        running = submit(engine, "runs", "a")
+        assert gate.entered.wait(30)
+
+        def broken_update(*args, **kwargs):
+            monkeypatch.undo()  # fail once
+            raise RuntimeError("a bug in the loop")
+
+        monkeypatch.setattr(scheduler, "update_from_output", broken_update)
+        gate.release.set()
+        output = running.result(30)
+        assert output.error is not None and "internal engine error" in output.error.message
+        assert scheduler.running_request_ids() == []
+        assert engine.generate(["after"])[0].ok
+
+
+def test_stop_fails_every_open_request(gate):
+    engine = Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=1)
+    try:
+        running = submit(engine, "runs", "a")
+        assert gate.entered.wait(30)
+        waiting = submit(engine, "waits", "b")
+        assert sorted(engine.core.scheduler.request_ids()) == ["a", "b"]
+    finally:
+        gate.release.set()
+        engine.close()
+    for future in (running, waiting):
+        output = future.result(30)
+        assert output.error is not None and "closed" in output.error.message
+    assert engine.core.scheduler.request_ids() == []
