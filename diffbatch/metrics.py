@@ -8,6 +8,7 @@ unit: `diffbatch_<thing>_<unit>`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -37,6 +38,34 @@ class _WaitingByKey(Collector):
         yield family
 
 
+class _LearnedBatching(Collector):
+    """The batch policy's learned curve, capacity and wait per shape, read on scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self.read = read
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        cost = GaugeMetricFamily(
+            "diffbatch_learned_cost_per_image_ms",
+            "Learned forward time per image (ms) of a wave of `wave_size` requests, per shape "
+            "(WxH/n[/cfg]), at the step count the shape was first seen with.",
+            labels=["shape", "wave_size"],
+        )
+        capacity = GaugeMetricFamily(
+            "diffbatch_capacity_requests", "Current wave capacity per shape.", labels=["shape"])
+        wait = GaugeMetricFamily(
+            "diffbatch_admission_wait_ms", "Last planned admission wait per shape (ms).",
+            labels=["shape"])
+        for shape, entry in sorted(self.read().items()):
+            for size, ms in entry["per_image_ms"].items():
+                cost.add_metric([shape, str(size)], ms)
+            capacity.add_metric([shape], entry["capacity"])
+            wait.add_metric([shape], entry["wait_ms"])
+        yield cost
+        yield capacity
+        yield wait
+
+
 class EngineMetrics:
     """The engine's gauges, histograms and counters."""
 
@@ -45,6 +74,7 @@ class EngineMetrics:
         num_waiting: Callable[[], int],
         num_running: Callable[[], int],
         waiting_by_key: Callable[[], dict[str, int]] | None = None,
+        learned_batching: Callable[[], dict[str, dict[str, Any]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -86,6 +116,8 @@ class EngineMetrics:
             self.requests.labels(outcome=outcome)
         if waiting_by_key is not None:
             r.register(_WaitingByKey(waiting_by_key))
+        if learned_batching is not None:
+            r.register(_LearnedBatching(learned_batching))
 
     def observe_wave(
         self, size: int, close_reason: str, admission: str, forward_s: float

@@ -214,8 +214,8 @@ class OrAuto(Rule):
             return AUTO
         try:
             return self.inner.parse(text)
-        except ValueError:
-            raise self._bad(text) from None
+        except ValueError as exc:  # "must be <inner rule>, got <value>", with "auto" added
+            raise ValueError(str(exc).replace("must be ", f"must be '{AUTO}' or ", 1)) from None
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,16 @@
 
 Before a wave is scheduled, the engine may wait a little for more compatible
 requests. The wait runs only when request batching can use it (the pipeline
-supports request batches, `request_batch_max_wait_ms > 0`, capacity > 1) and
-nothing is running. It ends at the first of:
+supports request batches, a wait > 0, capacity > 1) and nothing is running. Its
+numbers come from the engine's `BatchPolicy` for the next wave: a fixed
+`request_batch_max_wait_ms` and `max_num_seqs`, or the plan the "auto" rule made
+(`diffbatch.engine.batch_policy`). It ends at the first of:
 
-- `capacity`: the waiting queue holds `max_num_seqs` requests;
-- `stable`: the waiting count has not grown for a stable window of
-  `min(50 ms, max_wait / 5)` (only growth resets the window; an abort does not),
+- `capacity`: the waiting queue holds `capacity` requests (`max_num_seqs`, or the
+  planned target);
+- `stable`: the waiting count has not grown for a stable window (for a fixed wait
+  `min(50 ms, max_wait / 5)`; the plan's own otherwise; only growth resets the
+  window, an abort does not),
   and no announced request is still on its way (see `ArrivalNotice` in the engine:
   the HTTP layer announces a request while it still reads and validates its body, so
   a burst is not cut short by its own parsing time);
@@ -31,11 +35,15 @@ MAX_STABLE_WINDOW_MS = 50.0
 class AdmissionWait:
     """Policy and loop of the admission wait; see the module docstring."""
 
-    max_wait_ms: float  # request_batch_max_wait_ms; 0 disables the wait
-    capacity: int  # max_num_seqs
+    max_wait_ms: float  # request_batch_max_wait_ms (or the planned wait); 0 = no wait
+    capacity: int  # max_num_seqs (or the planned target)
+    # the stable window; None: min(50 ms, max_wait_ms / 5), the fixed wait's window
+    window_ms: float | None = None
 
     @property
     def stable_window_ms(self) -> float:
+        if self.window_ms is not None:
+            return self.window_ms
         return min(MAX_STABLE_WINDOW_MS, self.max_wait_ms / 5.0)
 
     def should_wait(self, *, supports_request_batch: bool, num_running: int) -> bool:

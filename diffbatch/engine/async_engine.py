@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from diffbatch.config import EngineConfig
+from diffbatch.engine.batch_policy import BatchPolicy
+from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
 from diffbatch.errors import (
     ConfigError,
@@ -93,7 +95,8 @@ class Engine:
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
         )
-        if config.max_num_seqs > 1 and not self.supports_request_batch:
+        if config.capacity_limit > 1 and not config.auto_capacity \
+                and not self.supports_request_batch:
             raise ConfigError(
                 f"max_num_seqs={config.max_num_seqs} needs a pipeline with "
                 f"`supports_request_batch = True`, but {self.pipeline_class.__name__} does "
@@ -103,22 +106,35 @@ class Engine:
         self.executor = Executor.get_class(config.executor)(config)
         self.info: PipelineInfo = self.executor.info
         # 3. The loop, then a warm-up request through the whole path.
-        self.core = EngineCore(
-            config, self.executor,
-            supports_request_batch=self.supports_request_batch, deliver=self._deliver,
-        )
+        self.policy = BatchPolicy(config, self.info,
+                                  supports_request_batch=self.supports_request_batch)
+        self.core = EngineCore(config, self.executor, policy=self.policy,
+                               deliver=self._deliver)
         self.core.start()
         if config.warmup:
             self._warmup()
+        # 4. "auto": seed the cost curve at the model's default shape.
+        if self.policy.learns and config.calibration_budget_s > 0:
+            try:
+                report = calibrate(self.executor, self.info, self.policy,
+                                   config.calibration_budget_s)
+            except BaseException:
+                self.close()
+                raise
+            logger.info("calibration: %s; capacity at %s: %d", report.describe(),
+                        self.policy.default_shape.label(),
+                        self.policy.cost.capacity(self.policy.default_shape))
+        self.policy.serving = True
         self.metrics = EngineMetrics(
             lambda: self.core.num_waiting, lambda: self.core.num_running,
-            self.core.num_waiting_by_key,
+            self.core.num_waiting_by_key, self.policy.snapshot,
         )
         self.core.metrics = self.metrics
         logger.info(
-            "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%d wait=%gms executor=%s",
+            "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%s (limit %d) wait=%s "
+            "executor=%s",
             config.model, self.info.name, self.supports_request_batch, config.max_num_seqs,
-            config.request_batch_max_wait_ms, config.executor,
+            self.policy.limit, config.request_batch_max_wait_ms, config.executor,
         )
 
     def _warmup(self) -> None:

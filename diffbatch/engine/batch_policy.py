@@ -152,6 +152,9 @@ class BatchPolicy:
         self.arrivals = ArrivalRate(clock)
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
         self._lock = threading.Lock()
+        # Waves teach the cost model only once the engine serves: the warm-up wave
+        # (first call, cold caches) would skew it.
+        self.serving = False
 
     @property
     def learns(self) -> bool:
@@ -216,7 +219,7 @@ class BatchPolicy:
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:
         """Feed one finished wave to the cost model (only clean single-forward waves)."""
-        if key is None or num_forwards != 1 or not self.learns:
+        if key is None or num_forwards != 1 or not self.learns or not self.serving:
             return
         self.cost.observe(Shape.of(key), size, key.num_inference_steps, forward_ms)
 

@@ -41,6 +41,7 @@ from diffbatch.sched.policy import make_scheduler
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
+    from diffbatch.engine.batch_policy import BatchPolicy
     from diffbatch.executor.abstract import Executor
     from diffbatch.metrics import EngineMetrics
     from diffbatch.sched.output import SchedulerOutput
@@ -89,17 +90,16 @@ class EngineCore:
         config: EngineConfig,
         executor: Executor,
         *,
-        supports_request_batch: bool,
+        policy: BatchPolicy,
         deliver: Deliver,
         metrics: EngineMetrics | None = None,
     ) -> None:
         self.config = config
         self.executor = executor
-        self.supports_request_batch = supports_request_batch
+        self.policy = policy
         self.deliver = deliver
         self.metrics = metrics
-        self.scheduler = make_scheduler(config)
-        self.admission = AdmissionWait(config.request_batch_max_wait_ms, config.max_num_seqs)
+        self.scheduler = make_scheduler(config, capacity_of=policy.capacity)
         self.cond = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -185,6 +185,7 @@ class EngineCore:
             if self._stopped:
                 raise EngineClosedError("engine is closed")
             self.retract(notice)  # re-entrant: cond is an RLock-backed Condition
+            self.policy.observe_arrivals(len(requests))
             added = []
             try:
                 for request in requests:
@@ -272,18 +273,20 @@ class EngineCore:
         if self.in_flight:
             if not self.scheduler.has_full_wave():
                 return None
-        elif self.admission.should_wait(
-            supports_request_batch=self.supports_request_batch,
-            num_running=self.scheduler.num_running,
-        ):
-            self.last_admission_reason = self.admission.wait(
-                lambda: self.scheduler.num_waiting,
-                lambda: self._stopped,
-                self.cond.wait,
-                num_incoming=lambda: self.num_incoming,
-            )
-            if self._stopped:
-                return None
+        elif self.scheduler.num_running == 0:
+            num_waiting = self.scheduler.num_waiting
+            plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting)
+            admission = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
+            if admission.should_wait(supports_request_batch=self.policy.batching,
+                                     num_running=0):
+                self.last_admission_reason = admission.wait(
+                    lambda: self.scheduler.num_waiting,
+                    lambda: self._stopped,
+                    self.cond.wait,
+                    num_incoming=lambda: self.num_incoming,
+                )
+                if self._stopped:
+                    return None
         wave = self.scheduler.schedule()
         return None if wave.is_empty else wave
 
@@ -320,6 +323,8 @@ class EngineCore:
         # was dispatched: take the later of the two.
         started = max(record.dispatched,
                       time.monotonic() - runner_output.forward_time_ms / 1000.0)
+        self.policy.observe_wave(wave.key, wave.num_requests, runner_output.forward_time_ms,
+                                 runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
         self._log_wave(wave, started, runner_output, record.admission_reason)

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from diffbatch.cpus import parse_cpu_list
 from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError
 from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
@@ -69,6 +70,7 @@ from diffbatch.ipc.messages import (
     send_message,
 )
 from diffbatch.outputs import BatchRunnerOutput
+from diffbatch.worker.threads import choose_threads, other_cpu_load, usable_cpu_count
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -261,15 +263,17 @@ def _worker_env(config: EngineConfig) -> dict[str, str]:
     """The worker's environment: ours, with our import path and its thread settings.
 
     The worker imports what this process can import (a custom pipeline class or
-    runner next to the user's script included), so it gets our `sys.path`.
+    runner next to the user's script included), so it gets our `sys.path`. Threads
+    and OpenMP's wait policy are chosen here, before the worker imports torch
+    (`diffbatch.worker.threads`).
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-    # NOTE: OpenMP's default active wait makes torch's threads spin; on a machine whose
-    # cores are shared with other processes a forward then slows down many times
-    # (docs/benchmarks.md). It must be set before the worker imports torch; a user's
-    # own setting wins.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    pinned = parse_cpu_list(config.worker_cpus) if config.worker_cpus else None
+    choice = choose_threads(usable_cpus=usable_cpu_count(pinned), other_load=other_cpu_load(),
+                            env=env, torch_num_threads=config.torch_num_threads)
+    choice.apply(env)
+    logger.info("worker threads: %s", choice.reason)
     return env
 
 

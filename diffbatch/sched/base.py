@@ -19,6 +19,7 @@ touch each other's queues.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diffbatch.outputs import DiffusionOutput, RequestError
@@ -30,15 +31,22 @@ if TYPE_CHECKING:
     from diffbatch.outputs import BatchRunnerOutput
     from diffbatch.sampling_params import SamplingParamsKey
 
+WaveCapacity = Callable[["SamplingParamsKey", int], int]  # (key, num waiting) -> capacity
+
 
 class SchedulerBase(SchedulerInterface):
     """Request table, running set and waiting count; the policy lives in subclasses."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, capacity_of: WaveCapacity | None = None
+    ) -> None:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) \
                 or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.max_num_seqs = max_num_seqs
+        # Per-key capacity (e.g. learned: `BatchPolicy.capacity`), given the key and the
+        # number waiting; never above `max_num_seqs`. None: `max_num_seqs` for every key.
+        self.capacity_of = capacity_of
         self.requests: dict[str, DiffusionRequest] = {}  # every active (unfinished) request
         self.running: dict[str, DiffusionRequest] = {}  # scheduled, not yet finished
         # NOTE: a request finished while waiting may stay in the subclass's queue until
@@ -46,6 +54,12 @@ class SchedulerBase(SchedulerInterface):
         # live ones.
         self._num_waiting = 0
         self._next_wave_id = 1
+
+    def wave_capacity(self, key: SamplingParamsKey) -> int:
+        """Most requests a wave of `key` may take now (1 <= it <= `max_num_seqs`)."""
+        if self.capacity_of is None:
+            return self.max_num_seqs
+        return max(1, min(self.max_num_seqs, self.capacity_of(key, self.num_waiting)))
 
     # -- policy hooks ----------------------------------------------------------------
     @abstractmethod

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diffbatch.request import DiffusionRequest, RequestStatus
-from diffbatch.sched.base import SchedulerBase
+from diffbatch.sched.base import SchedulerBase, WaveCapacity
 from diffbatch.sched.output import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -50,8 +50,9 @@ class GroupedScheduler(SchedulerBase):
         max_head_wait_ms: float = 2000.0,
         max_wave_pixels: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        capacity_of: WaveCapacity | None = None,
     ) -> None:
-        super().__init__(max_num_seqs)
+        super().__init__(max_num_seqs, capacity_of)
         if max_head_wait_ms < 0:
             raise ValueError(f"max_head_wait_ms must be >= 0, got {max_head_wait_ms}")
         if max_wave_pixels is not None and max_wave_pixels < 1:
@@ -113,11 +114,12 @@ class GroupedScheduler(SchedulerBase):
         group = self._groups[key]
         wave: list[DiffusionRequest] = []
         close_reason = "group_empty"
+        capacity = self.wave_capacity(key)
         while True:
             self._pop_finished(group)
             if not group:
                 break
-            if len(wave) >= self.max_num_seqs:
+            if len(wave) >= capacity:
                 close_reason = "capacity"
                 break
             if wave and self.max_wave_pixels is not None and \
@@ -133,14 +135,18 @@ class GroupedScheduler(SchedulerBase):
         self._drop_finished_waiting()
         return self._make_wave(wave, key, forced or close_reason)
 
+    def next_key(self) -> SamplingParamsKey | None:
+        picked = self._pick_key()
+        return None if picked is None else picked[0]
+
     def has_full_wave(self) -> bool:
-        """The next group holds a wave's worth: `max_num_seqs` requests, or as many as
+        """The next group holds a wave's worth: its capacity of requests, or as many as
         the pixel cap lets in. O(group size) at worst; it stops at the wave's size."""
         picked = self._pick_key()
         if picked is None:
             return False
         key = picked[0]
-        limit = self.max_num_seqs
+        limit = self.wave_capacity(key)
         if self.max_wave_pixels is not None:
             limit = min(limit, max(1, self.max_wave_pixels // wave_pixels(key, 1)))
         count = 0

@@ -33,6 +33,10 @@ class SchedulerInterface(ABC):
         is waiting.
         """
 
+    @abstractmethod
+    def next_key(self) -> SamplingParamsKey | None:
+        """The key the next `schedule()` would form a wave of (None: nothing waits)."""
+
     def has_full_wave(self) -> bool:
         """Whether `schedule()` would now return a wave that more arrivals could not
         make bigger (the engine then queues it behind a running wave).

@@ -11,18 +11,25 @@ from diffbatch.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
+    from diffbatch.sched.base import WaveCapacity
     from diffbatch.sched.interface import SchedulerInterface
 
 
 def make_scheduler(
-    config: EngineConfig, clock: Callable[[], float] = time.monotonic
+    config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+    capacity_of: WaveCapacity | None = None,
 ) -> SchedulerInterface:
-    """`fifo`: conservative FIFO waves (the default); `grouped`: best compatible group."""
+    """`fifo`: conservative FIFO waves (the default); `grouped`: best compatible group.
+
+    Waves hold at most `config.capacity_limit` requests, and per key at most what
+    `capacity_of(key, num_waiting)` says (the engine's `BatchPolicy.capacity`).
+    """
     if config.scheduling_policy == "grouped":
         return GroupedScheduler(
-            config.max_num_seqs,
+            config.capacity_limit,
             max_head_wait_ms=config.max_head_wait_ms,
             max_wave_pixels=config.max_wave_pixels,
             clock=clock,
+            capacity_of=capacity_of,
         )
-    return Scheduler(config.max_num_seqs)
+    return Scheduler(config.capacity_limit, capacity_of)

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from diffbatch.request import DiffusionRequest
-from diffbatch.sched.base import SchedulerBase
+from diffbatch.sched.base import SchedulerBase, WaveCapacity
 from diffbatch.sched.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from diffbatch.sampling_params import SamplingParamsKey
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +27,8 @@ logger = logging.getLogger(__name__)
 class Scheduler(SchedulerBase):
     """FIFO scheduler with waves of equal-key requests up to `max_num_seqs`."""
 
-    def __init__(self, max_num_seqs: int) -> None:
-        super().__init__(max_num_seqs)
+    def __init__(self, max_num_seqs: int, capacity_of: WaveCapacity | None = None) -> None:
+        super().__init__(max_num_seqs, capacity_of)
         # NOTE: aborted requests stay in the deque and are skipped at the head, so an
         # abort is O(1); `num_waiting` counts only the live ones.
         self.waiting: deque[DiffusionRequest] = deque()
@@ -50,12 +54,13 @@ class Scheduler(SchedulerBase):
         assert key is not None  # add_request rejects a request without a key
         wave: list[DiffusionRequest] = []
         close_reason = "queue_empty"
+        capacity = self.wave_capacity(key)
         while True:
             self._pop_finished_heads()
             if not self.waiting:
                 close_reason = "queue_empty"
                 break
-            if len(wave) >= self.max_num_seqs:
+            if len(wave) >= capacity:
                 close_reason = "capacity"
                 break
             if self.waiting[0].key != key:
@@ -66,19 +71,25 @@ class Scheduler(SchedulerBase):
             wave.append(request)
         return self._make_wave(wave, key, close_reason)
 
+    def next_key(self) -> SamplingParamsKey | None:
+        self._pop_finished_heads()
+        return self.waiting[0].key if self.waiting else None
+
     def has_full_wave(self) -> bool:
-        """`max_num_seqs` equal-key requests at the head, or fewer and another key behind
-        them (which ends the wave however many more arrive). O(max_num_seqs)."""
-        key, count = None, 0
+        """A wave's capacity of equal-key requests at the head, or fewer and another key
+        behind them (which ends the wave however many more arrive). O(capacity)."""
+        key, count, capacity = None, 0, self.max_num_seqs
         for request in self.waiting:
             if request.is_finished:
                 continue
             if key is None:
                 key = request.key
+                assert key is not None
+                capacity = self.wave_capacity(key)
             elif request.key != key:
                 return True
             count += 1
-            if count >= self.max_num_seqs:
+            if count >= capacity:
                 return True
         return False
 
