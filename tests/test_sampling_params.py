@@ -93,7 +93,7 @@ def test_invalid_params_fail_on_construction_naming_the_field(kwargs, param):
 
 def test_short_form_names_shape_steps_guidance():
     assert key().short() == "64x64/s4/g5/n1"
-    assert "lora=/a@0.5" in key(lora="/a", lora_scale=0.5).short()
+    assert "lora=a@0.5" in key(lora="/a", lora_scale=0.5).short()
 
 
 def test_per_request_guidance_pipelines_share_keys_across_guidance_scales():

@@ -2,9 +2,14 @@
 
 `build_app(engine, ...)` wires a started engine into a FastAPI app: the routes
 (`api_router.py`), the logic (`serving_images.py`), the OpenAI error shape
-(`errors.py`) and the guard and metrics middleware (`middleware.py`). The engine is
-started before the server accepts connections (`run_server` builds it first) and
-closed by the app's lifespan when the server shuts down.
+(`errors.py`), the guard, request-id and metrics middleware (`middleware.py`) and
+this server's OpenAPI spec (`openapi.py`). The engine is started before the server
+accepts connections (`run_server` builds it first) and closed by the app's lifespan
+when the server shuts down.
+
+Connection-level limits are uvicorn's side (`uvicorn_config`, `http_protocol.py`):
+how long a client may take to send its headers, how long an idle keep-alive
+connection stays open, and how many connections are served at once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from diffbatch.entrypoints.openai.middleware import (
     HTTPMetrics,
     HTTPMetricsMiddleware,
     RequestGuardMiddleware,
+    RequestIdEchoMiddleware,
 )
+from diffbatch.entrypoints.openai.openapi import install_openapi
 from diffbatch.entrypoints.openai.serving_images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_PNG_COMPRESS_LEVEL,
@@ -62,7 +69,7 @@ def build_app(
         api_key: When set, every `/v1/...` request needs `Authorization: Bearer <key>`;
             `/health`, `/metrics` and `/docs` stay open.
         request_timeout_s: Abort and answer 504 to requests not done after this long.
-        max_image_pixels: Largest width * height of one image (413 above it).
+        max_image_pixels: Largest width * height of one image (400 above it).
         png_compress_level: zlib level of PNG responses, 0-9: 1 encodes fastest,
             9 smallest (the pixels are the same at every level).
         max_body_bytes: Largest request body (413 above it).
@@ -112,8 +119,13 @@ def build_app(
     )
     app.include_router(router)
     install_exception_handlers(app)
+    install_openapi(
+        app, size_rule=app.state.serving_images.size_rule,
+        lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
+    )
     # Added last = outermost: metrics see every answer, including the guard's.
-    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       json_routes=frozenset({IMAGES_ROUTE}))
     # Outside the guard: the notice opens before the body is read.
     app.add_middleware(ArrivalNoticeMiddleware, engine=engine, route=IMAGES_ROUTE)
     app.add_middleware(
@@ -122,6 +134,7 @@ def build_app(
         routes=_route_paths(app),
         on_rejected=_rejection_counter(engine),
     )
+    app.add_middleware(RequestIdEchoMiddleware)
     return app
 
 

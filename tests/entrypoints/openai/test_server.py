@@ -106,12 +106,12 @@ BAD_INPUTS = [
     ({"prompt": "p", "n": 0}, 400, "n"),
     ({"prompt": "p", "n": 11}, 400, "n"),
     ({"prompt": "p", "size": "abc"}, 400, "size"),
-    ({"prompt": "p", "size": "256x256"}, 413, "size"),  # over --max-image-pixels
+    ({"prompt": "p", "size": "256x256"}, 400, "size"),  # over --max-image-pixels
     ({"prompt": "p", "num_inference_steps": 0}, 400, "num_inference_steps"),
     ({"prompt": "p", "num_inference_steps": 10_000}, 400, "num_inference_steps"),
     ({"prompt": "p", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "p", "lora": "../outside"}, 400, "lora"),
-    ({"prompt": "p", "lora": "missing-adapter"}, 400, "lora"),
+    ({"prompt": "p", "lora": "missing-adapter"}, 404, "lora"),
     ({"prompt": "p", "response_format": "url"}, 400, "response_format"),
 ]
 
