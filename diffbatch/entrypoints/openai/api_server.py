@@ -42,12 +42,24 @@ from diffbatch.entrypoints.openai.serving_images import (
 if TYPE_CHECKING:
     import argparse
 
+    import uvicorn
+
     from diffbatch.engine.async_engine import Engine
 
 logger = logging.getLogger(__name__)
 
 # Default `max_body_bytes`: far above any valid request (prompts are <= 10,000 chars).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Connection-level defaults (`diffbatch serve --header-timeout ...`). A client's headers
+# are a few hundred bytes: 10 s is generous on any link, and bounds how long a
+# slow-header client holds a connection (uvicorn alone never times them out).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default: an idle keep-alive connection
+# Most open connections and requests in progress; above it, 503. Each request in
+# progress can hold a body of up to `max_body_bytes`; the benchmark client opens up
+# to 1024 connections.
+DEFAULT_LIMIT_CONCURRENCY = 1024
+_UVICORN_STARTUP_FAILURE = 3  # the exit code `uvicorn.run` gives a server that did not start
 
 
 def build_app(
@@ -162,6 +174,45 @@ def _version() -> str:
     return __version__
 
 
+def uvicorn_config(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S,
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
+    **kwargs: Any,
+) -> uvicorn.Config:
+    """The uvicorn configuration of `app`, with the connection limits of `http_protocol.py`.
+
+    Args:
+        app: The ASGI app (`build_app`).
+        host: Address to listen on.
+        port: Port to listen on.
+        log_level: uvicorn's log level.
+        header_timeout_s: Seconds a client may take to send a request's headers; then
+            408 and the connection is closed (None = no limit).
+        keep_alive_timeout_s: Seconds an idle keep-alive connection stays open.
+        limit_concurrency: Most open connections and requests in progress; more get
+            503 (None = no limit).
+        **kwargs: Other `uvicorn.Config` arguments.
+    """
+    import uvicorn
+
+    from diffbatch.entrypoints.openai.http_protocol import http_protocol_class
+
+    protocol = http_protocol_class(header_timeout_s=header_timeout_s,
+                                   max_connections=limit_concurrency)
+    kwargs.setdefault("timeout_graceful_shutdown", 5)
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, http=protocol,
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
+        **kwargs,
+    )
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
     import uvicorn
@@ -198,16 +249,20 @@ def run_server(args: argparse.Namespace) -> None:
         engine.close()
         raise
     logger.info("listening on http://%s:%d (docs at /docs)", args.host, args.port)
+    config = uvicorn_config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        limit_concurrency=args.limit_concurrency,
+    )
+    server = uvicorn.Server(config)
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=5,
-        )
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
+        pass
     finally:
         engine.close()  # the lifespan closed it already unless uvicorn failed to start
+    if not server.started:  # e.g. the port is taken; uvicorn logged why
+        raise SystemExit(_UVICORN_STARTUP_FAILURE)
 
 
 def served_name_of(engine: Engine, model: str | None) -> str:

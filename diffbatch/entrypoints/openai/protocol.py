@@ -9,7 +9,9 @@ Every rule raises `InvalidRequestError` with the OpenAI `param` it blames; pydan
 wraps it, and `errors.py` unwraps it again into the OpenAI error shape. The field
 types and constraints are also what `/openapi.json` publishes (`openapi.py` adds
 what depends on the server), so a request valid by the schema is one the server
-accepts, and every numeric field is strict: `true` or `"1.5"` is not a number.
+accepts, and every numeric field is strict: `true` or `"1.5"` is not a number. An
+integer field takes `2.0` as 2: JSON Schema's "integer" is any number with a zero
+fraction, and JSON does not tell 2.0 from 2.
 """
 
 from __future__ import annotations
@@ -104,8 +106,15 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
 
 
 def _is_one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
-    """`value in allowed`, but type-exact: 0 is not False and 1.0 is not 1."""
+    """`value in allowed`, but type-exact: 0 is not False and "0" is not 0."""
     return any(type(value) is type(choice) and value == choice for choice in allowed)
+
+
+def _integral_to_int(value: Any) -> Any:
+    """2.0 -> 2 (the same JSON number); anything else unchanged, for strict validation."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
 
 
 class ImageGenerationRequest(OpenAIBaseModel):
@@ -235,10 +244,18 @@ class ImageGenerationRequest(OpenAIBaseModel):
             )
         return value
 
+    @field_validator("n", "output_compression", "num_inference_steps", "seed", "priority",
+                     mode="before")
+    @classmethod
+    def _check_integral(cls, value: Any) -> Any:
+        return _integral_to_int(value)
+
     @field_validator(*_NEUTRAL_VALUES, mode="before")
     @classmethod
     def _check_neutral(cls, value: Any, info: Any) -> Any:
         allowed = _NEUTRAL_VALUES[info.field_name]
+        if any(type(choice) is int for choice in allowed):
+            value = _integral_to_int(value)
         if value is not None and not _is_one_of(value, allowed):
             fix = f"leave it out or use one of {list(allowed)}" if allowed else "leave it out"
             raise InvalidRequestError(
