@@ -44,7 +44,6 @@ IMAGES_ROUTE = "/v1/images/generations"
 HANDLED_STATE = "diffbatch_handled"
 
 
-
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a route that can answer `statuses` (and 503 when the server
     is at its connection limit, which any route can get)."""

@@ -183,6 +183,7 @@ def uvicorn_config(
     header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S,
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
+    http_base: type[asyncio.Protocol] | None = None,
     **kwargs: Any,
 ) -> uvicorn.Config:
     """The uvicorn configuration of `app`, with the connection limits of `http_protocol.py`.
@@ -197,6 +198,8 @@ def uvicorn_config(
         keep_alive_timeout_s: Seconds an idle keep-alive connection stays open.
         limit_concurrency: Most open connections and requests in progress; more get
             503 (None = no limit).
+        http_base: uvicorn's HTTP protocol to extend (None = uvicorn's default,
+            httptools where it is installed, else h11).
         **kwargs: Other `uvicorn.Config` arguments.
     """
     import uvicorn
@@ -204,7 +207,7 @@ def uvicorn_config(
     from diffbatch.entrypoints.openai.http_protocol import http_protocol_class
 
     protocol = http_protocol_class(header_timeout_s=header_timeout_s,
-                                   max_connections=limit_concurrency)
+                                   max_connections=limit_concurrency, base=http_base)
     kwargs.setdefault("timeout_graceful_shutdown", 5)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, http=protocol,

@@ -14,8 +14,8 @@ connections (and file descriptors) for as long as they like. This protocol adds:
   in the OpenAI shape (`code: "server_busy"`, `Retry-After`) and its connection is
   closed. uvicorn's own `limit_concurrency` answers plain text instead.
 
-It subclasses the protocol uvicorn would pick (`httptools`, else `h11`) and relies on
-what both share: `connection_made`/`data_received`/`connection_lost`, the current
+It is a mixin over the protocol uvicorn would pick (`httptools`, else `h11`) and relies
+on what both share: `connection_made`/`data_received`/`connection_lost`, the current
 request's `cycle` (replaced when a request's headers are complete), the `app` it
 hands each new request to, and the server's `connections` and `tasks`.
 """
@@ -38,7 +38,8 @@ BUSY_RETRY_AFTER_S = 1
 
 
 def http_protocol_class(
-    *, header_timeout_s: float | None, max_connections: int | None
+    *, header_timeout_s: float | None, max_connections: int | None,
+    base: type[asyncio.Protocol] | None = None,
 ) -> type[asyncio.Protocol]:
     """The protocol class to pass as `uvicorn.Config(http=...)`.
 
@@ -47,20 +48,30 @@ def http_protocol_class(
             (None = no limit, uvicorn's own behaviour).
         max_connections: Most open connections and requests in progress (None = no
             limit).
+        base: uvicorn's protocol to extend (None = the one uvicorn picks by default).
     """
     if header_timeout_s is not None and not header_timeout_s > 0:
         raise ValueError(f"header_timeout_s must be > 0 or None, got {header_timeout_s}")
     if max_connections is not None and max_connections < 1:
         raise ValueError(f"max_connections must be >= 1 or None, got {max_connections}")
     return type(
-        "GuardedHTTPProtocol", (_GuardedHTTPProtocol,),
+        "GuardedHTTPProtocol", (_GuardedHTTPProtocol, base or AutoHTTPProtocol),
         {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
     )
 
 
-class _GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+class _GuardedHTTPProtocol:
+    """The additions, over a uvicorn HTTP protocol (see the module docstring)."""
+
     header_timeout_s: float | None = None
     max_connections: int | None = None
+    # Provided by the uvicorn protocol this is mixed into.
+    app: Any
+    cycle: Any
+    client: tuple[str, int] | None
+    connections: set[Any]
+    tasks: set[Any]
+    transport: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

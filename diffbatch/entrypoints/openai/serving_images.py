@@ -203,7 +203,7 @@ class OpenAIServingImages:
             )
         size = request.image_size()
         width, height = size if size is not None else self.size_rule.default_size
-        given = f"{width}x{height}" if size is None else " ".join(request.size.split())[:40]
+        given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
         self.size_rule.check(width, height, given)
         return width, height
 

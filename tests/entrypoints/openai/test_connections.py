@@ -3,6 +3,7 @@
 The server is configured as `diffbatch serve` configures it (`uvicorn_config`), with
 short timeouts so that a test waits little; each wait on the socket is bounded by
 `SOCKET_TIMEOUT_S`, which only ends a broken test (a server that never answers).
+The limits are checked over both of uvicorn's HTTP implementations.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tests.entrypoints.openai.conftest import gated_server, wait_until
 
@@ -33,8 +36,14 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def test_slow_request_headers_get_408_and_the_connection_is_closed() -> None:
-    with gated_server(config={"header_timeout_s": HEADER_TIMEOUT_S}) as (server, gate):
+@pytest.fixture(params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def http_base(request: pytest.FixtureRequest) -> type:
+    return request.param
+
+
+def test_slow_request_headers_get_408_and_the_connection_is_closed(http_base: type) -> None:
+    config = {"header_timeout_s": HEADER_TIMEOUT_S, "http_base": http_base}
+    with gated_server(config=config) as (server, gate):
         gate.release.set()
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty".encode())
@@ -52,8 +61,11 @@ def test_slow_request_headers_get_408_and_the_connection_is_closed() -> None:
         assert response.status_code == 200, response.text
 
 
-def test_the_header_timeout_starts_again_for_each_request_on_a_keep_alive_connection() -> None:
-    with gated_server(config={"header_timeout_s": HEADER_TIMEOUT_S}) as (server, gate):
+def test_the_header_timeout_starts_again_for_each_request_on_a_keep_alive_connection(
+    http_base: type,
+) -> None:
+    config = {"header_timeout_s": HEADER_TIMEOUT_S, "http_base": http_base}
+    with gated_server(config=config) as (server, gate):
         gate.release.set()
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=SOCKET_TIMEOUT_S)
         try:
@@ -88,8 +100,11 @@ def test_a_keep_alive_connection_survives_a_refused_lora(tmp_path) -> None:
         assert served.status == 200
 
 
-def test_over_the_connection_limit_a_request_gets_503_in_the_openai_shape() -> None:
-    with gated_server(config={"limit_concurrency": 2}) as (server, gate), \
+def test_over_the_connection_limit_a_request_gets_503_in_the_openai_shape(
+    http_base: type,
+) -> None:
+    config = {"limit_concurrency": 2, "http_base": http_base}
+    with gated_server(config=config) as (server, gate), \
             ThreadPoolExecutor(max_workers=2) as pool:
         try:
             held = [pool.submit(httpx.post, f"{server.url}{ROUTE}", json={"prompt": f"p{i}"},
