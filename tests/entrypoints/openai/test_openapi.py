@@ -2,8 +2,10 @@
 
 The first tests read the spec; the last runs schemathesis (all its checks: status
 codes, content types, response schemas, schema-valid requests accepted, invalid ones
-refused, undeclared methods) over a real server with a fake pipeline, with a fixed
-number of examples and a fixed seed so it is quick and repeatable.
+refused, undeclared methods; every phase, stateful included) over a real server with a
+fake pipeline, with a fixed number of examples and a fixed seed so it is quick and
+repeatable. Of `--checks all` it leaves out only the response-time limit, a timing
+assertion about the machine, not the API.
 """
 
 from __future__ import annotations
