@@ -128,9 +128,10 @@ class RequestGuardMiddleware:
             logger.debug("client disconnected while sending %s", scope["path"])
             await Response(status_code=CLIENT_CLOSED_STATUS)(scope, receive, send)
             return
-        if not isinstance(body, bytes):  # over the limit while counting (chunked upload)
+        if body == 413:  # over the limit while counting (chunked upload)
             await self._too_large(None)(scope, receive, send)
             return
+        assert isinstance(body, bytes)
         # 4. Encoding.
         try:
             body.decode("utf-8")

@@ -41,7 +41,8 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*$")
 _MAX_SIDE_DIGITS = 12  # longer sides are "too large" without being converted to int
 # JSON Schema pattern of a prompt that is not only whitespace.
 NOT_BLANK_PATTERN = r"\S"
-# JSON Schema pattern of a LoRA name: relative, no "." or ".." part, no NUL.
+# JSON Schema pattern of a LoRA name: relative, no NUL, no part that starts with a dot
+# (so no "." or ".."; the server itself refuses only what leaves --lora-dir).
 LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
 
 # OpenAI fields that only some OpenAI models honour. diffbatch accepts each at the
