@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from diffbatch.errors import InvalidRequestError
-from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+from diffbatch.sampling_params import SamplingParams, SamplingParamsKey, check_text
 
 # Prompts longer than this (in characters) are rejected; pipelines truncate tokens anyway.
 MAX_PROMPT_CHARS = 10_000
@@ -28,7 +28,11 @@ class RequestStatus(enum.IntEnum):
 
 
 def validate_prompt(prompt: object, *, param: str = "prompt") -> str:
-    """Check that `prompt` is one non-empty string and return it."""
+    """Check that `prompt` is one non-empty string of valid Unicode text and return it.
+
+    A lone surrogate (a JSON `"\\ud800"` escape) is refused here: the tokenizer would
+    fail on it inside the forward, failing the request's whole wave with a 500.
+    """
     if isinstance(prompt, list | tuple):
         raise InvalidRequestError(
             f"`{param}` must be a single string, got a list of {len(prompt)}; batching "
@@ -46,6 +50,7 @@ def validate_prompt(prompt: object, *, param: str = "prompt") -> str:
             f"`{param}` must be at most {MAX_PROMPT_CHARS} characters, got {len(prompt)}",
             param=param,
         )
+    check_text(param, prompt)
     return prompt
 
 

@@ -10,6 +10,7 @@ may share a wave only if their keys are equal.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -22,6 +23,12 @@ OUTPUT_TYPES: tuple[str, ...] = ("pil", "pt", "np")
 MAX_NUM_INFERENCE_STEPS = 1000
 MAX_NUM_OUTPUTS_PER_PROMPT = 64
 MAX_SIDE = 8192
+# Bounds that keep the output finite: a guidance scale of 1e308 (or a LoRA scale as large)
+# overflows the noise prediction to inf and the image to NaN, which encodes all black.
+# Hosted SD APIs cap guidance at 20-50 and LoRA strength at a few units; at these bounds
+# tiny-sd's images stay finite (tests/test_sampling_params.py).
+MAX_GUIDANCE_SCALE = 50.0
+MAX_ABS_LORA_SCALE = 10.0
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -34,13 +41,38 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
         raise InvalidRequestError(f"`{name}` must be {rule}, got {value}", param=name)
 
 
-def _check_float(name: str, value: Any, low: float | None = None) -> None:
+def _check_float(
+    name: str, value: Any, low: float | None = None, high: float | None = None
+) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(f"`{name}` must be a number, got {value!r}", param=name)
     if not math.isfinite(value):
         raise InvalidRequestError(f"`{name}` must be finite, got {value}", param=name)
-    if low is not None and value < low:
-        raise InvalidRequestError(f"`{name}` must be >= {low}, got {value}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        rule = (f">= {low:g}" if high is None else f"<= {high:g}" if low is None
+                else f"between {low:g} and {high:g}")
+        raise InvalidRequestError(f"`{name}` must be {rule}, got {value:g}", param=name)
+
+
+def check_text(name: str, value: str, *, allow_nul: bool = True) -> None:
+    """Reject text that cannot reach a tokenizer or a file system intact.
+
+    A JSON escape such as `"\\ud800"` decodes to a lone surrogate, which no UTF-8
+    encoder (tokenizers, file names) accepts; a NUL byte ends a C path string.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"`{name}` must be valid Unicode text, got a lone surrogate "
+            f"({value[exc.start]!r}) at index {exc.start}",
+            param=name,
+        ) from None
+    nul = -1 if allow_nul else value.find("\x00")
+    if nul >= 0:
+        raise InvalidRequestError(
+            f"`{name}` must not contain a NUL character, got one at index {nul}", param=name
+        )
 
 
 def _freeze(value: Any) -> Any:
@@ -101,14 +133,16 @@ class SamplingParams:
         if self.num_inference_steps is not None:
             _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_NUM_INFERENCE_STEPS)
         if self.guidance_scale is not None:
-            _check_float("guidance_scale", self.guidance_scale, 0.0)
-        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
-            raise InvalidRequestError(
-                "`negative_prompt` must be a string or None, got "
-                f"{type(self.negative_prompt).__name__}; batching is across requests, "
-                "so send one request per prompt",
-                param="negative_prompt",
-            )
+            _check_float("guidance_scale", self.guidance_scale, 0.0, MAX_GUIDANCE_SCALE)
+        if self.negative_prompt is not None:
+            if not isinstance(self.negative_prompt, str):
+                raise InvalidRequestError(
+                    "`negative_prompt` must be a string or None, got "
+                    f"{type(self.negative_prompt).__name__}; batching is across requests, "
+                    "so send one request per prompt",
+                    param="negative_prompt",
+                )
+            check_text("negative_prompt", self.negative_prompt)
         _check_int("num_outputs_per_prompt", self.num_outputs_per_prompt, 1,
                    MAX_NUM_OUTPUTS_PER_PROMPT)
         if self.seed is not None:
@@ -118,11 +152,13 @@ class SamplingParams:
                 f"`output_type` must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}",
                 param="output_type",
             )
-        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
-            raise InvalidRequestError(
-                f"`lora` must be a non-empty string or None, got {self.lora!r}", param="lora"
-            )
-        _check_float("lora_scale", self.lora_scale)
+        if self.lora is not None:
+            if not isinstance(self.lora, str) or not self.lora:
+                raise InvalidRequestError(
+                    f"`lora` must be a non-empty string or None, got {self.lora!r}", param="lora"
+                )
+            check_text("lora", self.lora, allow_nul=False)
+        _check_float("lora_scale", self.lora_scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
         if self.sigmas is not None:
             self.sigmas = tuple(float(s) for s in self.sigmas)
             for s in self.sigmas:
@@ -201,10 +237,19 @@ class SamplingParamsKey:
         )
 
     def short(self) -> str:
-        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1`."""
+        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1/lora=style@0.5`.
+
+        The LoRA shows as its adapter name (the last part of its path), never the
+        path: `/metrics` is unauthenticated and must not reveal the server's folders.
+        """
         guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
         text = f"{self.width}x{self.height}/s{self.num_inference_steps}/g{guidance}"
         text += f"/n{self.num_outputs_per_prompt}"
         if self.lora is not None:
-            text += f"/lora={self.lora}@{self.lora_scale:g}"
+            text += f"/lora={lora_adapter_name(self.lora)}@{self.lora_scale:g}"
         return text
+
+
+def lora_adapter_name(lora: str) -> str:
+    """The name a LoRA shows in logs and metrics: the last part of its path."""
+    return os.path.basename(os.path.normpath(lora)) or "adapter"

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from diffbatch import InvalidRequestError, SamplingParams, SamplingParamsKey
+from diffbatch.sampling_params import MAX_ABS_LORA_SCALE, MAX_GUIDANCE_SCALE
 
 
 def key(cfg: bool = True, **overrides) -> SamplingParamsKey:
@@ -81,6 +82,15 @@ def test_default_and_explicit_equal_values_make_one_key():
         ({"negative_prompt": ["a", "b"]}, "negative_prompt"),
         ({"lora": ""}, "lora"),
         ({"lora_scale": math.nan}, "lora_scale"),
+        # Text that cannot reach a tokenizer or a file system.
+        ({"negative_prompt": "blurry \ud800"}, "negative_prompt"),
+        ({"lora": "style\x00/../x"}, "lora"),
+        ({"lora": "style\udc80"}, "lora"),
+        # Scales whose images would not be finite.
+        ({"guidance_scale": 1e308}, "guidance_scale"),
+        ({"guidance_scale": MAX_GUIDANCE_SCALE + 0.5}, "guidance_scale"),
+        ({"lora_scale": 1e308}, "lora_scale"),
+        ({"lora_scale": -MAX_ABS_LORA_SCALE - 1}, "lora_scale"),
     ],
 )
 def test_invalid_params_fail_on_construction_naming_the_field(kwargs, param):
@@ -93,7 +103,31 @@ def test_invalid_params_fail_on_construction_naming_the_field(kwargs, param):
 
 def test_short_form_names_shape_steps_guidance():
     assert key().short() == "64x64/s4/g5/n1"
-    assert "lora=/a@0.5" in key(lora="/a", lora_scale=0.5).short()
+    assert "lora=a@0.5" in key(lora="/a", lora_scale=0.5).short()
+
+
+def test_short_form_names_the_adapter_never_its_folder():
+    # Metric labels and log lines use the short form; /metrics needs no key.
+    short = key(lora="/srv/private/loras/style/", lora_scale=0.5).short()
+    assert short == "64x64/s4/g5/n1/lora=style@0.5"
+
+
+def test_scales_at_their_bounds_are_valid():
+    SamplingParams(guidance_scale=MAX_GUIDANCE_SCALE, lora_scale=-MAX_ABS_LORA_SCALE)
+    SamplingParams(guidance_scale=0, lora_scale=MAX_ABS_LORA_SCALE)
+
+
+@pytest.mark.slow
+def test_tiny_sd_images_stay_finite_at_the_guidance_bound():
+    np = pytest.importorskip("numpy")
+    from diffbatch import Engine
+
+    params = SamplingParams(guidance_scale=MAX_GUIDANCE_SCALE, num_inference_steps=4, seed=1,
+                            output_type="np")
+    with Engine("tiny-sd", executor="inproc") as engine:
+        images = engine.generate(["a red circle"], params, use_tqdm=False)[0].images
+    assert np.isfinite(images).all()
+    assert images.max() > 0  # not the all-black image a non-finite forward encodes to
 
 
 def test_per_request_guidance_pipelines_share_keys_across_guidance_scales():

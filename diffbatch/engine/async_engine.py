@@ -203,6 +203,15 @@ class Engine:
                 )
 
     def _resolve_lora(self, lora: str | None) -> str | None:
+        """The real path of adapter `lora`, checked to hold LoRA weights.
+
+        NOTE: the weights check runs here, at admission, because a folder that is no
+        adapter would otherwise fail inside the wave's forward: a 500 for every request
+        of the wave, with a message naming the server's path. Messages here name only
+        what the caller gave.
+        """
+        from diffbatch.errors import ModelNotFoundError
+
         if lora is None:
             return None
         lora_dir = self.config.lora_dir
@@ -211,16 +220,33 @@ class Engine:
             if not os.path.exists(path):
                 raise InvalidRequestError(f"LoRA adapter path {lora!r} does not exist",
                                           param="lora")
-            return path
-        root = os.path.realpath(lora_dir)
-        path = os.path.realpath(os.path.join(root, lora))
-        if os.path.commonpath([root, path]) != root or path == root:
+        else:
+            root = os.path.realpath(lora_dir)
+            path = os.path.realpath(os.path.join(root, lora))
+            if os.path.commonpath([root, path]) != root or path == root:
+                raise InvalidRequestError(
+                    f"`lora` must name an adapter inside the LoRA directory, got {lora!r}",
+                    param="lora",
+                )
+            if not os.path.exists(path):
+                raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
+        # What diffusers' `load_lora_weights` loads: a weights file, or a folder holding
+        # one (scheduler/optimizer/checkpoint files are not adapters to it).
+        if os.path.isdir(path):
+            try:
+                names = os.listdir(path)
+            except OSError:
+                names = []
+        else:
+            names = [os.path.basename(path)]
+        if not any(n.endswith((".safetensors", ".bin")) and not any(
+            word in n for word in ("scheduler", "optimizer", "checkpoint")
+        ) for n in names):
             raise InvalidRequestError(
-                f"`lora` must name an adapter inside the LoRA directory, got {lora!r}",
+                f"`lora` {lora!r} is not a LoRA adapter: it must be a .safetensors (or .bin) "
+                "weights file, or a folder holding one, as `save_lora_weights` writes",
                 param="lora",
             )
-        if not os.path.exists(path):
-            raise InvalidRequestError(f"LoRA adapter {lora!r} not found", param="lora")
         return path
 
     def _prepare(

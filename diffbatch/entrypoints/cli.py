@@ -29,18 +29,24 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only where the help does not already say its default."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless the help already states its
+    default or the default is None (which says nothing)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        help_text = action.help or ""
-        if "(default" in help_text or action.default in (None, argparse.SUPPRESS):
-            return help_text
+        text = action.help or ""
+        if action.default is None or "(default" in text:
+            return text
         return super()._get_help_string(action)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `diffbatch serve [MODEL]` and its flags (vLLM's names where they exist)."""
+    from diffbatch.entrypoints.openai.api_server import (
+        DEFAULT_HEADER_TIMEOUT_S,
+        DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        DEFAULT_LIMIT_CONCURRENCY,
+    )
     from diffbatch.entrypoints.openai.serving_images import (
         DEFAULT_MAX_IMAGE_PIXELS,
         DEFAULT_PNG_COMPRESS_LEVEL,
@@ -51,12 +57,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL at POST /v1/images/generations (OpenAI-compatible). "
         "Concurrent HTTP requests are batched by the engine.",
-        formatter_class=_DefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "model", nargs="?", default=None, metavar="MODEL",
-        help="local diffusers folder, hub id or built-in tiny model name "
-        "(default: the built-in default model)",
+        help="local diffusers folder, hub id or built-in model name: `shapes` (a small "
+        "trained model shipped with diffbatch) or a tiny random-weight one (tiny-sd, "
+        "tiny-sd3, tiny-flux, tiny-pixart) (default: shapes)",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -75,7 +82,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
-        help="largest width*height of one image (413 above it)",
+        help="largest width*height of one image (400 above it)",
     )
     server.add_argument(
         "--png-compress-level", type=int_between(0, 9), default=DEFAULT_PNG_COMPRESS_LEVEL,
@@ -84,7 +91,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="zlib level of PNG responses, 0-9: 1 encodes fastest, 9 smallest "
         "(default: %(default)s)",
     )
-    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower)
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
+                        help="log level; debug adds one line per HTTP request")
+    # Connection limits (uvicorn's side; see openai/http_protocol.py).
+    server.add_argument(
+        "--header-timeout", type=float_at_least(0.0, strict=True),
+        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+        help="close a connection whose request headers are not complete after this long "
+        "(408)",
+    )
+    server.add_argument(
+        "--keep-alive-timeout", type=float_at_least(0.0, strict=True),
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="SECONDS",
+        help="close an idle keep-alive connection after this long",
+    )
+    server.add_argument(
+        "--limit-concurrency", type=int_at_least(1), default=DEFAULT_LIMIT_CONCURRENCY,
+        metavar="N", help="most open connections and requests in progress; more get 503",
+    )
 
     add_cli_args(parser)  # the engine flags, one per EngineConfig field
     from diffbatch.entrypoints.ray.server import add_ray_args  # imports Ray only when run

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from diffbatch.entrypoints import cli
+from diffbatch.entrypoints.openai.api_server import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+)
 from diffbatch.entrypoints.openai.serving_images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_PNG_COMPRESS_LEVEL,
@@ -37,6 +44,9 @@ def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.png_compress_level == DEFAULT_PNG_COMPRESS_LEVEL == 1
     assert args.lora_dir is None
     assert args.log_level == "info"
+    assert (args.header_timeout, args.keep_alive_timeout, args.limit_concurrency) == (
+        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY,
+    ) == (10.0, 5.0, 1024)
     assert args.func is cli._cmd_serve
 
 
@@ -47,6 +57,7 @@ def test_serve_every_flag(tmp_path) -> None:
         "--served-model-name", "sd", "--api-key", "k", "--max-queue-size", "8",
         "--request-timeout", "2.5", "--max-image-pixels", "4096", "--lora-dir", str(tmp_path),
         "--log-level", "DEBUG", "--seed", "3", "--device", "cpu", "--dtype", "float32",
+        "--header-timeout", "2.5", "--keep-alive-timeout", "30", "--limit-concurrency", "64",
     )
     assert args.model == "tiny-sd"
     assert (args.host, args.port, args.max_num_seqs) == ("0.0.0.0", 9001, 4)
@@ -55,6 +66,7 @@ def test_serve_every_flag(tmp_path) -> None:
     assert (args.max_queue_size, args.request_timeout, args.max_image_pixels) == (8, 2.5, 4096)
     assert args.lora_dir == str(tmp_path)
     assert (args.log_level, args.seed, args.device, args.dtype) == ("debug", 3, "cpu", "float32")
+    assert (args.header_timeout, args.keep_alive_timeout, args.limit_concurrency) == (2.5, 30, 64)
 
 
 @pytest.mark.parametrize("level", [0, 9])
@@ -84,6 +96,9 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--png-compress-level", "max"], "must be an integer between 0 and 9, got 'max'"),
         (["--lora-dir", "/no/such/folder"], "must be an existing directory"),
         (["--log-level", "loud"], "invalid choice"),
+        (["--header-timeout", "0"], "must be a finite number > 0"),
+        (["--keep-alive-timeout", "-1"], "must be a finite number > 0"),
+        (["--limit-concurrency", "0"], "must be an integer >= 1"),
     ],
 )
 def test_bad_flags_fail_while_parsing(
@@ -93,6 +108,48 @@ def test_bad_flags_fail_while_parsing(
         parse("serve", *argv)
     assert exc_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_help_states_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    assert re.search(r"\(default: [^)]*\) \(default:", text) is None
+    assert "tiny model name" not in text
+    assert "built-in model name" in text
+    assert "--header-timeout SECONDS close a connection whose request headers" in text
+
+
+def test_run_server_hands_the_connection_flags_to_uvicorn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import uvicorn
+
+    import diffbatch
+    from diffbatch.entrypoints.openai import api_server
+    from tests.fake_pipelines import FakeBatchPipeline
+
+    engine = diffbatch.Engine(pipeline_class=FakeBatchPipeline, executor="inproc")
+    monkeypatch.setattr(diffbatch, "Engine", lambda *args, **kwargs: engine)
+    configs: list[uvicorn.Config] = []
+
+    class NoServer:
+        def __init__(self, config: uvicorn.Config) -> None:
+            configs.append(config)
+            self.started = True
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(uvicorn, "Server", NoServer)
+    api_server.run_server(parse("serve", "--header-timeout", "3", "--keep-alive-timeout", "7",
+                                "--limit-concurrency", "9"))
+    (config,) = configs
+    assert config.timeout_keep_alive == 7
+    assert config.limit_concurrency is None  # enforced by the protocol, in the OpenAI shape
+    assert (config.http.header_timeout_s, config.http.max_connections) == (3, 9)
+    assert engine._closed
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

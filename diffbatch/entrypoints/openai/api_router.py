@@ -1,8 +1,8 @@
 """Thin FastAPI routes of the OpenAI-compatible server; the logic is in `serving_images.py`.
 
-Each route lists the error models it can answer, so `/docs` shows them, and the
-image route is wrapped in `with_cancellation` so a client disconnect aborts its
-engine request.
+Each route lists the error statuses it can answer (and only those: `/openapi.json`
+must say what the server does), and the image route is wrapped in
+`with_cancellation` so a client disconnect aborts its engine request.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
 from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
+    HealthResponse,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelCard,
@@ -42,9 +43,11 @@ IMAGES_ROUTE = "/v1/images/generations"
 # counts image requests refused before it (auth, content type, validation) as rejected.
 HANDLED_STATE = "diffbatch_handled"
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 500, 503, 504)
-}
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route that can answer `statuses` (and 503 when the server
+    is at its connection limit, which any route can get)."""
+    return {status: {"model": ErrorResponse} for status in sorted({*statuses, 503})}
 
 
 def _serving(raw_request: Request) -> OpenAIServingImages:
@@ -55,26 +58,33 @@ def _engine(raw_request: Request) -> Engine:
     return raw_request.app.state.engine
 
 
-@router.post(IMAGES_ROUTE, response_model=ImageGenerationResponse, responses=_ERRORS)
+@router.post(IMAGES_ROUTE, response_model=ImageGenerationResponse,
+             responses=_errors(400, 401, 404, 413, 415, 500, 504))
 @with_cancellation
 async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
     """Generate `n` images for one prompt (OpenAI `images.generate`)."""
     setattr(raw_request.state, HANDLED_STATE, True)
-    request_id = raw_request.headers.get("x-request-id") or f"img-{uuid.uuid4().hex}"
+    # NOTE: the engine's id is always the server's own: a client's `x-request-id` is
+    # echoed and logged, never used as an engine id, or one client could make another's
+    # request fail as "already active" by sending the same id.
+    request_id = f"img-{uuid.uuid4().hex}"
+    client_request_id = raw_request.headers.get("x-request-id")
     notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
-    result = await _serving(raw_request).create_image(request, request_id, notice)
+    result = await _serving(raw_request).create_image(
+        request, request_id, notice, client_request_id=client_request_id
+    )
     if not isinstance(result, ImageResult):
         return result
     return JSONResponse(result.response.model_dump(), headers=result.headers)
 
 
-@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+@router.get("/v1/models", response_model=ModelList, responses=_errors(401))
 async def list_models(raw_request: Request) -> ModelList:
     """The served model, in OpenAI's list shape."""
     return ModelList(data=[_model_card(raw_request)])
 
 
-@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_errors(401, 404))
 async def retrieve_model(model: str, raw_request: Request) -> Response:
     """One model by name (OpenAI `models.retrieve`)."""
     card = _model_card(raw_request)
@@ -95,7 +105,7 @@ def _model_card(raw_request: Request) -> ModelCard:
     )
 
 
-@router.get("/health", responses={503: {"model": ErrorResponse}})
+@router.get("/health", response_model=HealthResponse, responses=_errors())
 async def health(raw_request: Request) -> Response:
     """200 while the engine and its worker are alive, 503 otherwise."""
     try:
@@ -108,7 +118,7 @@ async def health(raw_request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=_errors())
 async def metrics(raw_request: Request) -> Response:
     """Prometheus text: the engine's metrics, then the HTTP layer's."""
     http_metrics: HTTPMetrics = raw_request.app.state.http_metrics

@@ -2,9 +2,14 @@
 
 `build_app(engine, ...)` wires a started engine into a FastAPI app: the routes
 (`api_router.py`), the logic (`serving_images.py`), the OpenAI error shape
-(`errors.py`) and the guard and metrics middleware (`middleware.py`). The engine is
-started before the server accepts connections (`run_server` builds it first) and
-closed by the app's lifespan when the server shuts down.
+(`errors.py`), the guard, request-id and metrics middleware (`middleware.py`) and
+this server's OpenAPI spec (`openapi.py`). The engine is started before the server
+accepts connections (`run_server` builds it first) and closed by the app's lifespan
+when the server shuts down.
+
+Connection-level limits are uvicorn's side (`uvicorn_config`, `http_protocol.py`):
+how long a client may take to send its headers, how long an idle keep-alive
+connection stays open, and how many connections are served at once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from diffbatch.entrypoints.openai.middleware import (
     HTTPMetrics,
     HTTPMetricsMiddleware,
     RequestGuardMiddleware,
+    RequestIdEchoMiddleware,
 )
+from diffbatch.entrypoints.openai.openapi import install_openapi
 from diffbatch.entrypoints.openai.serving_images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_PNG_COMPRESS_LEVEL,
@@ -35,12 +42,24 @@ from diffbatch.entrypoints.openai.serving_images import (
 if TYPE_CHECKING:
     import argparse
 
+    import uvicorn
+
     from diffbatch.engine.async_engine import Engine
 
 logger = logging.getLogger(__name__)
 
 # Default `max_body_bytes`: far above any valid request (prompts are <= 10,000 chars).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Connection-level defaults (`diffbatch serve --header-timeout ...`). A client's headers
+# are a few hundred bytes: 10 s is generous on any link, and bounds how long a
+# slow-header client holds a connection (uvicorn alone never times them out).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default: an idle keep-alive connection
+# Most open connections and requests in progress; above it, 503. Each request in
+# progress can hold a body of up to `max_body_bytes`; the benchmark client opens up
+# to 1024 connections.
+DEFAULT_LIMIT_CONCURRENCY = 1024
+_UVICORN_STARTUP_FAILURE = 3  # the exit code `uvicorn.run` gives a server that did not start
 
 
 def build_app(
@@ -62,7 +81,7 @@ def build_app(
         api_key: When set, every `/v1/...` request needs `Authorization: Bearer <key>`;
             `/health`, `/metrics` and `/docs` stay open.
         request_timeout_s: Abort and answer 504 to requests not done after this long.
-        max_image_pixels: Largest width * height of one image (413 above it).
+        max_image_pixels: Largest width * height of one image (400 above it).
         png_compress_level: zlib level of PNG responses, 0-9: 1 encodes fastest,
             9 smallest (the pixels are the same at every level).
         max_body_bytes: Largest request body (413 above it).
@@ -112,8 +131,13 @@ def build_app(
     )
     app.include_router(router)
     install_exception_handlers(app)
+    install_openapi(
+        app, size_rule=app.state.serving_images.size_rule,
+        lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
+    )
     # Added last = outermost: metrics see every answer, including the guard's.
-    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       json_routes=frozenset({IMAGES_ROUTE}))
     # Outside the guard: the notice opens before the body is read.
     app.add_middleware(ArrivalNoticeMiddleware, engine=engine, route=IMAGES_ROUTE)
     app.add_middleware(
@@ -122,6 +146,7 @@ def build_app(
         routes=_route_paths(app),
         on_rejected=_rejection_counter(engine),
     )
+    app.add_middleware(RequestIdEchoMiddleware)
     return app
 
 
@@ -149,6 +174,48 @@ def _version() -> str:
     return __version__
 
 
+def uvicorn_config(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S,
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
+    http_base: type[asyncio.Protocol] | None = None,
+    **kwargs: Any,
+) -> uvicorn.Config:
+    """The uvicorn configuration of `app`, with the connection limits of `http_protocol.py`.
+
+    Args:
+        app: The ASGI app (`build_app`).
+        host: Address to listen on.
+        port: Port to listen on.
+        log_level: uvicorn's log level.
+        header_timeout_s: Seconds a client may take to send a request's headers; then
+            408 and the connection is closed (None = no limit).
+        keep_alive_timeout_s: Seconds an idle keep-alive connection stays open.
+        limit_concurrency: Most open connections and requests in progress; more get
+            503 (None = no limit).
+        http_base: uvicorn's HTTP protocol to extend (None = uvicorn's default,
+            httptools where it is installed, else h11).
+        **kwargs: Other `uvicorn.Config` arguments.
+    """
+    import uvicorn
+
+    from diffbatch.entrypoints.openai.http_protocol import http_protocol_class
+
+    protocol = http_protocol_class(header_timeout_s=header_timeout_s,
+                                   max_connections=limit_concurrency, base=http_base)
+    kwargs.setdefault("timeout_graceful_shutdown", 5)
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, http=protocol,
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
+        **kwargs,
+    )
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
     import uvicorn
@@ -169,16 +236,20 @@ def run_server(args: argparse.Namespace) -> None:
         engine.close()
         raise
     logger.info("listening on http://%s:%d (docs at /docs)", args.host, args.port)
+    config = uvicorn_config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        limit_concurrency=args.limit_concurrency,
+    )
+    server = uvicorn.Server(config)
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=5,
-        )
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
+        pass
     finally:
         engine.close()  # the lifespan closed it already unless uvicorn failed to start
+    if not server.started:  # e.g. the port is taken; uvicorn logged why
+        raise SystemExit(_UVICORN_STARTUP_FAILURE)
 
 
 def served_name_of(engine: Engine, model: str | None) -> str:

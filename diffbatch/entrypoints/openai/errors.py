@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # Seconds a client should wait before retrying a request refused for a full queue.
 RETRY_AFTER_S = 1
 
+# FastAPI's whole answer to a body that `json.loads` refuses with anything but a
+# JSONDecodeError (an integer over Python's 4300-digit limit, nesting too deep).
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
 # Machine-readable `code`s, like OpenAI's "model_not_found"; None where OpenAI has none.
 _CODES: dict[type[DiffbatchError], str] = {
     ModelNotFoundError: "model_not_found",
@@ -207,9 +211,13 @@ async def _validation_error_handler(request: Request, exc: Exception) -> JSONRes
 async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    code = None
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see /docs"
-    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+    elif exc.status_code == 400 and message == _FASTAPI_BODY_ERROR:
+        message, code = "request body is not valid JSON; send a JSON object", "invalid_json"
+    return error_response(exc.status_code, message, code=code,
+                          headers=getattr(exc, "headers", None))
 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -1,16 +1,25 @@
-"""ASGI middleware of the image server: request guard and HTTP-level metrics.
+"""ASGI middleware of the image server: request guard, request-id echo, HTTP metrics.
 
-Both are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which runs the app in a
+All are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which runs the app in a
 separate task and breaks the `http.disconnect` listening that client-disconnect
 aborts rely on).
 
 `RequestGuardMiddleware` answers, before FastAPI parses anything, the requests it
 can refuse from headers and size alone, in this order:
 
-1. API key (only `/v1/...`; `/health`, `/metrics` and `/docs` stay open) -> 401;
-2. content type of a `/v1` POST that is not JSON -> 415;
-3. body over `max_body_bytes` (by `Content-Length`, or counted while reading) -> 413.
+1. API key (only `/v1/...`; `/health`, `/metrics` and `/docs` stay open) -> 401
+   with `WWW-Authenticate: Bearer`;
+2. content type of a POST to a JSON route that is not JSON -> 415. Only routes
+   that exist and take a JSON POST are checked, so a multipart POST to a route that
+   does not exist is still a 404 and a POST to `/v1/models` a 405;
+3. body over `max_body_bytes` (by `Content-Length`, or counted while reading) -> 413;
+4. body that is not UTF-8 (JSON on the wire is UTF-8, RFC 8259) -> 400 `invalid_json`.
 
+A client that disconnects while its body is still being read gets no answer: the
+guard records 499 (client closed), like a disconnect while the request runs,
+instead of handing a truncated body on to be refused as malformed.
+
+`RequestIdEchoMiddleware` puts the client's `x-request-id` on every answer.
 `HTTPMetricsMiddleware` counts every answer by route and status, times it, and
 logs each failed answer in one DEBUG line (method, path, status, duration).
 """
@@ -25,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.responses import Response
 
 from diffbatch.entrypoints.openai.errors import error_response
 from diffbatch.entrypoints.openai.protocol import OUTPUT_FORMATS
@@ -77,10 +87,14 @@ class ArrivalNoticeMiddleware:
 class RequestGuardMiddleware:
     """Refuse unauthenticated, non-JSON and oversized requests early; see the module doc."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
+        json_routes: frozenset[str],
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.json_routes = json_routes  # paths whose POST body is JSON (checked here)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
@@ -93,8 +107,8 @@ class RequestGuardMiddleware:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
-        if scope["method"] != "POST":
-            await self.app(scope, receive, send)
+        if scope["method"] != "POST" or scope["path"] not in self.json_routes:
+            await self.app(scope, receive, send)  # routing answers 404/405 as usual
             return
         # 2. Content type.
         if not _is_json(headers.get("content-type")):
@@ -109,17 +123,33 @@ class RequestGuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await self._too_large(int(length))(scope, receive, send)
             return
-        body, extra = await self._read_body(receive)
-        if body is None:  # over the limit while counting (chunked upload)
+        body = await self._read_body(receive)
+        if body == CLIENT_CLOSED_STATUS:  # nobody to answer: recorded as 499, not as a 400
+            logger.debug("client disconnected while sending %s", scope["path"])
+            await Response(status_code=CLIENT_CLOSED_STATUS)(scope, receive, send)
+            return
+        if body == 413:  # over the limit while counting (chunked upload)
             await self._too_large(None)(scope, receive, send)
             return
-        await self.app(scope, _replay(body, extra, receive), send)
+        assert isinstance(body, bytes)
+        # 4. Encoding.
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            await error_response(
+                400, f"request body is not valid JSON: it is not UTF-8 (byte "
+                f"0x{body[exc.start]:02x} at position {exc.start}); send JSON encoded as UTF-8",
+                code="invalid_json",
+            )(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
 
     def _check_api_key(self, authorization: str | None) -> JSONResponse | None:
         if not authorization:
             return error_response(
                 401, "missing API key: send `Authorization: Bearer <key>`",
                 type="invalid_request_error", code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
         scheme, _, token = authorization.partition(" ")
         assert self.api_key is not None
@@ -129,6 +159,7 @@ class RequestGuardMiddleware:
             return error_response(
                 401, "incorrect API key provided", type="invalid_request_error",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
             )
         return None
 
@@ -139,29 +170,30 @@ class RequestGuardMiddleware:
             code="payload_too_large",
         )
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes | None, list[Message]]:
-        """Read the whole body, stopping early (None) once it passes the limit."""
+    async def _read_body(self, receive: Receive) -> bytes | int:
+        """Read the whole body, or say why not: 413 once it passes the limit, 499
+        (`CLIENT_CLOSED_STATUS`) if the client went away before sending all of it."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # a disconnect: hand it on as is
-                return b"".join(chunks), [message]
+            if message["type"] != "http.request":  # http.disconnect
+                return CLIENT_CLOSED_STATUS
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return None, []
+                return 413
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), []
+                return b"".join(chunks)
 
 
-def _replay(body: bytes, extra: list[Message], receive: Receive) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
     """A `receive` that gives the buffered body once, then reads the real channel.
 
     Reading the real channel afterwards is what lets a handler hear `http.disconnect`.
     """
-    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}, *extra]
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replay() -> Message:
         if pending:
@@ -169,6 +201,34 @@ def _replay(body: bytes, extra: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class RequestIdEchoMiddleware:
+    """Put the client's `x-request-id` on every answer that does not carry one.
+
+    The id is only echoed (and logged by the image route): the engine's request ids
+    are the server's own.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client_id = None
+        if scope["type"] == "http":
+            client_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if client_id is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", client_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class HTTPMetrics:

@@ -2,11 +2,16 @@
 
 This is the HTTP layer's one validation place for input that does not depend on
 the served model: types, ranges and closed choices. What depends on the model or
-the server's options (the model name, the size multiple, `--max-image-pixels`,
-LoRA names) is checked in `serving_images.py` and by the engine.
+the server's options (the model name, the size multiple and cap, LoRA names) is
+checked in `serving_images.py` and by the engine.
 
 Every rule raises `InvalidRequestError` with the OpenAI `param` it blames; pydantic
-wraps it, and `errors.py` unwraps it again into the OpenAI error shape.
+wraps it, and `errors.py` unwraps it again into the OpenAI error shape. The field
+types and constraints are also what `/openapi.json` publishes (`openapi.py` adds
+what depends on the server), so a request valid by the schema is one the server
+accepts, and every numeric field is strict: `true` or `"1.5"` is not a number. An
+integer field takes `2.0` as 2: JSON Schema's "integer" is any number with a zero
+fraction, and JSON does not tell 2.0 from 2.
 """
 
 from __future__ import annotations
@@ -14,30 +19,47 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diffbatch.errors import InvalidRequestError
-from diffbatch.request import validate_prompt
-from diffbatch.sampling_params import MAX_NUM_INFERENCE_STEPS
+from diffbatch.request import MAX_PROMPT_CHARS, validate_prompt
+from diffbatch.sampling_params import (
+    MAX_ABS_LORA_SCALE,
+    MAX_GUIDANCE_SCALE,
+    MAX_NUM_INFERENCE_STEPS,
+)
 
 # OpenAI's own bound on `n` for image generation.
 MAX_N = 10
-OutputFormat = Literal["png", "jpeg", "webp"]
 OUTPUT_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
-_SIZE_RE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+# What `output_format` accepts: the three formats, and "jpg" as a name of jpeg.
+OutputFormat = Literal["png", "jpeg", "webp", "jpg"]
+# "<width>x<height>", sides in ASCII digits; the server checks multiples and limits.
+_SIZE_RE = re.compile(r"^\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*$")
+_MAX_SIDE_DIGITS = 12  # longer sides are "too large" without being converted to int
+# JSON Schema pattern of a prompt that is not only whitespace.
+NOT_BLANK_PATTERN = r"\S"
+# JSON Schema pattern of a LoRA name: relative, no NUL, no part that starts with a dot
+# (so no "." or ".."; the server itself refuses only what leaves --lora-dir).
+LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
 
 # OpenAI fields that only some OpenAI models honour. diffbatch accepts each at the
 # values that ask for nothing special and rejects the others with a clear message,
 # rather than silently ignoring a request it cannot honour.
+Quality = Literal["auto", "standard"]
+Background = Literal["auto", "opaque"]
+Moderation = Literal["auto"]
+Stream = Literal[False]
+PartialImages = Literal[0]
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "quality": (None, "auto", "standard"),
-    "style": (None,),
-    "background": (None, "auto", "opaque"),
-    "moderation": (None, "auto"),
-    "stream": (None, False),
-    "partial_images": (None, 0),
+    "quality": get_args(Quality),
+    "style": (),
+    "background": get_args(Background),
+    "moderation": get_args(Moderation),
+    "stream": get_args(Stream),
+    "partial_images": get_args(PartialImages),
 }
 
 
@@ -47,8 +69,16 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def parse_size(size: str | None) -> tuple[int, int] | None:
     """Parse an OpenAI `size` ("WxH" or "auto") into (width, height); None means default.
+
+    Only the format is checked here: a side too large for the server (even one of
+    20 digits) comes back as a large number, for `serving_images.SizeRule` to refuse
+    as too large.
 
     Raises:
         InvalidRequestError: `size` is neither "auto" nor "<width>x<height>" with
@@ -63,13 +93,29 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     match = _SIZE_RE.match(size)
     if match is None:
         raise InvalidRequestError(
-            f"`size` must be \"<width>x<height>\" (e.g. \"512x512\") or \"auto\", got {size!r}",
+            f"`size` must be \"<width>x<height>\" (e.g. \"512x512\") or \"auto\", "
+            f"got {_clip(repr(size))}",
             param="size",
         )
-    width, height = int(match.group(1)), int(match.group(2))
+    width, height = (
+        int(side) if len(side) <= _MAX_SIDE_DIGITS else 10**_MAX_SIDE_DIGITS
+        for side in match.groups()
+    )
     if width < 1 or height < 1:
         raise InvalidRequestError(f"`size` must have positive sides, got {size!r}", param="size")
     return width, height
+
+
+def _is_one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """`value in allowed`, but type-exact: 0 is not False and "0" is not 0."""
+    return any(type(value) is type(choice) and value == choice for choice in allowed)
+
+
+def _integral_to_int(value: Any) -> Any:
+    """2.0 -> 2 (the same JSON number); anything else unchanged, for strict validation."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
 
 
 class ImageGenerationRequest(OpenAIBaseModel):
@@ -94,30 +140,64 @@ class ImageGenerationRequest(OpenAIBaseModel):
         lora_scale: Extension: strength of the LoRA adapter.
     """
 
-    prompt: str = Field(description="One non-empty text prompt.")
-    model: str | None = None
+    model_config = ConfigDict(
+        extra="forbid",
+        # `output_compression` (a number) needs a lossy `output_format`.
+        json_schema_extra={
+            "if": {"properties": {"output_compression": {"type": "integer"}},
+                   "required": ["output_compression"]},
+            "then": {"properties": {"output_format": {"enum": ["jpeg", "webp", "jpg"]}},
+                     "required": ["output_format"]},
+        },
+    )
+
+    prompt: str = Field(
+        min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,
+        description=f"One prompt: at most {MAX_PROMPT_CHARS} characters, not only whitespace.",
+    )
+    model: str | None = Field(default=None, description="The served model (see /v1/models).")
     n: int = Field(default=1, ge=1, le=MAX_N, strict=True)
-    size: str | None = Field(default=None, description='"<width>x<height>" or "auto"')
-    response_format: str | None = Field(default=None, description='only "b64_json"')
-    output_format: str = Field(default="png", description="png, jpeg or webp")
-    output_compression: int | None = Field(default=None, ge=0, le=100, strict=True)
+    size: str | None = Field(
+        default=None,
+        description='"<width>x<height>" or "auto" (the model\'s default size); both sides '
+        "multiples of the model's size multiple, within the server's pixel cap",
+    )
+    response_format: Literal["b64_json"] | None = Field(
+        default=None, description='only "b64_json"; "url" is refused (no files are hosted)'
+    )
+    output_format: OutputFormat = Field(default="png", description='"jpg" is "jpeg"')
+    output_compression: int | None = Field(
+        default=None, ge=0, le=100, strict=True,
+        description="quality of jpeg and webp (100 = best, the default); not with png",
+    )
     user: str | None = None
     # OpenAI fields accepted only at neutral values (see _NEUTRAL_VALUES).
-    quality: str | None = None
-    style: str | None = None
-    background: str | None = None
-    moderation: str | None = None
-    stream: bool | None = None
-    partial_images: int | None = None
+    quality: Quality | None = None
+    style: None = None
+    background: Background | None = None
+    moderation: Moderation | None = None
+    stream: Stream | None = None
+    partial_images: PartialImages | None = None
     # Diffusion extensions (send them with the openai client's `extra_body`).
-    negative_prompt: str | None = None
+    negative_prompt: str | None = Field(
+        default=None, min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,
+    )
     num_inference_steps: int | None = Field(
         default=None, ge=1, le=MAX_NUM_INFERENCE_STEPS, strict=True
     )
-    guidance_scale: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    guidance_scale: float | None = Field(
+        default=None, ge=0.0, le=MAX_GUIDANCE_SCALE, strict=True, allow_inf_nan=False
+    )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
-    lora: str | None = Field(default=None, min_length=1)
-    lora_scale: float = Field(default=1.0, allow_inf_nan=False)
+    lora: str | None = Field(
+        default=None, min_length=1,
+        description="an adapter inside the server's --lora-dir (a relative name)",
+        json_schema_extra={"pattern": LORA_NAME_PATTERN},
+    )
+    lora_scale: float = Field(
+        default=1.0, ge=-MAX_ABS_LORA_SCALE, le=MAX_ABS_LORA_SCALE, strict=True,
+        allow_inf_nan=False,
+    )
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True)
 
     @field_validator("prompt", mode="before")
@@ -158,10 +238,30 @@ class ImageGenerationRequest(OpenAIBaseModel):
     def _check_output_format(cls, value: Any) -> Any:
         if value == "jpg":
             return "jpeg"
-        if value not in OUTPUT_FORMATS:
+        if not _is_one_of(value, OUTPUT_FORMATS):
             raise InvalidRequestError(
                 f"`output_format` must be one of {list(OUTPUT_FORMATS)}, got {value!r}",
                 param="output_format",
+            )
+        return value
+
+    @field_validator("n", "output_compression", "num_inference_steps", "seed", "priority",
+                     mode="before")
+    @classmethod
+    def _check_integral(cls, value: Any) -> Any:
+        return _integral_to_int(value)
+
+    @field_validator(*_NEUTRAL_VALUES, mode="before")
+    @classmethod
+    def _check_neutral(cls, value: Any, info: Any) -> Any:
+        allowed = _NEUTRAL_VALUES[info.field_name]
+        if any(type(choice) is int for choice in allowed):
+            value = _integral_to_int(value)
+        if value is not None and not _is_one_of(value, allowed):
+            fix = f"leave it out or use one of {list(allowed)}" if allowed else "leave it out"
+            raise InvalidRequestError(
+                f"`{info.field_name}` {value!r} is not supported by this server; {fix}",
+                param=info.field_name,
             )
         return value
 
@@ -177,14 +277,6 @@ class ImageGenerationRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ImageGenerationRequest:
-        for name, allowed in _NEUTRAL_VALUES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                choices = [a for a in allowed if a is not None]
-                fix = f"leave it out or use one of {choices}" if choices else "leave it out"
-                raise InvalidRequestError(
-                    f"`{name}` {value!r} is not supported by this server; {fix}", param=name
-                )
         if self.output_compression is not None and self.output_format == "png":
             raise InvalidRequestError(
                 "`output_compression` applies to \"jpeg\" and \"webp\" only; PNG is lossless. "
@@ -229,6 +321,12 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    """Body of `GET /health` while the engine can take work."""
+
+    status: Literal["ok"] = "ok"
 
 
 class ErrorInfo(BaseModel):

@@ -3,7 +3,7 @@
 `OpenAIServingImages.create_image` is the whole flow, in stages:
 
 1. check what depends on the served model and the server's options (model name,
-   size multiple, `max_image_pixels`);
+   the size rule: multiple, pixel cap, side cap);
 2. build `SamplingParams`;
 3. await `Engine.generate_async` alone, under the request timeout. Nothing else is
    awaited with it, so concurrent HTTP requests sit in the engine's queue together
@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,10 +37,9 @@ from diffbatch.errors import (
     DiffbatchError,
     InvalidRequestError,
     ModelNotFoundError,
-    PayloadTooLargeError,
     RequestTimeoutError,
 )
-from diffbatch.sampling_params import SamplingParams
+from diffbatch.sampling_params import MAX_SIDE, SamplingParams
 
 if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
@@ -56,6 +58,52 @@ DEFAULT_QUALITY = 100
 # encoding time for bytes: a smooth 512x512 RGB image took ~23 ms at 1 against ~96 ms at
 # PIL's default 6, for ~19% more bytes (64x64 images: no measurable difference).
 DEFAULT_PNG_COMPRESS_LEVEL = 1
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """Which `size` values this server generates, and the 400 that names the fix.
+
+    A size is too large (checked first, so "99999x99999" is told so) above
+    `max_pixels` (width * height: the smaller of `--max-image-pixels` and the model's
+    own cap) or `max_side`; then both sides must be multiples of `multiple`.
+    OpenAI answers an unsupported size with 400 `param: size`, so does this server:
+    a 413 would reach the `openai` client as a bare status error.
+    """
+
+    multiple: int  # the model's size multiple (VAE scale factor x denoiser downsampling)
+    max_pixels: int  # most width * height of one image
+    default_size: tuple[int, int]  # (width, height) of "auto"
+    max_side: int = MAX_SIDE  # most pixels of one side (SamplingParams' bound)
+
+    @property
+    def largest_square(self) -> int:
+        """Side of the largest square size allowed (0 when none is)."""
+        side = min(self.max_side, math.isqrt(self.max_pixels))
+        return side // self.multiple * self.multiple
+
+    def check(self, width: int, height: int, given: str) -> None:
+        """Raise `InvalidRequestError` (param "size") unless width x height is allowed."""
+        if width * height > self.max_pixels or max(width, height) > self.max_side:
+            square = self.largest_square
+            largest = f"; the largest square size is {square}x{square}" if square else ""
+            raise InvalidRequestError(
+                f"`size` {given} is larger than this server generates: at most "
+                f"{self.max_pixels} pixels (width * height) and {self.max_side} per side"
+                f"{largest}",
+                param="size",
+            )
+        if width % self.multiple or height % self.multiple:
+            default_w, default_h = self.default_size
+            raise InvalidRequestError(
+                f"`size` sides must be multiples of {self.multiple} for this model, got "
+                f"{given} (e.g. {default_w}x{default_h})",
+                param="size",
+            )
+
+    def sides(self) -> list[int]:
+        """Every side of a square-bounded size: multiples up to `largest_square`."""
+        return list(range(self.multiple, self.largest_square + 1, self.multiple))
 
 
 @dataclass
@@ -96,7 +144,7 @@ class OpenAIServingImages:
         served_model_name: The name clients pass as `model`.
         request_timeout_s: Abort a request not finished after this many seconds
             (None = no limit) and answer 504.
-        max_image_pixels: Largest width * height of one image; larger sizes get 413.
+        max_image_pixels: Largest width * height of one image; larger sizes get 400.
         png_compress_level: zlib level of PNG responses, 0-9 (1 fastest, 9 smallest).
         http_metrics: Where to record encoding time (None = not recorded).
     """
@@ -125,6 +173,19 @@ class OpenAIServingImages:
         self.max_image_pixels = max_image_pixels
         self.png_compress_level = png_compress_level
         self.http_metrics = http_metrics
+        info = engine.info
+        model_cap = info.max_image_pixels or max_image_pixels
+        self.size_rule = SizeRule(
+            multiple=info.size_multiple,
+            max_pixels=min(max_image_pixels, model_cap),
+            default_size=(info.default_width, info.default_height),
+        )
+        lora_dir = engine.config.lora_dir
+        # Folder names that must not reach a client in an error message.
+        self._private_paths = sorted(
+            {p for p in (lora_dir, lora_dir and os.path.realpath(lora_dir)) if p},
+            key=len, reverse=True,
+        )
 
     def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
         """Stage 1: model-dependent checks; returns the (width, height) to generate."""
@@ -140,22 +201,10 @@ class OpenAIServingImages:
                 "`lora` is not available: this server was started without `--lora-dir`",
                 param="lora",
             )
-        info = self.engine.info
         size = request.image_size()
-        width, height = size if size is not None else (info.default_width, info.default_height)
-        multiple = info.size_multiple
-        if width % multiple or height % multiple:
-            raise InvalidRequestError(
-                f"`size` sides must be multiples of {multiple} for this model, got "
-                f"{width}x{height} (e.g. {info.default_width}x{info.default_height})",
-                param="size",
-            )
-        if width * height > self.max_image_pixels:
-            raise PayloadTooLargeError(
-                f"`size` must be at most {self.max_image_pixels} pixels (width * height) "
-                f"on this server, got {width}x{height} = {width * height}",
-                param="size",
-            )
+        width, height = size if size is not None else self.size_rule.default_size
+        given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
+        self.size_rule.check(width, height, given)
         return width, height
 
     def sampling_params(
@@ -175,11 +224,20 @@ class OpenAIServingImages:
             lora_scale=request.lora_scale,
         )
 
+    def _redact(self, message: str) -> str:
+        """`message` without the server's folder names (a pipeline error may hold them)."""
+        for path in self._private_paths:
+            message = message.replace(path, "<lora-dir>")
+        return message
+
     async def create_image(
         self, request: ImageGenerationRequest, request_id: str,
-        arrival_notice: ArrivalNotice | None = None,
+        arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
     ) -> ImageResult | JSONResponse:
         """Run stages 1-5 for one request; a failed engine request becomes its error response.
+
+        `request_id` is the engine's id, made by the server; `client_request_id` (the
+        client's `x-request-id`, if any) is only logged and echoed back.
 
         Raises:
             DiffbatchError: invalid input (400/404/413), a full queue (503), a dead
@@ -210,7 +268,10 @@ class OpenAIServingImages:
                 "fewer or smaller images"
             ) from None
         if output.error is not None:  # logged by the metrics middleware with its status
-            return request_error_response(output.error)
+            logger.debug("request %s (client id %.100r) failed: %s", request_id,
+                         client_request_id, output.error.message)
+            error = dataclasses.replace(output.error, message=self._redact(output.error.message))
+            return request_error_response(error)
         # 4. Encode off the event loop.
         encode_start = time.perf_counter()
         b64 = await asyncio.to_thread(
@@ -227,7 +288,7 @@ class OpenAIServingImages:
             size=f"{width}x{height}",
         )
         headers = {
-            "x-request-id": request_id,
+            "x-request-id": client_request_id or request_id,
             "x-diffbatch-queue-ms": f"{output.queue_time_ms:.2f}",
             "x-diffbatch-execute-ms": f"{output.execute_time_ms:.2f}",
             "x-diffbatch-engine-ms": f"{output.total_time_ms:.2f}",  # arrival -> delivered
@@ -235,9 +296,10 @@ class OpenAIServingImages:
             "x-diffbatch-batch-size": str(output.batch_size),
         }
         logger.debug(
-            "request %s: prompt_len=%d n=%d size=%dx%d batch=%d queue=%.1fms "
+            "request %s (client id %.100r): prompt_len=%d n=%d size=%dx%d batch=%d queue=%.1fms "
             "execute=%.1fms encode=%.1fms total=%.1fms",
-            request_id, len(request.prompt), request.n, width, height, output.batch_size,
+            request_id, client_request_id, len(request.prompt), request.n, width, height,
+            output.batch_size,
             output.queue_time_ms, output.execute_time_ms, encode_s * 1e3,
             (time.perf_counter() - start) * 1e3,
         )

@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 
 from diffbatch import Engine
-from diffbatch.entrypoints.openai.api_server import build_app
+from diffbatch.entrypoints.openai.api_server import build_app, uvicorn_config
 from tests.fake_pipelines import GatedPipeline
 
 READY_TIMEOUT_S = 120.0  # a cold start builds the tiny model and starts a worker
@@ -55,16 +55,21 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, *, ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free loopback port; yields the base URL."""
+def serve_in_thread(app: Any, *, ready_timeout_s: float = READY_TIMEOUT_S,
+                    **config_kwargs: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port; yields the base URL.
+
+    The server is configured as `diffbatch serve` configures it (`uvicorn_config`:
+    header timeout, keep-alive timeout, connection limit); `config_kwargs` change that.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
-    )
+    server = uvicorn.Server(uvicorn_config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, **config_kwargs
+    ))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -89,16 +94,20 @@ def make_gate() -> type[GatedPipeline]:
 
 @contextlib.contextmanager
 def gated_server(**app_kwargs: Any) -> Iterator[tuple[RunningServer, type[GatedPipeline]]]:
-    """A served in-process engine whose forwards block until the gate is released."""
+    """A served in-process engine whose forwards block until the gate is released.
+
+    `config` (a dict) goes to `serve_in_thread` as uvicorn configuration.
+    """
     engine_kwargs = {
         k: app_kwargs.pop(k) for k in ("max_num_seqs", "max_queue_size", "lora_dir")
         if k in app_kwargs
     }
+    config_kwargs = app_kwargs.pop("config", {})
     gate = make_gate()
     engine = Engine(pipeline_class=gate, executor="inproc", **engine_kwargs)
     try:
         app = build_app(engine, served_model_name="gated", **app_kwargs)
-        with serve_in_thread(app) as url:
+        with serve_in_thread(app, **config_kwargs) as url:
             try:
                 yield RunningServer(url, engine, app, app_kwargs.get("api_key")), gate
             finally:

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -106,12 +107,12 @@ BAD_INPUTS = [
     ({"prompt": "p", "n": 0}, 400, "n"),
     ({"prompt": "p", "n": 11}, 400, "n"),
     ({"prompt": "p", "size": "abc"}, 400, "size"),
-    ({"prompt": "p", "size": "256x256"}, 413, "size"),  # over --max-image-pixels
+    ({"prompt": "p", "size": "256x256"}, 400, "size"),  # over --max-image-pixels
     ({"prompt": "p", "num_inference_steps": 0}, 400, "num_inference_steps"),
     ({"prompt": "p", "num_inference_steps": 10_000}, 400, "num_inference_steps"),
     ({"prompt": "p", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "p", "lora": "../outside"}, 400, "lora"),
-    ({"prompt": "p", "lora": "missing-adapter"}, 400, "lora"),
+    ({"prompt": "p", "lora": "missing-adapter"}, 404, "lora"),
     ({"prompt": "p", "response_format": "url"}, 400, "response_format"),
 ]
 
@@ -149,6 +150,42 @@ def test_bad_input_gets_4xx_in_openai_shape_then_a_valid_request_works(
                                             "num_inference_steps": STEPS})
         assert response.status_code == 200, response.text
         assert decode(response.json()["data"][0]["b64_json"]).size == (64, 64)
+
+
+def test_text_and_loras_the_model_cannot_take_are_400s_naming_no_path(
+    server: RunningServer,
+) -> None:
+    # A lone surrogate reached the real tokenizer (a 500 for the whole wave); a folder
+    # without weights reached diffusers' loader (a 500 naming the server's path).
+    lora_dir = server.engine.config.lora_dir
+    (Path(lora_dir) / "notes").mkdir(exist_ok=True)
+    json_header = {**server.headers, "content-type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for field in ("prompt", "negative_prompt"):
+            content = b'{"prompt": "a cat", "' + field.encode() + b'": "a \\ud800"}'
+            _assert_openai_error(client.post(ROUTE, content=content, headers=json_header), 400,
+                                 field)
+        for lora in ("notes", "style\x00"):
+            response = client.post(ROUTE, json={"prompt": "p", "lora": lora},
+                                   headers=server.headers)
+            _assert_openai_error(response, 400, "lora")
+            assert lora_dir not in response.text
+        response = client.post(ROUTE, json={"prompt": "still works", "seed": 5,
+                                            "num_inference_steps": STEPS},
+                               headers=server.headers)
+        assert response.status_code == 200, response.text
+
+
+def test_official_client_sees_size_and_route_errors_as_openai_does(server: RunningServer) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as too_large:
+        client.images.generate(model=MODEL, prompt="p", size="1024x1024")
+    assert too_large.value.param == "size"
+    assert "the largest square size is 128x128" in too_large.value.message
+    with pytest.raises(openai.NotFoundError):  # no edits route: 404, not 415
+        client.images.edit(image=("a.png", b"\x89PNG", "image/png"), prompt="p")
 
 
 def test_open_routes_and_engine_state(server: RunningServer) -> None:

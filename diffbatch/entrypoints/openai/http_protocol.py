@@ -1,0 +1,159 @@
+"""uvicorn's HTTP protocol with a header timeout and a connection limit in the OpenAI shape.
+
+uvicorn times out only idle keep-alive connections (`timeout_keep_alive`, armed
+after a response). A connection that opens and then sends its request headers a
+byte at a time is never timed out, so a handful of slow clients can hold a server's
+connections (and file descriptors) for as long as they like. This protocol adds:
+
+- a header timeout: from the moment a connection waits for a request (it opened,
+  or bytes of a new request arrived after a response) until that request's headers
+  are complete. On expiry a connection that sent part of a request gets a 408 in the
+  OpenAI error shape and is closed; one that sent nothing is just closed;
+- a connection limit: a request that arrives while more than `max_connections`
+  connections are open, or `max_connections` requests are in progress, gets a 503
+  in the OpenAI shape (`code: "server_busy"`, `Retry-After`) and its connection is
+  closed. uvicorn's own `limit_concurrency` answers plain text instead.
+
+It is a mixin over the protocol uvicorn would pick (`httptools`, else `h11`) and relies
+on what both share: `connection_made`/`data_received`/`connection_lost`, the current
+request's `cycle` (replaced when a request's headers are complete), the `app` it
+hands each new request to, and the server's `connections` and `tasks`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from diffbatch.entrypoints.openai.errors import error_body, error_response
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client told "server busy" should wait before retrying.
+BUSY_RETRY_AFTER_S = 1
+
+
+def http_protocol_class(
+    *, header_timeout_s: float | None, max_connections: int | None,
+    base: type[asyncio.Protocol] | None = None,
+) -> type[asyncio.Protocol]:
+    """The protocol class to pass as `uvicorn.Config(http=...)`.
+
+    Args:
+        header_timeout_s: Seconds a client may take to send a request's headers
+            (None = no limit, uvicorn's own behaviour).
+        max_connections: Most open connections and requests in progress (None = no
+            limit).
+        base: uvicorn's protocol to extend (None = the one uvicorn picks by default).
+    """
+    if header_timeout_s is not None and not header_timeout_s > 0:
+        raise ValueError(f"header_timeout_s must be > 0 or None, got {header_timeout_s}")
+    if max_connections is not None and max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1 or None, got {max_connections}")
+    return type(
+        "GuardedHTTPProtocol", (_GuardedHTTPProtocol, base or AutoHTTPProtocol),
+        {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
+    )
+
+
+class _GuardedHTTPProtocol:
+    """The additions, over a uvicorn HTTP protocol (see the module docstring)."""
+
+    header_timeout_s: float | None = None
+    max_connections: int | None = None
+    # Provided by the uvicorn protocol this is mixed into.
+    app: Any
+    cycle: Any
+    client: tuple[str, int] | None
+    connections: set[Any]
+    tasks: set[Any]
+    transport: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._request_started = False  # bytes of a request arrived since the timer started
+        self._app = self.app
+        self._busy_app = _busy_app(self.max_connections)
+
+    # -- asyncio.Protocol -----------------------------------------------------------
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.max_connections is not None:
+            busy = (len(self.connections) > self.max_connections
+                    or len(self.tasks) >= self.max_connections)
+            self.app = self._busy_app if busy else self._app  # the app of a new request
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:  # a request's headers are complete
+            self._stop_header_timer()
+        elif self._waiting_for_headers():
+            self._request_started = True
+            self._start_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    # -- header timeout -------------------------------------------------------------
+    def _waiting_for_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _start_header_timer(self) -> None:
+        if self.header_timeout_s is None or self._header_timer is not None:
+            return
+        self._header_timer = asyncio.get_running_loop().call_later(
+            self.header_timeout_s, self._on_header_timeout
+        )
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        self._request_started = False
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or not self._waiting_for_headers():
+            return
+        if self._request_started:
+            logger.info("closing a connection from %s: request headers not complete within "
+                        "%g s", _peer(self.client), self.header_timeout_s)
+            self.transport.write(_timeout_response(self.header_timeout_s or 0))
+        self.transport.close()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown client"
+
+
+def _timeout_response(header_timeout_s: float) -> bytes:
+    """A raw 408 in the OpenAI error shape, written outside any ASGI cycle."""
+    body = json.dumps(error_body(
+        f"request headers were not complete within {header_timeout_s:g} s; the connection "
+        "is closed", "invalid_request_error", code="request_timeout",
+    )).encode()
+    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+def _busy_app(max_connections: int | None) -> Any:
+    """The ASGI app that answers requests over the connection limit."""
+
+    async def busy(scope: Any, receive: Any, send: Any) -> None:
+        logger.warning("refused a request: over the connection limit of %s", max_connections)
+        await error_response(
+            503, f"the server is at its limit of {max_connections} connections and "
+            "requests in progress; retry later", type="server_overloaded", code="server_busy",
+            headers={"Retry-After": str(BUSY_RETRY_AFTER_S), "Connection": "close"},
+        )(scope, receive, send)
+
+    return busy

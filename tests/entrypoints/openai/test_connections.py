@@ -1,0 +1,142 @@
+"""Connection-level behaviour over a real uvicorn server: timeouts, limits, keep-alive.
+
+The server is configured as `diffbatch serve` configures it (`uvicorn_config`), with
+short timeouts so that a test waits little; each wait on the socket is bounded by
+`SOCKET_TIMEOUT_S`, which only ends a broken test (a server that never answers).
+The limits are checked over both of uvicorn's HTTP implementations.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from tests.entrypoints.openai.conftest import gated_server, wait_until
+
+pytestmark = pytest.mark.slow
+
+ROUTE = "/v1/images/generations"
+SOCKET_TIMEOUT_S = 30.0
+HEADER_TIMEOUT_S = 0.3
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(SOCKET_TIMEOUT_S)
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.fixture(params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def http_base(request: pytest.FixtureRequest) -> type:
+    return request.param
+
+
+def test_slow_request_headers_get_408_and_the_connection_is_closed(http_base: type) -> None:
+    config = {"header_timeout_s": HEADER_TIMEOUT_S, "http_base": http_base}
+    with gated_server(config=config) as (server, gate):
+        gate.release.set()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty".encode())
+            answer = read_until_closed(sock)  # a slow client would send the rest later
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), answer
+        error = json.loads(body)["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_timeout")
+        assert set(error) == {"message", "type", "param", "code"}
+        # A connection that never sends a request is closed without an answer.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            assert read_until_closed(sock) == b""
+        # One whose headers arrive in time is served as usual.
+        response = httpx.post(f"{server.url}{ROUTE}", json={"prompt": "p"}, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+def test_the_header_timeout_starts_again_for_each_request_on_a_keep_alive_connection(
+    http_base: type,
+) -> None:
+    config = {"header_timeout_s": HEADER_TIMEOUT_S, "http_base": http_base}
+    with gated_server(config=config) as (server, gate):
+        gate.release.set()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=SOCKET_TIMEOUT_S)
+        try:
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+            sock = conn.sock
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+            answer = read_until_closed(sock)
+        finally:
+            conn.close()
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
+def test_a_keep_alive_connection_survives_a_refused_lora(tmp_path) -> None:
+    with gated_server(lora_dir=str(tmp_path)) as (server, gate):
+        gate.release.set()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=SOCKET_TIMEOUT_S)
+        try:
+            headers = {"Content-Type": "application/json"}
+            conn.request("POST", ROUTE, json.dumps({"prompt": "p", "lora": "a\x00b"}), headers)
+            refused = conn.getresponse()
+            error = json.loads(refused.read())["error"]
+            sock = conn.sock
+            conn.request("POST", ROUTE, json.dumps({"prompt": "p"}), headers)
+            served = conn.getresponse()
+            served.read()
+            assert conn.sock is sock  # the same connection carried both requests
+        finally:
+            conn.close()
+        assert (refused.status, error["param"]) == (400, "lora")
+        assert str(tmp_path) not in error["message"]
+        assert served.status == 200
+
+
+def test_over_the_connection_limit_a_request_gets_503_in_the_openai_shape(
+    http_base: type,
+) -> None:
+    config = {"limit_concurrency": 2, "http_base": http_base}
+    with gated_server(config=config) as (server, gate), \
+            ThreadPoolExecutor(max_workers=2) as pool:
+        try:
+            held = [pool.submit(httpx.post, f"{server.url}{ROUTE}", json={"prompt": f"p{i}"},
+                                timeout=120) for i in range(2)]
+            wait_until(lambda: server.engine.num_running + server.engine.num_waiting == 2,
+                       what="two requests in progress")
+            response = httpx.get(f"{server.url}/v1/models", timeout=60)
+        finally:
+            gate.release.set()
+        assert [f.result().status_code for f in held] == [200, 200]
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    assert response.headers["connection"] == "close"
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("server_overloaded", "server_busy")
+
+
+def test_a_client_gone_mid_upload_counts_as_a_disconnect() -> None:
+    with gated_server() as (server, gate):
+        gate.release.set()
+        registry = server.app.state.http_metrics.registry
+
+        def disconnects() -> float:
+            return registry.get_sample_value("diffbatch_http_client_disconnects_total") or 0.0
+
+        rejected, before = server.engine.metrics.count("rejected"), disconnects()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(f"POST {ROUTE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         "\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"a".encode())
+        wait_until(lambda: disconnects() == before + 1, what="the disconnect to be counted")
+        assert server.engine.metrics.count("rejected") == rejected
+        assert registry.get_sample_value(
+            "diffbatch_http_requests_total",
+            {"route": ROUTE, "method": "POST", "status": "400"},
+        ) is None
