@@ -11,7 +11,9 @@ diffbatch worker inherits them; torch reads them at start) and the peers also ca
 `torch.set_num_threads(threads)` themselves (Ray would otherwise impose its own).
 `OMP_WAIT_POLICY=PASSIVE` is set for every process: with the default active wait,
 two torch threads on a busy shared 2-core machine slowed a 64x64 tiny-sd call from
-~0.15 s to 4-11 s (see docs/benchmarks.md).
+~0.15 s to 4-11 s (see docs/benchmarks.md). A spec with `threads=None` gets none of
+these three settings, not even inherited ones (`user_env()`): the server runs with
+the thread choices of torch and diffbatch themselves, as under a user's shell.
 """
 
 from __future__ import annotations
@@ -50,15 +52,30 @@ def set_thread_env(threads: int) -> None:
     os.environ.update(server_env_overrides(threads))
 
 
-def server_env_overrides(threads: int) -> dict[str, str]:
-    return {
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "OMP_WAIT_POLICY": "PASSIVE",
+def server_env_overrides(threads: int | None) -> dict[str, str]:
+    """What the harness sets for a server; `threads=None`: no thread settings."""
+    env = {
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
+    if threads is not None:
+        env.update({
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "OMP_WAIT_POLICY": "PASSIVE",
+        })
+    return env
+
+
+# What `set_thread_env` sets and `user_env` takes away.
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
+def user_env() -> dict[str, str]:
+    """This process' environment without thread settings: what a user's script or
+    `diffbatch serve` gets from a plain shell (torch and diffbatch choose themselves)."""
+    return {k: v for k, v in os.environ.items() if k not in THREAD_ENV_VARS}
 
 
 def free_port() -> int:
@@ -75,7 +92,7 @@ class ServerSpec:
     name: str  # label in reports, e.g. "diffbatch" or "ray"
     cmd: list[str]
     port: int
-    threads: int
+    threads: int | None  # None: no thread settings (see `user_env`)
     health_path: str = "/health"
     env: dict[str, str] = field(default_factory=dict)  # on top of the thread settings
 
@@ -87,7 +104,7 @@ class ServerSpec:
 def diffbatch_spec(
     model: str,
     *,
-    threads: int,
+    threads: int | None,
     max_num_seqs: int,
     wait_ms: float,
     executor: str = "mp",
@@ -104,6 +121,28 @@ def diffbatch_spec(
         "--log-level", "warning", *extra_args,
     ]
     return ServerSpec(name, cmd, port, threads)
+
+
+def diffbatch_defaults_spec(
+    model: str,
+    *,
+    name: str = "auto",
+    threads: int | None = None,
+    log_level: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> ServerSpec:
+    """`diffbatch serve MODEL --port P` with no tuning flag: batch size, admission wait
+    and (with `threads=None`) torch threads are the server's own choice.
+
+    `log_level` adds `--log-level` (e.g. "warning" to match `diffbatch_spec`'s
+    servers); None leaves the command exactly as a user would type it.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", model,
+           "--port", str(port)]
+    if log_level is not None:
+        cmd += ["--log-level", log_level]
+    return ServerSpec(name, [*cmd, *extra_args], port, threads)
 
 
 def peer_spec(
@@ -128,7 +167,7 @@ class Server:
     def __init__(self, spec: ServerSpec, log_dir: str) -> None:
         self.spec = spec
         self.log_path = os.path.join(log_dir, f"{spec.name}-{spec.port}.log")
-        env = dict(os.environ)
+        env = dict(os.environ) if spec.threads is not None else user_env()
         env.update(server_env_overrides(spec.threads))
         env.update(spec.env)
         env["PYTHONPATH"] = os.pathsep.join(

@@ -1,0 +1,83 @@
+"""The pure parts of `defaults.py` and `auto_batching.py`: the grid, the bars, the
+server commands. Fast (no server is started); the end-to-end runs are in
+test_benchmarks_smoke.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import auto_batching  # noqa: E402
+from peers_servers import harness  # noqa: E402
+
+TUNING_FLAGS = ("--max-num-seqs", "--request-batch-max-wait-ms", "--torch-threads")
+
+
+def test_grid_runs_max_num_seqs_1_once() -> None:
+    names = [s.name for s in auto_batching.grid([1, 4], [0.0, 10.0])]
+    assert names == ["seqs1_wait0", "seqs4_wait0", "seqs4_wait10"]
+
+
+def test_rotated_covers_every_server_in_a_new_order() -> None:
+    names = ["a", "b", "c"]
+    assert auto_batching.rotated(names, 1, reverse=False) == ["b", "c", "a"]
+    assert auto_batching.rotated(names, 4, reverse=True) == ["a", "c", "b"]
+
+
+def test_parse_configs_groups_sizes_by_model() -> None:
+    assert auto_batching.parse_configs(["tiny-sd:64", "shapes:64", "tiny-sd:128"]) == {
+        "tiny-sd": [64, 128], "shapes": [64]}
+    with pytest.raises(SystemExit, match="MODEL:SIZE"):
+        auto_batching.parse_configs(["tiny-sd"])
+
+
+SETTINGS = [auto_batching.AUTO, *auto_batching.grid([1, 4], [0.0])]
+
+
+def rows(auto: tuple[float, float], s1: tuple[float, float], s4: tuple[float, float]) -> dict:
+    return {name: {"throughput_rps": thr, "p50_ms": p50, "mean_wave_size": 1.0}
+            for name, (thr, p50) in (("auto", auto), ("seqs1_wait0", s1), ("seqs4_wait0", s4))}
+
+
+def test_verdict_passes_when_auto_is_as_good_as_the_best() -> None:
+    v = auto_batching.verdict("poisson_0.9x", 0.9, rows((10.0, 100.0), (6.0, 300.0),
+                                                        (10.2, 95.0)), SETTINGS)
+    assert v["best_fixed_throughput_setting"] == "seqs4_wait0"
+    assert v["throughput_ratio"] == pytest.approx(10.0 / 10.2)
+    assert v["p50_bar_ms"] == pytest.approx(1.1 * 95.0 + 2.0)
+    assert v["dominated_by"] == [] and v["pass"]
+
+
+def test_verdict_fails_each_bar() -> None:
+    # 0.9 of the best throughput, a p50 past 1.1x + 2 ms, and beaten on both by > 5%.
+    v = auto_batching.verdict("burst_64", None, rows((9.0, 120.0), (6.0, 300.0),
+                                                     (10.0, 100.0)), SETTINGS)
+    assert not v["throughput_pass"] and not v["p50_pass"]
+    assert v["dominated_by"] == ["seqs4_wait0"] and not v["pass"]
+
+
+def test_verdict_at_low_load_compares_p50_with_max_num_seqs_1() -> None:
+    # At 0.1x the reference is S = 1 (+ 2 ms, no 10 %), even if another setting is lower.
+    v = auto_batching.verdict("poisson_0.1x", 0.1, rows((1.0, 52.5), (1.0, 50.0),
+                                                        (1.0, 49.0)), SETTINGS)
+    assert v["p50_reference_setting"] == "seqs1_wait0"
+    assert v["p50_bar_ms"] == pytest.approx(52.0) and not v["p50_pass"]
+
+
+def test_defaults_server_has_no_tuning_flags_and_no_thread_env(monkeypatch) -> None:
+    spec = harness.diffbatch_defaults_spec("tiny-sd")
+    assert spec.cmd[-4:] == ["serve", "tiny-sd", "--port", str(spec.port)]
+    assert not set(TUNING_FLAGS) & set(spec.cmd) and spec.threads is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = harness.user_env()
+    assert not set(harness.THREAD_ENV_VARS) & set(env)
+    assert "OMP_NUM_THREADS" not in harness.server_env_overrides(None)
+    assert harness.server_env_overrides(2)["OMP_NUM_THREADS"] == "2"
+    fixed = harness.diffbatch_spec("tiny-sd", threads=None, max_num_seqs=4, wait_ms=10)
+    assert fixed.cmd[fixed.cmd.index("--max-num-seqs") + 1] == "4"
