@@ -158,8 +158,10 @@ class BatchPolicy:
 
     @property
     def learns(self) -> bool:
-        """Whether anything here is "auto" (then waves feed the cost model)."""
-        return self.batching and (self.config.auto_capacity or self.config.auto_wait)
+        """Whether anything here is "auto" and has a choice to make (then waves feed
+        the cost model); a capacity of 1 leaves nothing to learn."""
+        return self.batching and self.limit > 1 and (
+            self.config.auto_capacity or self.config.auto_wait)
 
     def set_limit(self, limit: int) -> None:
         """Lower the auto limit (e.g. to what memory allows, found by calibration)."""

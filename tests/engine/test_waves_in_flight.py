@@ -24,10 +24,12 @@ from diffbatch import (
     SamplingParams,
     SamplingParamsKey,
 )
+from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.core import EngineCore
 from diffbatch.errors import EngineDeadError
 from diffbatch.executor.abstract import Executor
 from diffbatch.sched.output import SchedulerOutput
+from tests.fake_pipelines import FakeBatchPipeline
 
 TIMEOUT_S = 30.0
 
@@ -91,11 +93,13 @@ class Harness:
     def __init__(self, max_num_seqs: int, max_waves_in_flight: int, start: bool = True,
                  executor: Executor | None = None) -> None:
         config = EngineConfig(model="fake", warmup=False, max_num_seqs=max_num_seqs,
-                              max_waves_in_flight=max_waves_in_flight)
+                              max_waves_in_flight=max_waves_in_flight,
+                              request_batch_max_wait_ms=0)
         self.executor = executor or QueuedExecutor(config)
         self.futures: dict[str, Future[DiffusionOutput]] = {}
         self.arrivals: dict[str, float] = {}
-        self.core = EngineCore(config, self.executor, supports_request_batch=True,
+        policy = BatchPolicy(config, FakeBatchPipeline().info(), supports_request_batch=True)
+        self.core = EngineCore(config, self.executor, policy=policy,
                                deliver=lambda request, out: self.futures[
                                    request.request_id].set_result(out))
         if start:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 
@@ -34,8 +35,9 @@ def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.command == "serve"
     assert args.model is None
     assert (args.host, args.port) == ("127.0.0.1", 8000)
-    assert args.max_num_seqs == 1
-    assert args.request_batch_max_wait_ms == 0.0
+    assert args.max_num_seqs == "auto"
+    assert args.request_batch_max_wait_ms == "auto"
+    assert args.max_num_seqs_limit is None and args.torch_num_threads is None
     assert args.executor == "mp"
     assert args.api_key is None
     assert args.max_queue_size is None
@@ -83,10 +85,14 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--max-num-seqs", "0"], "must be an integer >= 1, got 0"),
-        (["--max-num-seqs", "two"], "must be an integer >= 1, got 'two'"),
-        (["--request-batch-max-wait-ms", "-1"], "must be a finite number >= 0"),
-        (["--request-batch-max-wait-ms", "nan"], "must be a finite number >= 0"),
+        (["--max-num-seqs", "0"], "must be 'auto' or an integer >= 1, got 0"),
+        (["--max-num-seqs", "two"], "must be 'auto' or an integer >= 1, got 'two'"),
+        (["--max-num-seqs", "autoo"], "must be 'auto' or an integer >= 1, got 'autoo'"),
+        (["--max-num-seqs", "-1"], "must be 'auto' or an integer >= 1, got -1"),
+        (["--request-batch-max-wait-ms", "-1"], "must be 'auto' or a finite number >= 0"),
+        (["--request-batch-max-wait-ms", "nan"], "must be 'auto' or a finite number >= 0"),
+        (["--max-num-seqs-limit", "0"], "must be an integer >= 1, got 0"),
+        (["--torch-threads", "0"], "must be an integer >= 1, got 0"),
         (["--request-timeout", "0"], "must be a finite number > 0"),
         (["--port", "70000"], "must be between 0 and 65535"),
         (["--executor", "ray"], "must be one of 'mp', 'inproc', got 'ray'"),
@@ -131,7 +137,8 @@ def test_run_server_hands_the_connection_flags_to_uvicorn(
     from tests.fake_pipelines import FakeBatchPipeline
 
     engine = diffbatch.Engine(pipeline_class=FakeBatchPipeline, executor="inproc")
-    monkeypatch.setattr(diffbatch, "Engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(diffbatch, "Engine",
+                        types.SimpleNamespace(from_config=lambda config: engine))
     configs: list[uvicorn.Config] = []
 
     class NoServer:

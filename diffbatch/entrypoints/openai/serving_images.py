@@ -174,7 +174,7 @@ class OpenAIServingImages:
         self.png_compress_level = png_compress_level
         self.http_metrics = http_metrics
         info = engine.info
-        model_cap = info.max_image_pixels or max_image_pixels
+        model_cap = info.model_max_pixels or max_image_pixels
         self.size_rule = SizeRule(
             multiple=info.size_multiple,
             max_pixels=min(max_image_pixels, model_cap),

@@ -73,7 +73,8 @@ class RayServeArgs(BaseModel):
     min_replicas: int | None = Field(None, ge=0)  # autoscaling lower bound
     max_replicas: int | None = Field(None, ge=1)  # set to turn autoscaling on
     target_ongoing_requests: float | None = Field(None, gt=0)  # autoscaling target
-    max_ongoing_requests: int | None = Field(None, ge=1)  # None: max(5, 2 * max_num_seqs)
+    # None: max(5, 2 * max_num_seqs), where "auto" counts as its limit
+    max_ongoing_requests: int | None = Field(None, ge=1)
     num_cpus_per_replica: float = Field(1.0, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     health_check_period_s: float = Field(10.0, gt=0)
@@ -129,7 +130,8 @@ class RayServeArgs(BaseModel):
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine_config().max_num_seqs
+        """The most requests one replica's wave may hold (the auto limit for "auto")."""
+        return self.engine_config().capacity_limit
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine arguments given (`EngineConfig` fields)."""

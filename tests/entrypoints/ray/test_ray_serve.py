@@ -74,7 +74,9 @@ def test_args_autoscaling_bounds() -> None:
         "min_replicas": 1, "initial_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 3,
     }
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
-    assert options["max_ongoing_requests"] == 5  # Ray's default, above 2 * max_num_seqs
+    assert options["max_ongoing_requests"] == 64  # 2 * the auto limit (32): two full waves
+    fixed = RayServeArgs.from_dict({"max_num_seqs": 2}).deployment_options()
+    assert fixed["max_ongoing_requests"] == 5  # Ray's default, above 2 * max_num_seqs
 
 
 @pytest.mark.parametrize(("given", "expected"), [
@@ -82,8 +84,8 @@ def test_args_autoscaling_bounds() -> None:
                          "EngineConfig fields: model,"),
     ({"num_replicas": 0}, "`num_replicas`: Input should be greater than or equal to 1 (got 0)"),
     ({"executor": "thread"}, "`executor` must be one of 'mp', 'inproc', got 'thread'"),
-    ({"max_num_seqs": "many"}, "`max_num_seqs` must be an integer >= 1, got 'many'"),
-    ({"max_num_seqs": 0}, "`max_num_seqs` must be an integer >= 1, got 0"),  # EngineConfig's
+    ({"max_num_seqs": "many"}, "`max_num_seqs` must be 'auto' or an integer >= 1, got 'many'"),
+    ({"max_num_seqs": 0}, "`max_num_seqs` must be 'auto' or an integer >= 1, got 0"),
     ({"png_compress_level": 10}, "`png_compress_level`: Input should be less than or equal "
                                  "to 9 (got 10)"),
     ({"min_replicas": 1}, "`min_replicas` needs autoscaling: also set `max_replicas`"),
