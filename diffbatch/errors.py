@@ -11,9 +11,11 @@ guessing.
     ├── ConfigError                     (start-up; never reaches HTTP)
     ├── QueueFullError                  503 server_overloaded
     ├── RequestAbortedError             499 request_aborted
+    │   └── WaveInterrupted             (a wave nobody waits for stopped between steps)
     ├── RequestTimeoutError             504 timeout_error
     ├── EngineDeadError                 503 engine_unavailable
-    │   └── EngineClosedError
+    │   ├── EngineClosedError
+    │   └── WorkerDiedError             (the worker process died before answering a wave)
     └── PipelineError                   500 server_error  (a forward raised or broke the contract)
 """
 
@@ -73,6 +75,11 @@ class RequestAbortedError(DiffbatchError):
     type = "request_aborted"
 
 
+class WaveInterrupted(RequestAbortedError):
+    """A wave was stopped between denoising steps because none of its requests is
+    wanted any more; raised inside the worker, never seen by a caller."""
+
+
 class RequestTimeoutError(DiffbatchError):
     """The request did not finish within the configured timeout."""
 
@@ -89,6 +96,19 @@ class EngineDeadError(DiffbatchError):
 
 class EngineClosedError(EngineDeadError):
     """The engine was closed while the request was open."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """The worker process died (or was killed as frozen) before it answered a wave.
+
+    `started` says whether the wave was running when it died (it may be what killed
+    the worker) or only queued behind the running one, or refused because a
+    replacement worker was still starting (it never ran).
+    """
+
+    def __init__(self, message: str, *, started: bool, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.started = started
 
 
 class PipelineError(DiffbatchError):

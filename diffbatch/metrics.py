@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 OUTCOMES = ("completed", "error", "aborted", "rejected")
@@ -66,6 +66,33 @@ class _LearnedBatching(Collector):
         yield wait
 
 
+class _WorkerHealth(Collector):
+    """The executor's worker health (`Executor.health_stats`), read on scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self.read = read
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        stats = self.read()
+        if not stats:
+            return
+        yield GaugeMetricFamily(
+            "diffbatch_worker_up", "1 while a live, responsive worker process serves; 0 while "
+            "it is dead, frozen or being replaced.", value=stats.get("up", 0.0))
+        yield GaugeMetricFamily(
+            "diffbatch_worker_heartbeat_age_seconds", "Seconds since the serving worker was "
+            "last heard from (a heartbeat about every second); it grows while the worker is "
+            "frozen.", value=stats.get("heartbeat_age_s", 0.0))
+        for name, key, text in (
+            ("diffbatch_worker_deaths", "deaths", "Worker processes that died while serving "
+             "(killed as frozen included)."),
+            ("diffbatch_worker_frozen", "frozen", "Worker processes killed because their "
+             "heartbeat was silent for --worker-stall-timeout."),
+            ("diffbatch_worker_restarts", "restarts", "Replacement worker processes started."),
+        ):
+            yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
+
+
 class EngineMetrics:
     """The engine's gauges, histograms and counters."""
 
@@ -75,6 +102,7 @@ class EngineMetrics:
         num_running: Callable[[], int],
         waiting_by_key: Callable[[], dict[str, int]] | None = None,
         learned_batching: Callable[[], dict[str, dict[str, Any]]] | None = None,
+        worker_health: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -83,7 +111,8 @@ class EngineMetrics:
         )
         self.waiting.set_function(num_waiting)
         self.running = Gauge(
-            "diffbatch_num_requests_running", "Requests in the running wave.", registry=r
+            "diffbatch_num_requests_running", "Requests in waves the executor works on "
+            "(aborted ones included until their wave has stopped).", registry=r
         )
         self.running.set_function(num_running)
         self.wave_size = Histogram(
@@ -114,6 +143,16 @@ class EngineMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
+        self.waves_cancelled = Counter(
+            "diffbatch_waves_cancelled", "Waves in flight stopped early because none of "
+            "their requests was wanted any more (aborted, timed out, disconnected).", registry=r,
+        )
+        self.waves_rerun = Counter(
+            "diffbatch_waves_rerun", "Waves re-run on a replacement worker after the worker "
+            "died under them (a crashed wave is re-run in halves).", registry=r,
+        )
+        if worker_health is not None:
+            r.register(_WorkerHealth(worker_health))
         if waiting_by_key is not None:
             r.register(_WaitingByKey(waiting_by_key))
         if learned_batching is not None:

@@ -87,6 +87,12 @@ class BatchRunnerOutput:
         return cls(outputs={rid: DiffusionOutput.from_error(rid, error) for rid in request_ids},
                    num_forwards=0)
 
+    @classmethod
+    def aborted(cls, request_ids: list[str]) -> BatchRunnerOutput:
+        """A wave stopped because nobody waits for it: each request comes back aborted."""
+        return cls(outputs={rid: DiffusionOutput.make_aborted(rid) for rid in request_ids},
+                   num_forwards=0)
+
     @property
     def req_ids(self) -> list[str]:
         return list(self.outputs)

@@ -12,9 +12,10 @@ numbers come from the engine's `BatchPolicy` for the next wave: a fixed
 - `stable`: the waiting count has not grown for a stable window (for a fixed wait
   `min(50 ms, max_wait / 5)`; the plan's own otherwise; only growth resets the
   window, an abort does not),
-  and no announced request is still on its way (see `ArrivalNotice` in the engine:
-  the HTTP layer announces a request while it still reads and validates its body, so
-  a burst is not cut short by its own parsing time);
+  and no request announced in the last `MAX_NOTICE_HOLD_MS` is still on its way (see
+  `ArrivalNotice` in the engine: the HTTP layer announces a request while it still
+  reads and validates its body, so a burst is not cut short by its own parsing time;
+  a body that takes longer than that is a slow client, and holds nobody's wave);
 - `deadline`: `start + max_wait` passed;
 - `stopped`: the engine is stopping.
 
@@ -29,6 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_STABLE_WINDOW_MS = 50.0
+# How long an announced request may hold the wait after it was announced. Reading and
+# parsing a body of at most 1 MiB takes well under this on loopback or a LAN; a client
+# still sending after it is slow (or malicious), and must not stall every wave.
+MAX_NOTICE_HOLD_MS = 100.0
 
 
 @dataclass
@@ -61,7 +66,7 @@ class AdmissionWait:
         is_stopped: Callable[[], bool],
         wait_s: Callable[[float], object],
         clock: Callable[[], float] = time.monotonic,
-        num_incoming: Callable[[], int] = lambda: 0,
+        incoming_hold_until: Callable[[], float] = lambda: 0.0,
     ) -> str:
         """Wait until one of the exit conditions holds; return its name.
 
@@ -71,8 +76,10 @@ class AdmissionWait:
             wait_s: blocks up to the given seconds or until notified, e.g. the bound
                 `Condition.wait` of the engine's condition (called with its lock held).
             clock: monotonic seconds.
-            num_incoming: announced requests not yet added; while any is on its way
-                the queue is not stable (the deadline still bounds the wait).
+            incoming_hold_until: the `clock` time until which announced requests not
+                yet added hold the wait (the newest one's announcement plus
+                `MAX_NOTICE_HOLD_MS`; 0 when none is on its way): until then the queue
+                is not stable (the deadline still bounds the wait).
         """
         start = clock()
         deadline = start + self.max_wait_ms / 1000.0
@@ -92,7 +99,8 @@ class AdmissionWait:
                 return "deadline"
             window_end = last_growth + window_s
             if now >= window_end:
-                if num_incoming() == 0:
+                hold_until = incoming_hold_until()
+                if hold_until <= now:
                     return "stable"
-                window_end = deadline  # woken early by the arrival or its retraction
+                window_end = hold_until  # or woken early by the arrival or its retraction
             wait_s(min(deadline, window_end) - now)

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from diffbatch.config import EngineConfig
+from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
@@ -49,6 +49,10 @@ from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
 logger = logging.getLogger(__name__)
 
 _TQDM_MIN_PROMPTS = 16  # `generate` shows a progress bar from this many prompts on
+_SHUTTING_DOWN = "the server is shutting down"
+# What `shutdown()` gives the last waves and the worker to stop once the shutdown
+# timeout passed: an interrupted wave stops at its next step, well within it.
+SHUTDOWN_GRACE_S = 2.0
 
 
 def resolve_request_batch_support(pipeline_class: Any) -> tuple[type, bool]:
@@ -87,6 +91,8 @@ class Engine:
             config = dataclasses.replace(config, model=DEFAULT_MODEL)
         self.config = config
         self._closed = False
+        self._draining = False  # shutdown() began: no new requests
+        self._close_done = threading.Event()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
         self._rng = random.Random(config.seed)
@@ -106,6 +112,7 @@ class Engine:
         self.executor = Executor.get_class(config.executor)(config)
         self.info: PipelineInfo = self.executor.info
         # 3. The loop, then a warm-up request through the whole path.
+        self.max_request_work = self._request_work_limit()
         self.policy = BatchPolicy(config, self.info,
                                   supports_request_batch=self.supports_request_batch)
         self.core = EngineCore(config, self.executor, policy=self.policy,
@@ -128,6 +135,7 @@ class Engine:
         self.metrics = EngineMetrics(
             lambda: self.core.num_waiting, lambda: self.core.num_running,
             self.core.num_waiting_by_key, self.policy.snapshot,
+            worker_health=self.executor.health_stats,
         )
         self.core.metrics = self.metrics
         logger.info(
@@ -136,6 +144,16 @@ class Engine:
             config.model, self.info.name, self.supports_request_batch, config.max_num_seqs,
             self.policy.limit, config.request_batch_max_wait_ms, config.executor,
         )
+
+    def _request_work_limit(self) -> int | None:
+        """The most pixel-steps (width x height x steps x images) one request may ask
+        for; None = no limit. "auto" scales the model's default request."""
+        limit = self.config.max_request_work
+        if limit == "auto":
+            info = self.info
+            return (AUTO_REQUEST_WORK_FACTOR * info.default_height * info.default_width
+                    * info.default_num_inference_steps)
+        return int(limit) or None
 
     def _warmup(self) -> None:
         params = SamplingParams(num_inference_steps=1, seed=0)
@@ -172,6 +190,15 @@ class Engine:
         """The checks that depend on the loaded model, run once, at admission."""
         info = self.info
         pixels = params.height * params.width
+        work = pixels * params.num_inference_steps * params.num_outputs_per_prompt
+        if self.max_request_work is not None and work > self.max_request_work:
+            raise InvalidRequestError(
+                f"this request asks for {params.width}x{params.height} x "
+                f"{params.num_inference_steps} steps x {params.num_outputs_per_prompt} "
+                f"image(s) = {work} pixel-steps; this server allows at most "
+                f"{self.max_request_work} per request (--max-request-work): ask for fewer "
+                "steps, fewer images or a smaller size", param="num_inference_steps",
+            )
         if info.model_max_pixels is not None and pixels > info.model_max_pixels:
             multiple = info.size_multiple
             side = math.isqrt(info.model_max_pixels) // multiple * multiple
@@ -255,6 +282,8 @@ class Engine:
         """Validate and resolve one request (no side effects)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
+        if self._draining:
+            raise EngineClosedError(_SHUTTING_DOWN + " and takes no new requests; retry")
         validate_prompt(prompt)
         resolved = self.resolve_params(params)
         request_id = uuid.uuid4().hex if request_id is None else request_id
@@ -272,6 +301,8 @@ class Engine:
         """Register one future per request and queue them all at once."""
         futures: list[concurrent.futures.Future[DiffusionOutput]] = []
         with self._lock:
+            if self._draining:  # shutdown() began while this request was prepared
+                raise EngineClosedError(_SHUTTING_DOWN + " and takes no new requests; retry")
             ids = [r.request_id for r in requests]
             duplicates = {i for i in ids if i in self._futures or ids.count(i) > 1}
             if duplicates:
@@ -446,23 +477,73 @@ class Engine:
         with self._lock:
             return len(self._futures)
 
-    def close(self) -> None:
-        """Fail every open request with "engine is closed", stop the loop and workers."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        open_requests = self.core.stop()
-        error = RequestError.from_exception(EngineClosedError("engine is closed"))
-        for request in open_requests:
-            self._deliver(request, DiffusionOutput.from_error(request.request_id, error))
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop gracefully within `timeout_s`, then close (the server's SIGTERM path).
+
+        At once: refuse new requests and answer every waiting one (they have not
+        started) with `EngineClosedError`. Running waves may finish until `timeout_s`
+        has passed; then they are interrupted (at their next denoising step) and their
+        requests answered the same way. Every error says the server is shutting down
+        and maps to a 503 the client may retry elsewhere. Then `close(grace_s)`.
+        """
         with self._lock:
-            leftovers = list(self._futures.items())
-            self._futures.clear()
-        for request_id, future in leftovers:
-            if not future.done():
-                future.set_result(DiffusionOutput.from_error(request_id, error))
-        self.core.join()
-        self.executor.shutdown()
+            if self._closed or self._draining:
+                return
+            self._draining = True
+        logger.info("shutting down: %d request(s) waiting, %d running; running waves may "
+                    "finish within %g s", self.core.num_waiting, self.core.num_running,
+                    timeout_s)
+        waiting = self.core.finish_waiting(RequestStatus.FINISHED_ERROR)
+        self._fail(waiting, EngineClosedError(
+            _SHUTTING_DOWN + ": this request had not started; retry it"))
+        if not self.core.wait_idle(timeout_s):
+            cut = self.core.abort_requests(self.core.open_request_ids(),
+                                           RequestStatus.FINISHED_ERROR)
+            logger.warning("shutdown timeout (%g s) passed: interrupting %d running "
+                           "request(s)", timeout_s, len(cut))
+            self._fail(cut, EngineClosedError(
+                f"{_SHUTTING_DOWN}: this request did not finish within the shutdown timeout "
+                f"({timeout_s:g} s) and was stopped; retry it"))
+        self.close(timeout_s=SHUTDOWN_GRACE_S)
+
+    def _fail(self, requests: list[DiffusionRequest], exc: Exception) -> None:
+        error = RequestError.from_exception(exc)
+        for request in requests:
+            self._deliver(request, DiffusionOutput.from_error(request.request_id, error))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Fail every open request with "engine is closed", stop the loop and workers.
+
+        `timeout_s` bounds each stage of stopping (the last waves, then the worker);
+        None waits as long as a stuck worker takes to stop (up to a minute per stage).
+        A second call waits for the first to finish.
+        """
+        with self._lock:
+            closing = getattr(self, "_closed", True)
+            self._closed = True
+        if closing:
+            if hasattr(self, "_close_done"):
+                self._close_done.wait(timeout_s if timeout_s is not None else 120.0)
+            return
+        try:
+            open_requests = self.core.stop()  # cancels the waves in flight
+            self._fail(open_requests, EngineClosedError("engine is closed"))
+            error = RequestError.from_exception(EngineClosedError("engine is closed"))
+            with self._lock:
+                leftovers = list(self._futures.items())
+                self._futures.clear()
+            for request_id, future in leftovers:
+                if not future.done():
+                    future.set_result(DiffusionOutput.from_error(request_id, error))
+            if timeout_s is None:
+                self.core.join()
+                self.executor.shutdown()
+            else:
+                self.core.join(timeout_s)
+                self.executor.shutdown(timeout_s=timeout_s)
+                self.core.join(timeout_s)  # the loop ends once the executor failed its waves
+        finally:
+            self._close_done.set()
 
     def __enter__(self) -> Engine:
         return self

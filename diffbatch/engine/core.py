@@ -19,6 +19,20 @@ lock; executor calls run without it, so requests can arrive and abort meanwhile.
 
 Outputs are delivered on a thread of their own, so the loop is free for the next
 wave while the last wave's outputs are converted and handed to their callers.
+
+Failures of the worker, not of the pipeline:
+
+- while the executor restarts a dead worker (`executor.is_restarting`), nothing is
+  dispatched: the queue waits for the replacement (its ready listener wakes the loop);
+- a wave whose worker died under it (`WorkerDiedError`, `started`) is re-run on the
+  replacement split in halves, as bisect isolation does, so only a request that
+  kills the worker again on its own fails (naming the crash); a wave that was only
+  queued behind it, or refused while the replacement started, is re-run as it was.
+  Re-runs go before anything new, their requests stay RUNNING meanwhile;
+- a wave none of whose requests is wanted any more (all aborted: disconnect,
+  timeout, stop) is cancelled in the executor, which stops it at its next denoising
+  step or drops it before it starts; `num_running` counts its requests until it
+  has stopped, since the worker is still busy with them.
 """
 
 from __future__ import annotations
@@ -30,11 +44,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from diffbatch.engine.admission import AdmissionWait
-from diffbatch.errors import DiffbatchError, EngineClosedError
+from diffbatch.engine.admission import MAX_NOTICE_HOLD_MS, AdmissionWait
+from diffbatch.errors import DiffbatchError, EngineClosedError, WorkerDiedError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
 from diffbatch.sched.policy import make_scheduler
@@ -60,6 +74,16 @@ class InFlightWave:
     future: Future[BatchRunnerOutput]
     dispatched: float  # time.monotonic() when it was handed to the executor
     admission_reason: str  # why its admission wait ended ("" = no wait)
+    crashed_before: bool = False  # its requests were in a wave the worker died under
+    cancelled: bool = False  # the executor was told nobody waits for it
+
+
+@dataclass
+class _Rerun:
+    """A wave to dispatch again, before anything new: see the module docstring."""
+
+    wave: SchedulerOutput
+    crashed_before: bool  # its requests were already in a wave the worker died under
 
 
 class ArrivalNotice:
@@ -67,7 +91,8 @@ class ArrivalNotice:
 
     Entering announces it; the engine closes it when the request is added, and
     leaving the `with` block closes it in any case (rejected, failed, disconnected).
-    While it is open, the admission wait does not call the queue stable.
+    For `MAX_NOTICE_HOLD_MS` after it opened, the admission wait does not call the
+    queue stable; a body slower than that (a slow client) no longer holds anyone.
     """
 
     def __init__(self, core: EngineCore) -> None:
@@ -111,7 +136,10 @@ class EngineCore:
         self.last_admission_reason = ""  # why the last admission wait ended ("" = none)
         self.max_waves_in_flight = max(1, executor.max_concurrent_waves)
         self.in_flight: deque[InFlightWave] = deque()  # oldest first; only the loop changes it
+        self._reruns: deque[_Rerun] = deque()  # waves to dispatch again, oldest first
         self.num_incoming = 0  # announced requests not yet added (see ArrivalNotice)
+        self._open_notices: dict[int, float] = {}  # id(notice) -> opened, oldest first
+        executor.set_ready_listener(self._notify)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -132,7 +160,10 @@ class EngineCore:
             self._stopped = True
             open_ids = self.scheduler.request_ids()
             open_requests = self.scheduler.finish_requests(open_ids, RequestStatus.FINISHED_ERROR)
+            self._reruns.clear()
+            unwanted = self._unwanted_waves()
             self.cond.notify_all()
+        self._cancel(unwanted)
         return open_requests
 
     def join(self, timeout_s: float = 60.0) -> None:
@@ -161,6 +192,7 @@ class EngineCore:
         with self.cond:
             notice.open = True
             self.num_incoming += 1
+            self._open_notices[id(notice)] = time.monotonic()
             self.cond.notify_all()
 
     def retract(self, notice: ArrivalNotice | None) -> None:
@@ -171,7 +203,15 @@ class EngineCore:
             if notice.open:
                 notice.open = False
                 self.num_incoming -= 1
+                del self._open_notices[id(notice)]
                 self.cond.notify_all()
+
+    def _incoming_hold_until(self) -> float:
+        """(Holding `cond`.) Until when announced requests may hold the admission wait:
+        the newest open notice's opening plus `MAX_NOTICE_HOLD_MS` (0.0: none open)."""
+        if not self._open_notices:
+            return 0.0
+        return next(reversed(self._open_notices.values())) + MAX_NOTICE_HOLD_MS / 1000.0
 
     def add_requests(
         self, requests: list[DiffusionRequest], notice: ArrivalNotice | None = None
@@ -196,12 +236,57 @@ class EngineCore:
                 raise
             self.cond.notify_all()
 
-    def abort_requests(self, request_ids: list[str]) -> list[DiffusionRequest]:
-        """Abort waiting or running requests; returns those this call finished."""
+    def abort_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> list[DiffusionRequest]:
+        """Finish waiting or running requests (aborted, or `status`); returns those this
+        call finished. A wave in flight none of whose requests is left is cancelled."""
         with self.cond:
-            aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+            aborted = self.scheduler.finish_requests(request_ids, status)
+            unwanted = self._unwanted_waves()
             self.cond.notify_all()
+        self._cancel(unwanted)
         return aborted
+
+    def finish_waiting(self, status: RequestStatus) -> list[DiffusionRequest]:
+        """Finish every request that has not started (a wave in flight keeps its own)."""
+        with self.cond:
+            running = set(self.scheduler.running_request_ids())
+            waiting = [rid for rid in self.scheduler.request_ids() if rid not in running]
+            finished = self.scheduler.finish_requests(waiting, status)
+            self.cond.notify_all()
+        return finished
+
+    def open_request_ids(self) -> list[str]:
+        with self.cond:
+            return self.scheduler.request_ids()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing waits, runs or is in flight; False if `timeout_s` passed."""
+        with self.cond:
+            return self.cond.wait_for(
+                lambda: not self.in_flight and not self._reruns
+                and self.scheduler.num_waiting == 0 and self.scheduler.num_running == 0,
+                timeout_s,
+            )
+
+    def _unwanted_waves(self) -> list[InFlightWave]:
+        """(Holding `cond`.) Waves in flight none of whose requests is open any more, not
+        cancelled yet; marks them cancelled (the caller tells the executor)."""
+        unwanted = [w for w in self.in_flight if not w.cancelled and not w.future.done()
+                    and all(r.is_finished for r in w.wave.requests)]
+        for record in unwanted:
+            record.cancelled = True
+        return unwanted
+
+    def _cancel(self, records: list[InFlightWave]) -> None:
+        """(Without `cond`.) Tell the executor nobody waits for these waves."""
+        for record in records:
+            logger.info("wave %d: none of its %d request(s) is wanted any more; stopping it",
+                        record.wave.wave_id, record.wave.num_requests)
+            if self.metrics is not None:
+                self.metrics.waves_cancelled.inc()
+            self.executor.cancel(record.future)
 
     @property
     def num_waiting(self) -> int:
@@ -209,7 +294,12 @@ class EngineCore:
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        """Requests the executor works on: running ones, and aborted ones whose wave has
+        not stopped yet (the worker is still busy with them)."""
+        with self.cond:
+            stopping = sum(1 for w in self.in_flight if not w.future.done()
+                           for r in w.wave.requests if r.is_finished)
+            return self.scheduler.num_running + stopping
 
     def num_waiting_by_key(self) -> dict[str, int]:
         """Waiting requests per key, keys in short form (for metrics)."""
@@ -243,11 +333,13 @@ class EngineCore:
             return False
         if isinstance(action, InFlightWave):
             self._finish(action)
+        elif isinstance(action, _Rerun):
+            self._dispatch(action.wave, crashed_before=action.crashed_before)
         else:
             self._dispatch(action)
         return True
 
-    def _next_action(self) -> InFlightWave | SchedulerOutput | None:
+    def _next_action(self) -> InFlightWave | _Rerun | SchedulerOutput | None:
         """Block (holding `cond`) until the oldest wave is done or a wave can go."""
         while True:
             if self.in_flight and self.in_flight[0].future.done():
@@ -255,11 +347,26 @@ class EngineCore:
             if self._stopped:
                 if not self.in_flight:
                     return None
-            elif len(self.in_flight) < self.max_waves_in_flight:
-                wave = self._schedule()
+            elif len(self.in_flight) < self.max_waves_in_flight \
+                    and not self.executor.is_restarting:
+                wave = self._next_rerun() or self._schedule()
                 if wave is not None:
                     return wave
             self.cond.wait()
+
+    def _notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def _next_rerun(self) -> _Rerun | None:
+        """(Holding `cond`.) The oldest wave to run again, without requests finished since."""
+        while self._reruns:
+            rerun = self._reruns.popleft()
+            live = [r for r in rerun.wave.requests if not r.is_finished]
+            if live:
+                self.last_admission_reason = ""
+                return _Rerun(replace(rerun.wave, requests=live), rerun.crashed_before)
+        return None
 
     def _schedule(self) -> SchedulerOutput | None:
         """(Holding `cond`.) The next wave to dispatch now, if any.
@@ -283,20 +390,23 @@ class EngineCore:
                     lambda: self.scheduler.num_waiting,
                     lambda: self._stopped,
                     self.cond.wait,
-                    num_incoming=lambda: self.num_incoming,
+                    incoming_hold_until=self._incoming_hold_until,
                 )
                 if self._stopped:
                     return None
         wave = self.scheduler.schedule()
         return None if wave.is_empty else wave
 
-    def _dispatch(self, wave: SchedulerOutput) -> None:
+    def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
         """Hand the wave to the executor (outside the lock) and track it."""
         dispatched = time.monotonic()
         future = self.executor.submit_batch(wave)
-        record = InFlightWave(wave, future, dispatched, self.last_admission_reason)
+        record = InFlightWave(wave, future, dispatched, self.last_admission_reason,
+                              crashed_before=crashed_before)
         with self.cond:
             self.in_flight.append(record)
+            unwanted = self._unwanted_waves()  # aborted while it was being handed over
+        self._cancel(unwanted)
         future.add_done_callback(self._wake)  # runs at once if the call already ran
 
     def _wake(self, _future: Future[BatchRunnerOutput]) -> None:
@@ -316,6 +426,12 @@ class EngineCore:
         wave = record.wave
         try:
             runner_output = record.future.result()
+        except WorkerDiedError as exc:
+            if self._rerun_after_death(record, exc):
+                return
+            runner_output = BatchRunnerOutput.failed(wave.req_ids, RequestError(
+                "the worker process died while running this request, and again when it "
+                f"was re-run on its own on a replacement ({exc.message})"))
         except Exception as exc:
             runner_output = BatchRunnerOutput.failed(wave.req_ids,
                                                      self._executor_error(wave, exc))
@@ -327,10 +443,37 @@ class EngineCore:
                                  runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
+            self.cond.notify_all()  # for wait_idle
         self._log_wave(wave, started, runner_output, record.admission_reason)
         for request, output in finished:
             output.queue_time_ms = (started - request.arrival_time) * 1000.0
             self._outbox.put((request, output))
+
+    def _rerun_after_death(self, record: InFlightWave, exc: WorkerDiedError) -> bool:
+        """Queue the wave's open requests to run again on the replacement worker; False
+        if its one request already killed a worker before (it fails instead)."""
+        wave = record.wave
+        with self.cond:
+            live = [r for r in wave.requests if not r.is_finished]
+            if not exc.started:  # it never ran: again as it was
+                if live:
+                    self._reruns.append(_Rerun(replace(wave, requests=live),
+                                               record.crashed_before))
+                self.cond.notify_all()
+                return True
+            if record.crashed_before and len(live) == 1:
+                return False
+            mid = (len(live) + 1) // 2
+            halves = [part for part in (live[:mid], live[mid:]) if part]
+            for part in halves:
+                self._reruns.append(_Rerun(replace(wave, requests=part, close_reason="rerun"),
+                                           crashed_before=True))
+            self.cond.notify_all()
+        logger.warning("wave %d: %s; re-running its %d open request(s) in %d wave(s) on the "
+                       "replacement", wave.wave_id, exc.message, len(live), len(halves))
+        if self.metrics is not None and live:
+            self.metrics.waves_rerun.inc(len(halves))
+        return True
 
     def _log_wave(
         self, wave: SchedulerOutput, wave_start: float, runner_output: BatchRunnerOutput,

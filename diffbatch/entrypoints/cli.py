@@ -46,6 +46,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         DEFAULT_HEADER_TIMEOUT_S,
         DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         DEFAULT_LIMIT_CONCURRENCY,
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
     )
     from diffbatch.entrypoints.openai.serving_images import (
         DEFAULT_MAX_IMAGE_PIXELS,
@@ -79,6 +80,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--request-timeout", type=float_at_least(0.0, strict=True), default=None,
         metavar="SECONDS", help="abort requests not finished after this long (504)",
+    )
+    server.add_argument(
+        "--shutdown-timeout", type=float_at_least(0.0), default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: refuse new requests and answer waiting ones 503 at once, "
+        "let running waves finish for this long, then interrupt them (503), stop the "
+        "worker and exit",
     )
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,

@@ -15,6 +15,7 @@ Implementations sit beside this file: `inproc.py` (the runner in this process) a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -40,13 +41,17 @@ class Executor(ABC):
     if the pipeline cannot be loaded. Every execute call returns exactly one output
     per request; a request whose run fails gets an output with `error` set. An
     executor whose runner is gone raises `EngineDeadError` from the execute calls
-    and `check_health`.
+    and `check_health` (`WorkerDiedError` when a runner died under a wave and a
+    replacement is starting: `is_restarting`; the ready listener is called when the
+    replacement serves or the restart failed).
     """
 
     info: PipelineInfo  # set once the pipeline is loaded
     # Waves this executor can hold at once (one running, the rest queued behind it);
     # 1 for an executor whose submit calls run the wave before returning.
     max_concurrent_waves: int = 1
+
+    _ready_listener: Callable[[], None] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -64,13 +69,39 @@ class Executor(ABC):
             future.set_exception(exc)
         return future
 
+    def cancel(self, future: Future[BatchRunnerOutput]) -> None:  # noqa: B027 - optional
+        """Nobody waits for the wave behind `future` any more: stop it at its next
+        denoising step, or drop it if it has not started; its requests then come back
+        aborted. Never blocks; a finished or unknown future is ignored. An executor
+        that runs waves in the caller's thread lets the runner see the aborts itself."""
+
+    @property
+    def is_restarting(self) -> bool:
+        """Whether the runner died and a replacement is starting (work can wait)."""
+        return False
+
+    def set_ready_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (from any thread, without locks held) whenever a restart
+        ends: a replacement serves, or starting it failed."""
+        self._ready_listener = listener
+
+    def _notify_ready(self) -> None:
+        if self._ready_listener is not None:
+            self._ready_listener()
+
+    def health_stats(self) -> dict[str, float]:
+        """Numbers for /metrics: `up` (1 or 0), `heartbeat_age_s`, and the counts
+        `deaths`, `frozen` and `restarts`; an executor reports what it has."""
+        return {}
+
     @abstractmethod
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the runner cannot take work."""
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Stop the runner and free its resources; safe to call twice."""
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop the runner and free its resources; safe to call twice. `timeout_s`
+        bounds each stage of stopping a runner that does not stop on its own."""
 
     @staticmethod
     def get_class(kind: str | type[Executor]) -> type[Executor]:

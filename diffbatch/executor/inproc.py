@@ -42,5 +42,5 @@ class InprocExecutor(Executor):
     def check_health(self) -> None:
         self._runner()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> None:
         self.runner = None

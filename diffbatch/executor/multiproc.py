@@ -5,9 +5,10 @@ of the engine process, so a crash in native code kills only the worker. The
 worker's life, as the serving worker of one executor:
 
     starting --WorkerReady--> serving --exit/kill--> dead --replacement ready--> serving
-       |  load error, timeout                          |  restart fails
-       v                                               v
-    (start-up raises)                           dead for good (unhealthy)
+       |  load error, timeout       |                  |  restart fails
+       v                            | no heartbeat     v
+    (start-up raises)               v for the stall  dead for good (unhealthy)
+                                  frozen --SIGKILL--> dead
     any state --shutdown()--> closed
 
 - start-up runs `python -m diffbatch.worker` as its own program (never a re-import of
@@ -21,12 +22,21 @@ worker's life, as the serving worker of one executor:
   can already wait in the pipe (`max_concurrent_waves` = the config's
   `max_waves_in_flight`), and the worker starts it without a round trip through
   the engine. `execute_batch` is `submit_batch(...).result()`;
+- `cancel(future)` sends a `WorkerCancel` for the call behind `future`: the worker
+  stops it at the next denoising step (or drops it before it starts) and answers
+  with aborted outputs;
 - one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
-  the call it answers;
-- a worker that dies fails every pending call with `EngineDeadError` at once; the
-  executor turns unhealthy, sweeps the dead worker's segments and starts a
-  replacement in the background; `check_health()` passes again once it is ready.
+  the call it answers. The worker sends a heartbeat every second or so; when none
+  came for `worker_stall_timeout_s` (the process is stopped, or starved), the
+  reader declares it frozen, kills it (SIGKILL) and handles the death below;
+- a worker that dies fails every pending call with `WorkerDiedError` at once (the
+  oldest with `started=True`: it was running; the rest never started, and calls
+  submitted while a replacement starts are refused the same way); the executor
+  turns unhealthy (`is_restarting`), sweeps the dead worker's segments and starts a
+  replacement in the background; `check_health()` passes again once it is ready,
+  and the ready listener (`set_ready_listener`) is called, so the engine can hold
+  its queue meanwhile and re-run what the dead worker was running.
 
 Threads: any thread may submit (sends are serialised per worker); futures are
 resolved on the reader thread, so their callbacks must not block. `_lock` guards
@@ -55,17 +65,20 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list
-from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError
+from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError, WorkerDiedError
 from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
     WorkerCall,
+    WorkerCancel,
     WorkerError,
+    WorkerHeartbeat,
     WorkerMethod,
     WorkerReady,
     WorkerReply,
     WorkerStart,
+    heartbeat_interval_s,
     recv_message,
     send_message,
 )
@@ -140,6 +153,8 @@ class _Worker:
         self.pending: OrderedDict[int, _PendingCall] = OrderedDict()  # in the order sent
         self.accepting = True  # False once the reader has failed what was pending
         self.reader: threading.Thread | None = None
+        self.last_heard = time.monotonic()  # the last message from it (reader thread)
+        self.frozen_for: float | None = None  # heartbeat silence when it was killed as frozen
         log_level = logging.getLogger("diffbatch").getEffectiveLevel()
         with contextlib.suppress(OSError):  # it died already: wait_ready reports why
             self.send(WorkerStart(config, runner_factory, log_level))
@@ -163,6 +178,11 @@ class _Worker:
             if call_id == UNREADABLE_CALL_ID and self.pending:
                 return self.pending.popitem(last=False)[1]
             return self.pending.pop(call_id, None)  # type: ignore[arg-type]
+
+    def call_id_of(self, future: Future[Any]) -> int | None:
+        """The id of the unanswered call whose future is `future`, if any."""
+        with self.pending_lock:
+            return next((cid for cid, p in self.pending.items() if p.future is future), None)
 
     def close_pending(self) -> list[_PendingCall]:
         """Stop accepting calls; return the unanswered ones (for the caller to fail)."""
@@ -321,7 +341,10 @@ class MultiprocExecutor(Executor):
         self._restart_thread: threading.Thread | None = None
         self._dead_reason = "no worker process is running"  # why `_worker` is None
         self._closed = False
+        self._stall_timeout_s = config.worker_stall_timeout_s  # 0: never declared frozen
         self.num_restarts = 0  # replacement workers started after a death
+        self.num_deaths = 0  # serving workers that died (killed as frozen included)
+        self.num_frozen = 0  # workers killed because their heartbeat fell silent
 
         worker, ready = self._start_worker()
         assert ready.info is not None
@@ -340,7 +363,34 @@ class MultiprocExecutor(Executor):
         """Whether a live worker is serving (never blocks on a running call)."""
         with self._lock:
             worker = None if self._closed else self._worker
-        return worker is not None and not worker.exited()
+        return worker is not None and not worker.exited() and worker.frozen_for is None
+
+    @property
+    def is_restarting(self) -> bool:
+        """Whether the worker died and a replacement is starting (work can wait for it)."""
+        with self._lock:
+            return not self._closed and self._worker is None and self._restart_thread is not None
+
+    def health_stats(self) -> dict[str, float]:
+        with self._lock:
+            worker = None if self._closed else self._worker
+        up = worker is not None and not worker.exited() and worker.frozen_for is None
+        return {
+            "up": float(up),
+            "heartbeat_age_s": time.monotonic() - worker.last_heard if worker else 0.0,
+            "deaths": float(self.num_deaths),
+            "frozen": float(self.num_frozen),
+            "restarts": float(self.num_restarts),
+        }
+
+    def cancel(self, future: Future[BatchRunnerOutput]) -> None:
+        with self._lock:
+            worker = self._worker
+        call_id = worker.call_id_of(future) if worker is not None else None
+        if call_id is None:  # answered already, or its worker is gone
+            return
+        with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
+            worker.send(WorkerCancel(call_id))
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
         n = scheduler_output.num_requests
@@ -363,6 +413,9 @@ class MultiprocExecutor(Executor):
             worker = self._worker
             if worker is None:
                 raise EngineDeadError(self._dead_message())
+        if worker.frozen_for is not None:
+            raise EngineDeadError(f"worker process {worker.pid} froze (no heartbeat for "
+                                  f"{worker.frozen_for:.1f} s) and is being replaced")
         if worker.exited():
             # Its reader notices the exit, fails what was pending and starts the
             # replacement; wait for that, so the reason below is the real one.
@@ -384,7 +437,8 @@ class MultiprocExecutor(Executor):
             )
         return self.is_healthy
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        stage_s = self._shutdown_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 return
@@ -399,13 +453,13 @@ class MultiprocExecutor(Executor):
             with contextlib.suppress(ProcessLookupError):  # the restart thread cleans up
                 starting.process.terminate()
         if worker is not None:
-            worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
+            worker.stop(graceful=True, timeout_s=stage_s)
             # Its reader now reads the last replies and the exit, fails what is still
             # pending (EngineClosedError) and cleans up.
-            if not worker.join_reader(self._shutdown_timeout_s):
+            if not worker.join_reader(stage_s):
                 shm.sweep(shm.segment_prefix(worker.pid))
         if thread is not None:
-            thread.join(self._shutdown_timeout_s)
+            thread.join(stage_s)
         logger.info("multiproc executor shut down")
 
     def _start_worker(self, *, replacement: bool = False) -> tuple[_Worker, WorkerReady]:
@@ -438,15 +492,19 @@ class MultiprocExecutor(Executor):
         with self._lock:
             closed, worker = self._closed, self._worker
             dead_message = self._dead_message() if worker is None else ""
+            restarting = self._restart_thread is not None
         if closed:
             future.set_exception(
                 EngineClosedError(f"the executor is shut down; cannot run {what}"))
             return future
         call_id = next(self._call_ids)
         pending = _PendingCall(what, convert, future)
+        if worker is None and not restarting:  # dead for good
+            future.set_exception(EngineDeadError(f"cannot run {what}: {dead_message}"))
+            return future
         if worker is None or not worker.add_pending(call_id, pending):
             reason = dead_message if worker is None else f"worker process {worker.pid} died"
-            future.set_exception(EngineDeadError(f"cannot run {what}: {reason}"))
+            future.set_exception(WorkerDiedError(f"cannot run {what}: {reason}", started=False))
             return future
         try:
             worker.send(WorkerCall(call_id, method, arg))
@@ -458,9 +516,25 @@ class MultiprocExecutor(Executor):
         return future
 
     def _read_replies(self, worker: _Worker) -> None:
-        """A worker's reader thread: answer pending calls until the worker is gone."""
+        """A worker's reader thread: answer pending calls until the worker is gone, and
+        kill it once its heartbeat has been silent for the stall timeout."""
+        check_s = heartbeat_interval_s(self._stall_timeout_s) if self._stall_timeout_s else None
+        worker.last_heard = last_wake = time.monotonic()
         while True:
-            ready = wait(worker.waitables)
+            ready = wait(worker.waitables, timeout=check_s)
+            now = time.monotonic()
+            if not ready:  # nothing for a heartbeat interval
+                assert check_s is not None
+                if now - last_wake > 3 * check_s:
+                    # NOTE: this process itself was not running (suspended, e.g. a
+                    # laptop's sleep): the silence says nothing about the worker.
+                    worker.last_heard = now
+                elif now - worker.last_heard > self._stall_timeout_s \
+                        and worker.frozen_for is None:
+                    self._kill_frozen(worker, now - worker.last_heard)
+                last_wake = now
+                continue
+            last_wake = now
             if worker.conn not in ready:
                 break
             try:
@@ -469,6 +543,9 @@ class MultiprocExecutor(Executor):
                 break
             except Exception as exc:  # a reply that does not unpickle here
                 reply = WorkerReply(UNREADABLE_CALL_ID, error=WorkerError.from_exception(exc))
+            worker.last_heard = now
+            if isinstance(reply, WorkerHeartbeat):
+                continue
             call_id = getattr(reply, "call_id", None)
             pending = worker.pop_pending(call_id)
             if pending is None:
@@ -486,12 +563,24 @@ class MultiprocExecutor(Executor):
             pending.resolve(reply)
         self._on_death(worker)
 
+    def _kill_frozen(self, worker: _Worker, silent_s: float) -> None:
+        """(Reader thread.) The worker sent nothing for the stall timeout: kill it; its
+        death is then handled like any other (pending calls fail, a replacement starts)."""
+        worker.frozen_for = silent_s
+        self.num_frozen += 1
+        logger.error("worker process %d froze: no heartbeat for %.1f s (--worker-stall-timeout "
+                     "%g s); killing it", worker.pid, silent_s, self._stall_timeout_s)
+        with worker._proc_lock, contextlib.suppress(ProcessLookupError):
+            worker.process.kill()
+
     def _on_death(self, worker: _Worker) -> None:
         """Handle a worker that exited (on its reader thread): clean up, fail its
         pending calls, and, for the serving worker, start a replacement."""
         if not worker.exited():  # EOF but still running: make sure it is gone
             worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
         exit_text = _describe_exit(worker.exitcode())
+        if worker.frozen_for is not None:
+            exit_text = f"frozen: no heartbeat for {worker.frozen_for:.1f} s, killed"
         worker.cleanup()
         thread = None
         with self._lock:
@@ -499,6 +588,7 @@ class MultiprocExecutor(Executor):
             first = self._worker is worker
             if first:
                 self._worker = None
+                self.num_deaths += 1
                 self._dead_reason = f"worker process {worker.pid} died ({exit_text})"
                 if self._restart_on_death and not closed:
                     thread = threading.Thread(
@@ -513,11 +603,16 @@ class MultiprocExecutor(Executor):
             during = f"while running {pending[0].what}" if pending else "while idle"
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
-        for call in pending:
+        # The worker runs calls in order: the oldest was running, the others waited.
+        for i, call in enumerate(pending):
             call.future.set_exception(
                 EngineClosedError(f"the executor was shut down while running {call.what}")
                 if closed else
-                EngineDeadError(f"worker process died ({exit_text}) while running {call.what}")
+                WorkerDiedError(f"worker process died ({exit_text}) while running {call.what}",
+                                started=True)
+                if i == 0 else
+                WorkerDiedError(f"worker process died ({exit_text}) before it started "
+                                f"{call.what}", started=False)
             )
 
     def _restart(self) -> None:
@@ -531,6 +626,7 @@ class MultiprocExecutor(Executor):
                     logger.error("could not start a replacement worker: %s", exc)
                 self._restart_thread = None
                 self._health.notify_all()
+            self._notify_ready()  # dead for good: held work fails now
             return
         with self._lock:
             closed = self._closed
@@ -544,6 +640,8 @@ class MultiprocExecutor(Executor):
         if closed:
             worker.stop(graceful=True, timeout_s=self._shutdown_timeout_s)
             worker.join_reader(self._shutdown_timeout_s)
+        else:
+            self._notify_ready()
 
     def _dead_message(self) -> str:
         if self._restart_thread is not None:

@@ -1,12 +1,16 @@
 """What crosses the pipe between the executor (engine process) and its worker process.
 
-Four messages, one plain dataclass each:
+Six messages, one plain dataclass each:
 
 - `WorkerStart` engine -> worker, once: what to load (the engine's config);
 - `WorkerCall`  engine -> worker: run one method of the runner;
+- `WorkerCancel` engine -> worker: nobody waits for a call any more; stop it at the
+  next denoising step, or drop it before it starts;
 - `WorkerReady` worker -> engine, once: the pipeline is loaded (its `PipelineInfo`),
   or why it could not be;
-- `WorkerReply` worker -> engine, one per call: the packed result or the error.
+- `WorkerReply` worker -> engine, one per call: the packed result or the error;
+- `WorkerHeartbeat` worker -> engine, every `heartbeat_interval_s(config)` once
+  ready: the worker's process is alive and scheduled (a frozen one stops sending).
 
 Results are packed with `diffbatch.ipc.shm.pack` before they are sent, so a reply
 carries shared-memory handles instead of large tensors; the receiver unpacks (or
@@ -88,6 +92,27 @@ class WorkerCall:
     call_id: int  # increasing per executor; the reply echoes it
     method: WorkerMethod  # one of WORKER_METHODS
     arg: Any = None  # a SchedulerOutput for "execute_batch"; None for "shutdown"
+
+
+@dataclass
+class WorkerCancel:
+    """Engine -> worker: stop call `call_id` (running: at its next denoising step;
+    queued: before it starts). Its reply still comes, with aborted outputs."""
+
+    call_id: int  # the `call_id` of the call to stop; unknown or finished ids are ignored
+
+
+@dataclass
+class WorkerHeartbeat:
+    """Worker -> engine, sent by a thread of its own while the worker serves."""
+
+    sent: float  # the worker's time.monotonic() when it was sent (for logs)
+
+
+def heartbeat_interval_s(stall_timeout_s: float) -> float:
+    """How often a worker sends `WorkerHeartbeat`: often enough that a stall timeout
+    sees several missed beats (at most every second)."""
+    return min(1.0, stall_timeout_s / 5.0) if stall_timeout_s > 0 else 1.0
 
 
 @dataclass

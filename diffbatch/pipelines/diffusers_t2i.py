@@ -347,8 +347,10 @@ class DiffusersT2IPipeline(BasePipeline):
                 f"the wave has {len(batch)} requests x {n} images but "
                 f"{len(batch.generators)} generators; pass one generator per image"
             )
-        # 2. One diffusers call for the whole wave.
-        kwargs = self.call_kwargs(batch)
+        # 2. One diffusers call for the whole wave, stopped between steps once nobody
+        #    waits for it.
+        batch.check_interrupt()
+        kwargs = {**self.call_kwargs(batch), **self._interrupt_kwargs(batch)}
         images = self.pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
             raise ValueError(
@@ -398,6 +400,26 @@ class DiffusersT2IPipeline(BasePipeline):
         # 4. Pipeline quirks.
         self._apply_quirks(kwargs, extra)
         return kwargs
+
+    def _interrupt_kwargs(self, batch: DiffusionRequestBatch) -> dict[str, Any]:
+        """The per-step hook that stops the diffusers loop once nobody waits for the wave.
+
+        NOTE: the hook raises `WaveInterrupted` rather than setting the pipeline's
+        `_interrupt` flag: with the flag, diffusers skips the remaining steps but still
+        decodes the latents and returns images nobody wants; raising stops at once, and
+        the runner turns it into aborted outputs (never a bisected error).
+        """
+        if "callback_on_step_end" in self._call_params:
+            def on_step_end(pipe: Any, step: int, timestep: Any,
+                            callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+                batch.check_interrupt()
+                return callback_kwargs
+
+            return {"callback_on_step_end": on_step_end}
+        if "callback" in self._call_params and "callback_steps" in self._call_params:
+            # the older per-step hook (PixArt-Sigma): callback(step, timestep, latents)
+            return {"callback": lambda *_: batch.check_interrupt(), "callback_steps": 1}
+        return {}
 
     def _guidance_scale(self, batch: DiffusionRequestBatch) -> float | None:
         """The wave's `guidance_scale` argument: a float, one scale per sample, or None.

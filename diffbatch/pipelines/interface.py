@@ -8,6 +8,12 @@ anything:
   size and returns one `DiffusionOutput` per request, in order. Otherwise the engine
   only ever passes batches of one request (the per-request path).
 
+A pipeline that loops over denoising steps calls `batch.check_interrupt()` between
+steps: it raises `WaveInterrupted` once nobody waits for the wave any more (every
+request aborted, timed out or disconnected), so the wave stops at the next step
+instead of running to its end. A pipeline that never calls it still works; its
+aborted waves just run to the end.
+
 Custom pipelines subclass `BasePipeline` (or just provide the same attributes and
 methods) and are passed to the engine as a class or a dotted name.
 """
@@ -15,8 +21,11 @@ methods) and are passed to the engine as a class or a dotted name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from diffbatch.errors import WaveInterrupted
 
 if TYPE_CHECKING:
     import torch
@@ -38,10 +47,19 @@ class DiffusionRequestBatch:
 
     requests: list[DiffusionRequest]
     generators: list[torch.Generator] = field(default_factory=list)  # [B * n]
+    # True once nobody waits for this wave (the runner's view of aborts); cheap to call
+    should_stop: Callable[[], bool] = field(default=lambda: False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.requests:
             raise ValueError("a DiffusionRequestBatch needs at least one request")
+
+    def check_interrupt(self) -> None:
+        """Raise `WaveInterrupted` if nobody waits for this wave any more; call it
+        between denoising steps."""
+        if self.should_stop():
+            raise WaveInterrupted(f"wave of {len(self.requests)} request(s) stopped: "
+                                  "none of its requests is wanted any more")
 
     def __len__(self) -> int:
         return len(self.requests)

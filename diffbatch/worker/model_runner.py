@@ -6,6 +6,11 @@ caches, activates the wave's single LoRA (adapter, scale), and calls
 `pipeline.forward(batch)`. It checks the pipeline's side of the contract (exactly
 one `DiffusionOutput` per request, in order) and never raises for a failing
 pipeline: every request of the wave gets an output, with `error` set if need be.
+
+A wave nobody waits for any more (`should_stop`: the worker's cancel flag, or, in
+process, every request of the wave finished) is not started, and a pipeline that
+checks `batch.check_interrupt()` between steps stops at the next one; either way
+its requests come back aborted.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.errors import ModelNotFoundError, PipelineError
+from diffbatch.errors import ModelNotFoundError, PipelineError, WaveInterrupted
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.sched.output import SchedulerOutput
@@ -139,20 +145,41 @@ class ModelRunner:
         self._loaded_loras: set[str] = set()
         self._active_lora: tuple[str | None, float | None] = (None, None)
         self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
+        self._should_stop: Callable[[], bool] = lambda: False  # the current wave's
 
     def info(self) -> PipelineInfo:
         return self._info
 
     # -- the entry -------------------------------------------------------------------
-    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        """Run one wave with one forward; every request gets exactly one output."""
+    def execute_batch(
+        self, scheduler_output: SchedulerOutput, *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> BatchRunnerOutput:
+        """Run one wave with one forward; every request gets exactly one output.
+
+        `should_stop` says when nobody waits for the wave any more; None: when every
+        request of the wave is finished (aborted), which only an in-process caller
+        sees (a worker's requests are copies).
+        """
         requests = scheduler_output.requests
         if not requests:
             return BatchRunnerOutput(outputs={}, forward_time_ms=0.0, num_forwards=0)
+        if should_stop is None:
+            def should_stop() -> bool:
+                return all(r.is_finished for r in requests)
+        if should_stop():  # dropped before it started: no forward at all
+            return BatchRunnerOutput.aborted(scheduler_output.req_ids)
+        self._should_stop = should_stop
         start = time.perf_counter()
         self._num_forwards = 0
         try:
             outputs = self._run(requests)
+        except WaveInterrupted:
+            logger.info("wave %d (%d requests) stopped early: none of its requests is wanted "
+                        "any more", scheduler_output.wave_id, len(requests))
+            aborted = BatchRunnerOutput.aborted(scheduler_output.req_ids)
+            aborted.forward_time_ms = (time.perf_counter() - start) * 1000.0
+            return aborted  # num_forwards 0: no forward finished, nothing for the cost model
         except Exception as exc:  # the pipeline failed: the wave's requests fail, we don't
             logger.warning(
                 "wave %d (%d requests) failed: %s: %s",
@@ -197,6 +224,8 @@ class ModelRunner:
         for half in (requests[:mid], requests[mid:]):
             try:
                 outputs.extend(self._run(half))
+            except WaveInterrupted:
+                raise
             except Exception as half_exc:
                 outputs.extend(self._isolate(half, half_exc))
         return outputs
@@ -205,7 +234,8 @@ class ModelRunner:
     def _run(self, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
         # 1. Per-request set-up: generators from each request's own seed.
         generators = make_generators(requests, self._info.device)
-        batch = DiffusionRequestBatch(requests=requests, generators=generators)
+        batch = DiffusionRequestBatch(requests=requests, generators=generators,
+                                      should_stop=self._should_stop)
         # 2. Once per wave: cache refresh and the wave's single LoRA.
         self.pipeline.refresh_cache()
         params = requests[0].sampling_params

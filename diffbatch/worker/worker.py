@@ -11,8 +11,13 @@ runs `worker_main`, which
    `worker_cpus` (if configured), sets torch's thread count (if configured) and
    builds the runner, which loads the pipeline;
 2. sends `WorkerReady` with the pipeline's info, or with the load error and exits;
-3. loops: receive a `WorkerCall`, run it on the runner, pack the result's large
-   tensors into shared memory (`diffbatch.ipc.shm`), send a `WorkerReply`.
+3. serves: a receive thread reads the pipe (calls go to an inbox, a `WorkerCancel`
+   flags its call at once, even mid-wave), a heartbeat thread sends
+   `WorkerHeartbeat` every `heartbeat_interval_s` (a frozen worker falls silent),
+   and the main thread takes calls from the inbox in order, runs each on the runner
+   with a `should_stop` that reads its cancel flag (a cancelled call that has not
+   started is answered with aborted outputs without running), packs the result's
+   large tensors into shared memory (`diffbatch.ipc.shm`) and sends a `WorkerReply`.
 
 An exception while handling one call becomes an error reply; it never ends the
 loop. The loop ends on a "shutdown" call or when the pipe closes (the engine
@@ -22,12 +27,15 @@ process is gone).
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -39,13 +47,17 @@ from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
     WORKER_METHODS,
     WorkerCall,
+    WorkerCancel,
     WorkerError,
+    WorkerHeartbeat,
     WorkerReady,
     WorkerReply,
     WorkerStart,
+    heartbeat_interval_s,
     recv_message,
     send_message,
 )
+from diffbatch.outputs import BatchRunnerOutput
 from diffbatch.worker.malloc import tune_malloc
 
 if TYPE_CHECKING:
@@ -137,7 +149,8 @@ def worker_main(
                 time.monotonic() - start, "" if tuned else " (malloc thresholds left as they were)")
     if not _send_quietly(conn, WorkerReady(os.getpid(), info=info)):
         return
-    _serve(runner, conn, config.shm_threshold_bytes)
+    _serve(runner, conn, config.shm_threshold_bytes,
+           heartbeat_interval_s(config.worker_stall_timeout_s))
     conn.close()
     logger.info("worker %d exiting", os.getpid())
 
@@ -159,36 +172,151 @@ def _load_runner(config: EngineConfig, runner_factory: str) -> Any:
     return import_by_name(runner_factory, what="runner_factory")(config)
 
 
-def _serve(runner: Any, conn: Connection, threshold_bytes: int) -> None:
-    """The call loop; returns on a shutdown call or a closed pipe."""
+class _Channel:
+    """The worker's sending end: replies and heartbeats come from two threads, so
+    each message is written whole under a lock (a `Connection` for `send_message`)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send_bytes(self, data: bytes) -> None:
+        with self._lock:
+            self.conn.send_bytes(data)
+
+
+class _Unreadable:
+    """Inbox entry for a call that did not unpickle here (answered in its place)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+
+class _Inbox:
+    """Calls received and not yet run, in order, and the ids of cancelled calls.
+
+    The receive thread puts and cancels; the main thread takes calls in order and
+    asks whether its current call was cancelled (a set lookup, once per step).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._calls: deque[WorkerCall | _Unreadable] = deque()
+        self._closed = False
+        self._cancelled: set[int] = set()
+
+    def put(self, item: WorkerCall | _Unreadable) -> None:
+        with self._cond:
+            self._calls.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """The pipe closed: the engine is gone, nobody reads replies any more."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def get(self) -> WorkerCall | _Unreadable | None:
+        """The next call, waiting for one; None once the pipe closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._calls or self._closed)
+            return None if self._closed else self._calls.popleft()
+
+    def cancel(self, call_id: int) -> None:
+        self._cancelled.add(call_id)
+
+    def is_cancelled(self, call_id: int) -> bool:
+        return call_id in self._cancelled
+
+    def done(self, call_id: int) -> None:
+        """Forget cancels of this call and older ones (ids increase)."""
+        self._cancelled = {c for c in self._cancelled if c > call_id}
+
+
+def _receive(conn: Connection, inbox: _Inbox) -> None:
+    """The receive thread: calls into the inbox, cancels flagged at once."""
     while True:
         try:
-            call = recv_message(conn)
+            message = recv_message(conn)
         except (EOFError, OSError):
             logger.info("worker %d: pipe closed, the engine process is gone", os.getpid())
+            inbox.close()
             return
         except Exception as exc:  # a call that does not unpickle here: answer with the error
             logger.error("worker %d: could not read a call: %s", os.getpid(), exc)
-            if not _send_reply(conn, WorkerReply(UNREADABLE_CALL_ID,
-                                                 error=WorkerError.from_exception(exc))):
+            inbox.put(_Unreadable(exc))
+            continue
+        if isinstance(message, WorkerCancel):
+            inbox.cancel(message.call_id)
+        elif isinstance(message, WorkerCall):
+            inbox.put(message)
+        else:
+            logger.error("worker %d: ignoring unexpected message %r", os.getpid(), type(message))
+
+
+def _beat(channel: _Channel, interval_s: float, stop: threading.Event) -> None:
+    """The heartbeat thread: one `WorkerHeartbeat` per interval while serving."""
+    while not stop.wait(interval_s):
+        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic())):
+            return
+
+
+def _serve(runner: Any, conn: Connection, threshold_bytes: int,
+           heartbeat_s: float = 0.0) -> None:
+    """Serve calls until a shutdown call or a closed pipe; see the module docstring."""
+    channel = _Channel(conn)
+    inbox = _Inbox()
+    threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
+                     name="diffbatch-worker-receive").start()
+    stop_beating = threading.Event()
+    if heartbeat_s > 0:
+        threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating),
+                         daemon=True, name="diffbatch-worker-heartbeat").start()
+    takes_should_stop = _takes_should_stop(runner)
+    try:
+        while True:
+            call = inbox.get()
+            if call is None:
                 return
-            continue
-        if not isinstance(call, WorkerCall):
-            logger.error("worker %d: ignoring unexpected message %r", os.getpid(), type(call))
-            continue
-        if call.method == "shutdown":
-            return
-        reply = _handle(runner, call, threshold_bytes)
-        if not _send_reply(conn, reply):
-            return
+            if isinstance(call, _Unreadable):
+                reply = WorkerReply(UNREADABLE_CALL_ID, error=WorkerError.from_exception(call.exc))
+            elif call.method == "shutdown":
+                return
+            else:
+                should_stop = functools.partial(inbox.is_cancelled, call.call_id)
+                reply = _handle(runner, call, threshold_bytes, should_stop, takes_should_stop)
+                inbox.done(call.call_id)
+            if not _send_reply(channel, reply):
+                return
+    finally:
+        stop_beating.set()
 
 
-def _handle(runner: Any, call: WorkerCall, threshold_bytes: int) -> WorkerReply:
-    """Run one call and pack its result; any exception becomes an error reply."""
+def _takes_should_stop(runner: Any) -> bool:
+    """Whether the runner's `execute_batch` takes `should_stop` (test runners may not)."""
+    try:
+        return "should_stop" in inspect.signature(runner.execute_batch).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _handle(
+    runner: Any, call: WorkerCall, threshold_bytes: int,
+    should_stop: Callable[[], bool] = lambda: False, takes_should_stop: bool = False,
+) -> WorkerReply:
+    """Run one call and pack its result; any exception becomes an error reply.
+
+    A wave cancelled before it starts is answered with aborted outputs, unrun.
+    """
     try:
         if call.method not in WORKER_METHODS:
             raise ValueError(f"unknown worker method {call.method!r}")
-        result = getattr(runner, call.method)(call.arg)
+        if call.method == "execute_batch" and should_stop():
+            result = BatchRunnerOutput.aborted(call.arg.req_ids)
+        elif call.method == "execute_batch" and takes_should_stop:
+            result = runner.execute_batch(call.arg, should_stop=should_stop)
+        else:
+            result = getattr(runner, call.method)(call.arg)
     except Exception as exc:
         logger.error("worker %d: %s raised %s", os.getpid(), call.method, type(exc).__name__)
         return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))

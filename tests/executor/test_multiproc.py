@@ -24,10 +24,22 @@ import pytest
 import torch
 
 from diffbatch.config import EngineConfig
-from diffbatch.errors import EngineClosedError, EngineDeadError, ModelNotFoundError
+from diffbatch.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    ModelNotFoundError,
+    WorkerDiedError,
+)
 from diffbatch.executor.multiproc import MultiprocExecutor
 from diffbatch.ipc import shm
-from diffbatch.ipc.messages import WorkerCall, WorkerReady, recv_message, send_message
+from diffbatch.ipc.messages import (
+    WorkerCall,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkerReply,
+    recv_message,
+    send_message,
+)
 from diffbatch.ipc.shm import ShmTensorHandle
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
 from diffbatch.pipelines.interface import PipelineInfo
@@ -161,6 +173,13 @@ def wait_gone(pid: int, timeout_s: float = DEADLINE_S) -> bool:
         return bool(select.select([fd], [], [], timeout_s)[0])
     finally:
         os.close(fd)
+
+
+def recv_reply(conn) -> WorkerReply:
+    """The next message from a worker that is not a heartbeat."""
+    while isinstance(message := recv_message(conn), WorkerHeartbeat):
+        pass
+    return message
 
 
 def run_one(executor: MultiprocExecutor, req: DiffusionRequest) -> DiffusionOutput:
@@ -391,10 +410,13 @@ def test_a_worker_death_fails_every_queued_call_with_its_own_name(tmp_path):
         queued = ex.submit_batch(wave(41, request("q1"), request("q2")))
         wait_for_file(marker)
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match=r"SIGKILL\)\) while running wave 40"):
+        with pytest.raises(WorkerDiedError, match=r"SIGKILL\)\) while running wave 40") as died:
             running.result(DEADLINE_S)
-        with pytest.raises(EngineDeadError, match=r"SIGKILL\)\) while running wave 41 \(2 "):
+        assert died.value.started  # it was running: it may be what killed the worker
+        with pytest.raises(WorkerDiedError,
+                           match=r"SIGKILL\)\) before it started wave 41 \(2 ") as died:
             queued.result(DEADLINE_S)
+        assert not died.value.started  # only queued behind it: safe to run again as it was
         assert ex.wait_healthy(DEADLINE_S)
         assert run_one(ex, request("after")).ok
         assert segments_of(pid) == []
@@ -452,10 +474,10 @@ def test_worker_answers_calls_and_exits_when_the_pipe_closes():
         ready = recv_message(conn)
         assert isinstance(ready, WorkerReady) and ready.ok and ready.pid == process.pid
         send_message(conn, WorkerCall(2, "no_such_method"))
-        reply = recv_message(conn)
+        reply = recv_reply(conn)
         assert reply.call_id == 2 and "unknown worker method" in reply.error.message
         send_message(conn, WorkerCall(3, "execute_batch", wave(3, request("r"))))
-        reply = recv_message(conn)
+        reply = recv_reply(conn)
         assert reply.call_id == 3
         assert isinstance(reply.result.outputs["r"].images, ShmTensorHandle)
         shm.release(reply.result)

@@ -10,17 +10,25 @@ when the server shuts down.
 Connection-level limits are uvicorn's side (`uvicorn_config`, `http_protocol.py`):
 how long a client may take to send its headers, how long an idle keep-alive
 connection stays open, and how many connections are served at once.
+
+Shutdown (SIGTERM or Ctrl-C) is bounded by `--shutdown-timeout`: the signal starts
+`Engine.shutdown` at once (no new requests, waiting ones answered 503, running
+waves finish until the timeout, then are interrupted and answered 503), while
+uvicorn stops listening and waits for the open requests, which the engine answers
+by then; the lifespan then closes the engine and its worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from fastapi import FastAPI
 
 from diffbatch.entrypoints.openai.api_router import HANDLED_STATE, IMAGES_ROUTE, router
@@ -42,8 +50,6 @@ from diffbatch.entrypoints.openai.serving_images import (
 if TYPE_CHECKING:
     import argparse
 
-    import uvicorn
-
     from diffbatch.engine.async_engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -60,6 +66,12 @@ DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default: an idle keep-alive conn
 # to 1024 connections.
 DEFAULT_LIMIT_CONCURRENCY = 1024
 _UVICORN_STARTUP_FAILURE = 3  # the exit code `uvicorn.run` gives a server that did not start
+# `--shutdown-timeout`: how long running waves may finish after SIGTERM before they are
+# interrupted. Kubernetes gives a pod 30 s between SIGTERM and SIGKILL; this leaves room.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# uvicorn waits this much longer than the shutdown timeout for open requests before it
+# cancels them: the engine answers them all by the timeout, so it never has to.
+_UVICORN_SHUTDOWN_MARGIN_S = 5.0
 
 
 def build_app(
@@ -72,6 +84,7 @@ def build_app(
     png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_engine_on_shutdown: bool = True,
+    shutdown_grace_s: float | None = None,
 ) -> FastAPI:
     """Build the FastAPI app that serves `engine`.
 
@@ -86,6 +99,8 @@ def build_app(
             9 smallest (the pixels are the same at every level).
         max_body_bytes: Largest request body (413 above it).
         close_engine_on_shutdown: Close the engine when the server shuts down.
+        shutdown_grace_s: Bound on each stage of closing the engine at shutdown (the
+            last waves, then the worker); None = the engine's own bounds.
 
     Returns:
         The app; serve it with uvicorn (see `run_server`).
@@ -109,7 +124,7 @@ def build_app(
         finally:
             if close_engine_on_shutdown:
                 logger.info("shutting down: closing the engine")
-                await asyncio.to_thread(engine.close)
+                await asyncio.to_thread(engine.close, shutdown_grace_s)
 
     app = FastAPI(
         title="diffbatch",
@@ -202,13 +217,12 @@ def uvicorn_config(
             httptools where it is installed, else h11).
         **kwargs: Other `uvicorn.Config` arguments.
     """
-    import uvicorn
-
     from diffbatch.entrypoints.openai.http_protocol import http_protocol_class
 
     protocol = http_protocol_class(header_timeout_s=header_timeout_s,
                                    max_connections=limit_concurrency, base=http_base)
-    kwargs.setdefault("timeout_graceful_shutdown", 5)
+    kwargs.setdefault("timeout_graceful_shutdown",
+                      DEFAULT_SHUTDOWN_TIMEOUT_S + _UVICORN_SHUTDOWN_MARGIN_S)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, http=protocol,
         timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
@@ -218,11 +232,11 @@ def uvicorn_config(
 
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
-    import uvicorn
-
     from diffbatch import Engine, EngineConfig
+    from diffbatch.engine.async_engine import SHUTDOWN_GRACE_S
 
     engine = Engine.from_config(EngineConfig.from_cli_args(args))
+    shutdown_timeout_s = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
     try:
         app = build_app(
             engine,
@@ -231,6 +245,7 @@ def run_server(args: argparse.Namespace) -> None:
             request_timeout_s=args.request_timeout,
             max_image_pixels=args.max_image_pixels,
             png_compress_level=args.png_compress_level,
+            shutdown_grace_s=SHUTDOWN_GRACE_S,
         )
     except BaseException:
         engine.close()
@@ -240,8 +255,9 @@ def run_server(args: argparse.Namespace) -> None:
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         limit_concurrency=args.limit_concurrency,
+        timeout_graceful_shutdown=shutdown_timeout_s + _UVICORN_SHUTDOWN_MARGIN_S,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, engine=engine, shutdown_timeout_s=shutdown_timeout_s)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
@@ -250,6 +266,32 @@ def run_server(args: argparse.Namespace) -> None:
         engine.close()  # the lifespan closed it already unless uvicorn failed to start
     if not server.started:  # e.g. the port is taken; uvicorn logged why
         raise SystemExit(_UVICORN_STARTUP_FAILURE)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, starting the engine's bounded shutdown on the first exit signal.
+
+    uvicorn alone only stops listening and waits for the open requests, then cancels
+    them (a plain-text 500) after its graceful timeout, while the engine keeps
+    computing; see the module docstring for what happens instead.
+    """
+
+    def __init__(self, config: uvicorn.Config, *, engine: Engine,
+                 shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain is None:  # in a signal handler: start the work, never block here
+            logger.info("received signal %d: shutting down within %g s", sig,
+                        self.shutdown_timeout_s)
+            self._drain = threading.Thread(
+                target=self.engine.shutdown, args=(self.shutdown_timeout_s,),
+                name="diffbatch-shutdown", daemon=True)
+            self._drain.start()
+        super().handle_exit(sig, frame)
 
 
 def served_name_of(engine: Engine, model: str | None) -> str:

@@ -3,12 +3,15 @@
 The server answers errors from four sources, all through `error_response`:
 
 - diffbatch exceptions (`diffbatch.errors`): status, type and param come from the
-  exception's own attributes; `QueueFullError` adds `Retry-After`;
+  exception's own attributes;
 - a failed request's `RequestError` (from the engine's `DiffusionOutput.error`);
 - FastAPI's request validation (malformed JSON, wrong types, our protocol rules),
   translated from its 422 body to a 400 naming the offending field as `param`;
 - Starlette's `HTTPException` (unknown route, wrong method) and anything
   unexpected (500, logged with its traceback, never shown to the client).
+
+Every 503 carries `Retry-After` (full queue, engine restarting its worker or
+shutting down, connection limit): the condition is temporary, here or elsewhere.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Seconds a client should wait before retrying a request refused for a full queue.
+# Seconds a client should wait before retrying a request answered 503.
 RETRY_AFTER_S = 1
 
 # FastAPI's whole answer to a body that `json.loads` refuses with anything but a
@@ -84,6 +87,8 @@ def error_response(
     if type is None:
         type = _STATUS_TYPES.get(status_code, "server_error" if status_code >= 500 else
                                  "invalid_request_error")
+    if status_code == 503 and not any(k.lower() == "retry-after" for k in headers or {}):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(
         error_body(message, type, param=param, code=code),
         status_code=status_code,
@@ -100,10 +105,8 @@ def _code_of(exc: DiffbatchError) -> str | None:
 
 def exception_response(exc: DiffbatchError) -> JSONResponse:
     """Map a diffbatch exception through its `status_code`, `type` and `param`."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError) else None
     return error_response(
         exc.status_code, exc.message, type=exc.type, param=exc.param, code=_code_of(exc),
-        headers=headers,
     )
 
 
@@ -119,7 +122,9 @@ def request_error_response(error: RequestError) -> JSONResponse:
             503, f"request was aborted by the server: {error.message}",
             type="engine_unavailable", code="aborted",
         )
-    return error_response(error.status_code, error.message, type=error.type, param=error.param)
+    code = "engine_unavailable" if error.type == EngineDeadError.type else None
+    return error_response(error.status_code, error.message, type=error.type, param=error.param,
+                          code=code)
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
