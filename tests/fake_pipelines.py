@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
 import zlib
 from typing import Any
@@ -157,4 +158,68 @@ class PoisonTinySD(DiffusersT2IPipeline):
         poisoned = [i for i, p in enumerate(batch.prompts) if POISON in p]
         if poisoned:
             raise RuntimeError(f"poisoned prompt at wave position(s) {poisoned}")
+        return super().forward(batch)
+
+
+def _touch(path: str) -> None:
+    """Write this process's pid to `path` (a marker a test waits for)."""
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+
+
+class FaultyPipeline(FakeBatchPipeline):
+    """Faults on demand, chosen by a wave's prompts. Marker files go to
+    $DIFFBATCH_FAKE_MARKER_DIR, named by the prompt's last word (NAME):
+
+    - "steps NAME": touch NAME, then run "denoising steps" (10 ms each, up to ten
+      minutes), checking `batch.check_interrupt()` between them; touch
+      NAME.interrupted when the wave was stopped that way;
+    - "hang-once NAME": if NAME does not exist, touch it and hang (a wave for a test
+      to kill or freeze the worker in); once it exists, run normally (the re-run);
+    - "crash ...": kill the worker process (SIGKILL), every time, alone or batched, as
+      a segfault in native code would.
+    """
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        folder = os.environ.get("DIFFBATCH_FAKE_MARKER_DIR", "")
+        for prompt in batch.prompts:
+            words = prompt.split()
+            marker = os.path.join(folder, words[-1])
+            if words[0] == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif words[0] == "hang-once" and not os.path.exists(marker):
+                _touch(marker)
+                threading.Event().wait(600)
+            elif words[0] == "steps":
+                _touch(marker)
+                self._step(batch, marker)
+        return super().forward(batch)
+
+    @staticmethod
+    def _step(batch: DiffusionRequestBatch, marker: str) -> None:
+        idle = threading.Event()
+        try:
+            for _ in range(60_000):
+                batch.check_interrupt()
+                idle.wait(0.01)
+        except Exception:
+            _touch(marker + ".interrupted")
+            raise
+
+
+class MarkedTinySD(DiffusersT2IPipeline):
+    """The real diffusers adapter; touches $DIFFBATCH_FAKE_MARKER once a wave (not the
+    warm-up) reaches its denoising loop."""
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        marker = os.environ.get("DIFFBATCH_FAKE_MARKER")
+        if marker and batch.prompts != ["warm-up"]:
+            check = batch.should_stop
+
+            def should_stop() -> bool:
+                if not os.path.exists(marker):
+                    _touch(marker)
+                return check()
+
+            batch = dataclasses.replace(batch, should_stop=should_stop)
         return super().forward(batch)

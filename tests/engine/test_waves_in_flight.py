@@ -1,8 +1,10 @@
-"""The engine loop with more than one wave in flight (`max_waves_in_flight`).
+"""The engine loop with more than one wave in flight (`max_waves_in_flight`), and what
+happens to waves in flight when their worker dies or nobody waits for them any more.
 
 `QueuedExecutor` behaves like the worker process: `submit_batch` returns at once
-and the waves run in submission order, one at a time, when the test says so. The
-engine core runs for real on its own threads.
+and the waves run in submission order, one at a time, when the test says so; it can
+play a worker that died and is being replaced (`restarting`). The engine core runs
+for real on its own threads.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from diffbatch import (
 )
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.core import EngineCore
-from diffbatch.errors import EngineDeadError
+from diffbatch.errors import EngineDeadError, WorkerDiedError
 from diffbatch.executor.abstract import Executor
 from diffbatch.sched.output import SchedulerOutput
 from tests.fake_pipelines import FakeBatchPipeline
@@ -47,6 +49,23 @@ class QueuedExecutor(Executor):
         self.unanswered = 0
         self.most_unanswered = 0  # the most waves it ever held at once
         self._lock = threading.Condition()
+        self.restarting = False  # a dead worker's replacement is starting
+        self.held = threading.Event()  # the loop asked `is_restarting` and was told to hold
+        self.refused = 0  # waves submitted while restarting (refused, as the worker would)
+        self.cancelled: list[Future[BatchRunnerOutput]] = []
+
+    @property
+    def is_restarting(self) -> bool:
+        if self.restarting:
+            self.held.set()
+        return self.restarting
+
+    def finish_restart(self) -> None:
+        self.restarting = False
+        self._notify_ready()
+
+    def cancel(self, future: Future[BatchRunnerOutput]) -> None:
+        self.cancelled.append(future)
 
     def wait_unanswered(self, count: int) -> None:
         with self._lock:
@@ -54,6 +73,11 @@ class QueuedExecutor(Executor):
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
         future: Future[BatchRunnerOutput] = Future()
+        if self.restarting:
+            self.refused += 1
+            future.set_exception(WorkerDiedError("a replacement worker is starting",
+                                                 started=False))
+            return future
         with self._lock:
             self.unanswered += 1
             self.most_unanswered = max(self.most_unanswered, self.unanswered)
@@ -265,3 +289,75 @@ def test_the_inproc_executor_holds_one_wave_whatever_the_config_says():
     assert all(o.ok for o in outs)
 
 
+
+
+def test_a_wave_the_worker_died_under_reruns_in_halves_on_the_replacement(harness):
+    """Only the crashed wave is touched: it runs again in halves; the wave queued behind
+    it runs again as it was; nothing is dispatched until the replacement serves."""
+    h = harness(max_num_seqs=4, max_waves_in_flight=2)
+    h.add("a0", "a1", "a2", "a3")
+    h.add("b0", "b1", "b2", "b3")  # full: queued at the "worker" behind a
+    h.executor.wait_unanswered(2)
+    h.executor.restarting = True
+    h.executor.run_next(fail=WorkerDiedError("worker process died (exit code -9 (SIGKILL)) "
+                                             "while running wave 1", started=True))
+    h.executor.run_next(fail=WorkerDiedError("worker process died (exit code -9 (SIGKILL)) "
+                                             "before it started wave 2", started=False))
+    h.add("c0")  # arrives while the replacement starts: it waits, it does not fail
+    assert h.executor.held.wait(TIMEOUT_S)  # the loop looked, and holds
+    with h.core.cond:  # (the loop reads `is_restarting` holding this lock, then waits)
+        assert h.executor.submitted.empty() and h.executor.refused == 0
+        assert h.core.num_running == 8 and h.core.num_waiting == 1
+    h.executor.finish_restart()
+    assert h.executor.run_next() == ["a0", "a1"]
+    assert h.executor.run_next() == ["a2", "a3"]
+    assert h.executor.run_next() == ["b0", "b1", "b2", "b3"]
+    assert h.executor.run_next() == ["c0"]
+    outs = {rid: h.result(rid) for rid in ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "c0")}
+    assert all(out.ok for out in outs.values())
+    assert outs["a0"].batch_size == 2 and outs["b0"].batch_size == 4
+    assert h.executor.refused == 0
+
+
+def test_only_a_request_that_kills_the_worker_again_alone_fails(harness):
+    h = harness(max_num_seqs=4, max_waves_in_flight=1)
+    h.add("ok0", "bad", "ok1")
+    died = WorkerDiedError("worker process died (exit code -11 (SIGSEGV)) while running "
+                           "wave 1", started=True)
+    h.executor.run_next(fail=died)  # the wave of 3 -> [ok0, bad] and [ok1]
+    assert h.executor.run_next(fail=died) == ["ok0", "bad"]  # -> [ok0] and [bad]
+    assert h.executor.run_next() == ["ok1"]
+    assert h.executor.run_next() == ["ok0"]
+    assert h.executor.run_next(fail=died) == ["bad"]  # alone, again: it fails
+    assert h.result("ok0").ok and h.result("ok1").ok
+    bad = h.result("bad")
+    assert bad.error is not None and bad.error.status_code == 500
+    assert "worker process died while running this request, and again" in bad.error.message
+    assert "SIGSEGV" in bad.error.message
+    h.add("after")
+    assert h.executor.run_next() == ["after"] and h.result("after").ok
+
+
+def test_a_wave_nobody_waits_for_is_cancelled_and_counted_running_until_it_stops(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.add("a0", "a1")
+    h.executor.wait_unanswered(1)
+    h.core.abort_requests(["a0"])
+    assert h.executor.cancelled == []  # a1 still wants it
+    h.core.abort_requests(["a1"])
+    [record] = h.core.in_flight
+    assert h.executor.cancelled == [record.future]
+    assert h.core.num_running == 2  # the worker is still busy with them
+    h.executor.run_next()
+    h.add("b0", "b1")
+    assert h.executor.run_next() == ["b0", "b1"] and h.result("b1").ok
+    assert h.core.num_running == 0
+    assert not h.futures["a0"].done()  # the engine's caller answers an abort itself
+
+
+def test_stop_cancels_the_waves_in_flight(harness):
+    h = harness(max_num_seqs=2, max_waves_in_flight=2)
+    h.add("a0", "a1", "b0", "b1")
+    h.executor.wait_unanswered(2)
+    h.core.stop()
+    assert len(h.executor.cancelled) == 2

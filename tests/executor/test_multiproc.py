@@ -7,6 +7,7 @@ worker processes, which pay torch's import time, so all are marked slow.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
@@ -88,6 +89,23 @@ class FakeRunner:
                                metadata={"pid": os.getpid()})
 
 
+class SteppingRunner(FakeRunner):
+    """Takes `should_stop`, as `ModelRunner` does: a wave whose first prompt is "steps"
+    touches its marker, then steps (10 ms each, up to ten minutes) until told to stop."""
+
+    def execute_batch(self, scheduler_output: SchedulerOutput, *,
+                      should_stop=lambda: False) -> BatchRunnerOutput:
+        first = scheduler_output.requests[0]
+        if first.prompt == "steps":
+            Path(first.sampling_params.extra["marker"]).write_text(str(os.getpid()))
+            idle = threading.Event()
+            for _ in range(60_000):
+                if should_stop():
+                    return BatchRunnerOutput.aborted(scheduler_output.req_ids)
+                idle.wait(0.01)
+        return super().execute_batch(scheduler_output)
+
+
 class Unreadable:
     """Pickles here, but refuses to unpickle in the worker."""
 
@@ -110,6 +128,7 @@ class BrokenRunner:
 
 
 FAKE = f"{__name__}:FakeRunner"
+STEPPING = f"{__name__}:SteppingRunner"
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -510,3 +529,69 @@ def test_real_model_runner_on_tiny_sd_matches_inproc():
         assert got.outputs[rid].images.shape == (2, 3, 64, 64)
         torch.testing.assert_close(got.outputs[rid].images, want.outputs[rid].images,
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_cancel_stops_a_running_wave_and_drops_the_queued_one(tmp_path):
+    ex = MultiprocExecutor(make_config(), runner_factory=STEPPING)
+    try:
+        marker = tmp_path / "running"
+        running = ex.submit_batch(wave(50, request("s", "steps", marker=str(marker))))
+        queued = ex.submit_batch(wave(51, request("q")))
+        wait_for_file(marker)
+        ex.cancel(queued)  # not started: dropped, never run
+        ex.cancel(running)  # stops at its next step
+        out = running.result(60)
+        assert out.outputs["s"].aborted
+        dropped = queued.result(60)
+        assert dropped.outputs["q"].aborted and dropped.num_forwards == 0
+        assert run_one(ex, request("after")).ok  # the worker serves on
+        ex.cancel(running)  # an answered call: ignored
+    finally:
+        ex.shutdown()
+
+
+def test_a_frozen_worker_is_killed_and_replaced_and_its_wave_fails_as_started(tmp_path):
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0), runner_factory=FAKE)
+    pid = ex.worker_pid
+    try:
+        marker = tmp_path / "running"
+        running = ex.submit_batch(wave(60, request("b", "block", marker=str(marker))))
+        wait_for_file(marker)
+        assert ex.health_stats()["up"] == 1.0
+        os.kill(pid, signal.SIGSTOP)  # frozen: its heartbeat thread stops too
+        with pytest.raises(WorkerDiedError, match=r"frozen: no heartbeat for .* killed\) while "
+                                                  r"running wave 60") as died:
+            running.result(DEADLINE_S)
+        assert died.value.started
+        assert wait_gone(pid)
+        stats = ex.health_stats()
+        assert stats["frozen"] == 1 and stats["deaths"] == 1
+        assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, pid)
+        assert run_one(ex, request("after")).ok
+        assert segments_of(pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        ex.shutdown()
+
+
+def test_a_busy_worker_keeps_its_heartbeat(tmp_path):
+    """A long wave is not a frozen worker: the heartbeat comes from a thread of its own."""
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0), runner_factory=STEPPING)
+    try:
+        marker = tmp_path / "running"
+        running = ex.submit_batch(wave(70, request("s", "steps", marker=str(marker))))
+        wait_for_file(marker)
+        # A few stall timeouts' worth of heartbeats, counted as they arrive (no sleep).
+        beats = threading.Semaphore(0)
+        worker = ex._worker
+        seen = worker.last_heard
+        deadline = time.monotonic() + DEADLINE_S
+        while worker.last_heard - seen < 3.0:
+            assert time.monotonic() < deadline and not running.done()
+            beats.acquire(timeout=0.05)
+        assert ex.health_stats()["frozen"] == 0 and ex.is_healthy
+        ex.cancel(running)
+        assert running.result(60).outputs["s"].aborted
+    finally:
+        ex.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffbatch.errors import ConfigError, ModelNotFoundError
+from diffbatch.errors import ConfigError, ModelNotFoundError, WaveInterrupted
 from diffbatch.pipelines.diffusers_t2i import (
     DiffusersPerRequestPipeline,
     DiffusersT2IPipeline,
@@ -245,3 +246,39 @@ def test_an_engine_start_prints_no_torchvision_warning(model_cache_dir: str) -> 
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torchvision" not in done.stderr, done.stderr
     assert "another transformers warning" in done.stderr  # other warnings still show
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_a_wave_nobody_waits_for_stops_at_the_next_denoising_step(name: str, load_tiny) -> None:
+    """`should_stop` turning true mid-loop stops the diffusers call at that step's end:
+    two steps of the twenty asked for, and no decoding."""
+    pipeline = load_tiny(name)
+    pipe = pipeline.pipe
+    denoiser = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+    calls = {"denoiser": 0, "should_stop": 0, "decode": 0}
+    hook = denoiser.register_forward_hook(
+        lambda *_: calls.__setitem__("denoiser", calls["denoiser"] + 1))
+    original_decode = pipe.vae.decode
+
+    def counted_decode(*args, **kwargs):
+        calls["decode"] += 1
+        return original_decode(*args, **kwargs)
+
+    pipe.vae.decode = counted_decode
+
+    def should_stop() -> bool:  # false before the loop and after step 0, true after step 1
+        calls["should_stop"] += 1
+        return calls["should_stop"] >= 3
+
+    requests = _wave(pipeline, name, num_inference_steps=20)[:2]
+    batch = dataclasses.replace(make_batch(requests), should_stop=should_stop)
+    try:
+        with pytest.raises(WaveInterrupted), torch.inference_mode():
+            pipeline.forward(batch)
+    finally:
+        hook.remove()
+        del pipe.vae.decode
+    per_step = 2 if name == "tiny-flux" else 1  # Flux's true CFG: two denoiser calls a step
+    assert calls["denoiser"] == 2 * per_step and calls["decode"] == 0
+    # The next wave runs in full: nothing of the interruption stays behind.
+    assert all(out.ok for out in pipeline.forward(make_batch(requests[:1])))

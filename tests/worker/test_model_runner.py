@@ -140,3 +140,42 @@ def test_cache_refresh_and_lora_activation_happen_once_per_wave(tmp_path):
     assert pipeline.lora_calls[-1] == (None, 1.0)  # a wave without LoRA disables it
     missing = runner.execute_batch(wave(make_request("e", lora=str(tmp_path / "nope"))))
     assert "not found" in missing.outputs["e"].error.message
+
+
+class StepCheckingPipeline(FakeBatchPipeline):
+    """Checks for an interrupt where a real pipeline would, between steps."""
+
+    forwards = 0
+
+    def forward(self, batch: DiffusionRequestBatch):
+        type(self).forwards += 1
+        batch.check_interrupt()
+        return super().forward(batch)
+
+
+def test_a_wave_stopped_mid_forward_comes_back_aborted_without_bisecting():
+    runner = ModelRunner(EngineConfig(executor="inproc", batch_error_isolation="bisect"),
+                         pipeline=StepCheckingPipeline())
+    answers = iter([False, True])  # not before the forward; yes at its first step
+    StepCheckingPipeline.forwards = 0
+    out = runner.execute_batch(wave(make_request("a"), make_request("b")),
+                               should_stop=lambda: next(answers))
+    assert all(o.aborted for o in out.outputs.values()) and list(out.outputs) == ["a", "b"]
+    assert StepCheckingPipeline.forwards == 1  # an interrupt is no error: no halves re-run
+    assert out.num_forwards == 0  # nothing for the cost model
+
+
+def test_a_wave_whose_requests_are_all_finished_is_not_started():
+    """In process, the runner sees the engine's own request objects: once every one of
+    them is finished (aborted), the wave is dropped without a forward."""
+    from diffbatch.request import RequestStatus
+
+    runner = ModelRunner(EngineConfig(executor="inproc"), pipeline=StepCheckingPipeline())
+    a, b = make_request("a"), make_request("b")
+    a.status = b.status = RequestStatus.FINISHED_ABORTED
+    StepCheckingPipeline.forwards = 0
+    out = runner.execute_batch(wave(a, b))
+    assert all(o.aborted for o in out.outputs.values())
+    assert StepCheckingPipeline.forwards == 0
+    b.status = RequestStatus.RUNNING  # one is still wanted: the wave runs
+    assert runner.execute_batch(wave(a, b)).outputs["b"].ok
