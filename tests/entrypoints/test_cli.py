@@ -140,19 +140,25 @@ def test_run_server_hands_the_connection_flags_to_uvicorn(
     monkeypatch.setattr(diffbatch, "Engine",
                         types.SimpleNamespace(from_config=lambda config: engine))
     configs: list[uvicorn.Config] = []
+    shutdown_timeouts: list[float] = []
 
     class NoServer:
-        def __init__(self, config: uvicorn.Config) -> None:
+        def __init__(self, config: uvicorn.Config, *, engine: object,
+                     shutdown_timeout_s: float) -> None:
             configs.append(config)
+            shutdown_timeouts.append(shutdown_timeout_s)
             self.started = True
 
         def run(self) -> None:
             pass
 
-    monkeypatch.setattr(uvicorn, "Server", NoServer)
+    monkeypatch.setattr(api_server, "DrainingServer", NoServer)
     api_server.run_server(parse("serve", "--header-timeout", "3", "--keep-alive-timeout", "7",
-                                "--limit-concurrency", "9"))
+                                "--limit-concurrency", "9", "--shutdown-timeout", "4"))
     (config,) = configs
+    assert shutdown_timeouts == [4.0]
+    # uvicorn waits longer than the engine takes to answer every open request
+    assert config.timeout_graceful_shutdown > 4.0
     assert config.timeout_keep_alive == 7
     assert config.limit_concurrency is None  # enforced by the protocol, in the OpenAI shape
     assert (config.http.header_timeout_s, config.http.max_connections) == (3, 9)

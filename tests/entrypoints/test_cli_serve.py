@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -71,3 +77,131 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHM = Path("/dev/shm")
+
+
+def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+          ) -> tuple[subprocess.Popen, str, Any]:
+    """Start `diffbatch serve ARGS` on a free port; its log goes to tmp_path/serve.log."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - the caller closes it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", *args, "--port", str(port),
+         "--torch-threads", "1", "--log-level", "info"],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def metric_value(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S,
+             ) -> None:
+    """Poll `predicate` every 10 ms until it holds (bounds a broken test only)."""
+    idle = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        idle.wait(0.01)
+
+
+def worker_of(pid: int) -> int:
+    """The pid of the `python -m diffbatch.worker` child of process `pid`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"diffbatch.worker" in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"process {pid} has no worker process")
+
+
+def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
+    """Wait on the process's pidfd (no sleep loop) until `pid` has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def stop(proc: subprocess.Popen, log: Any) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+def test_sigterm_with_a_wave_in_flight_answers_everyone_503_and_exits(tmp_path) -> None:
+    """The running wave may finish for --shutdown-timeout, then it is interrupted; every
+    client gets an OpenAI-shaped 503 with Retry-After, and the server exits."""
+    proc, url, log = serve(
+        tmp_path, "--pipeline-class", "tests.fake_pipelines.FaultyPipeline",
+        "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-waves-in-flight", "1",
+        "--shutdown-timeout", "1", env={"DIFFBATCH_FAKE_MARKER_DIR": str(tmp_path)})
+    try:
+        wait_ready(proc, url)
+        with ThreadPoolExecutor(3) as pool:
+            def post(prompt: str) -> Any:
+                return pool.submit(httpx.post, f"{url}/v1/images/generations",
+                                   json={"prompt": prompt}, timeout=START_TIMEOUT_S)
+
+            running = post("steps sigterm")  # ten minutes of steps, unless interrupted
+            wait_for((tmp_path / "sigterm").exists, "the wave to start")
+            waiting = [post("queued 0"), post("queued 1")]
+            wait_for(lambda: metric_value(url, "diffbatch_num_requests_waiting") == 2,
+                     "two waiting requests")
+            proc.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in (running, *waiting)]
+        proc.wait(timeout=60)  # the wave alone would run for ten minutes
+        for response in responses:
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            error = response.json()["error"]
+            assert error["type"] == "engine_unavailable" and "shutting down" in error["message"]
+        assert "shutdown timeout (1 s)" in responses[0].json()["error"]["message"]
+        assert "had not started" in responses[1].json()["error"]["message"]
+        assert (tmp_path / "sigterm.interrupted").exists()  # stopped, not abandoned
+    finally:
+        stop(proc, log)
+
+
+def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tmp_path) -> None:
+    marker = tmp_path / "in-loop"
+    semaphores_before = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")}
+    proc, url, log = serve(
+        tmp_path, "tiny-sd", "--pipeline-class", "tests.fake_pipelines.MarkedTinySD",
+        "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-request-work", "0",
+        env={"DIFFBATCH_FAKE_MARKER": str(marker)})
+    try:
+        wait_ready(proc, url)
+        worker = worker_of(proc.pid)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(httpx.post, f"{url}/v1/images/generations", timeout=START_TIMEOUT_S,
+                        json={"prompt": "a long wave", "num_inference_steps": 1000})
+            wait_for(marker.exists, "the wave to reach its denoising loop")
+            proc.kill()
+            proc.wait()
+        assert wait_gone(worker), "the worker outlived its server"
+        for pid in (proc.pid, worker):
+            assert not [p for p in SHM.iterdir() if p.name.startswith(f"diffbatch_{pid}_")]
+        new = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")} - semaphores_before
+        assert not new, f"semaphores left behind: {sorted(new)}"
+    finally:
+        stop(proc, log)
