@@ -135,7 +135,7 @@ class WaveCostModel:
         """The shape's capacity (see the module docstring); 1 <= capacity <= limit."""
         with self._lock:
             curve = self._curves.get(shape)
-            if curve is not None and len(curve.ms) >= 2:
+            if curve is not None and (len(curve.ms) >= 2 or shape == self.default_shape):
                 return capacity_from_curve(curve.ms, self.limit)
             default = self.default_shape
             if default is None or default not in self._curves:
@@ -172,14 +172,16 @@ class WaveCostModel:
 def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     """The capacity rule on measured forward times `ms` (wave size -> ms).
 
-    Walks the ladder 1, 2, 4, ... while the next size is measured (or lies within
-    the measured range, interpolated) and cuts the cost per image by `MIN_GAIN`.
+    Walks the ladder from the smallest measured size, doubling while the next size
+    is measured (or lies within the measured range, interpolated) and cuts the cost
+    per image by `MIN_GAIN`. A size that ran is never ruled out for lack of data
+    below it.
     """
     if not ms:
         return 1
     curve = _Curve(steps=1, ms=dict(ms))
     top = max(ms)
-    size = 1
+    size = min(ms)
     while size * 2 <= min(limit, top):
         here, there = curve.estimate_ms(size), curve.estimate_ms(size * 2)
         assert here is not None and there is not None
