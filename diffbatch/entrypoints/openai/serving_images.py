@@ -258,9 +258,6 @@ class OpenAIServingImages:
                     request.prompt, params, request_id=request_id, priority=request.priority,
                     arrival_notice=arrival_notice,
                 )
-        except InvalidRequestError:
-            self.engine.record_rejected()  # refused by the engine's own checks (e.g. LoRA)
-            raise
         except TimeoutError:
             raise RequestTimeoutError(
                 f"request did not finish within the server's request timeout of "
