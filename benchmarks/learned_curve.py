@@ -21,10 +21,10 @@ from peers_servers import harness
 from diffbatch import Engine, SamplingParams
 
 
-def learn(model: str, num_requests: int) -> dict:
+def learn(model: str, num_requests: int, device: str | None = None) -> dict:
     """Calibrate an engine for `model`, run a burst, return its learned curve."""
     start = time.perf_counter()
-    with Engine(model) as engine:
+    with Engine(model, device=device) as engine:
         startup_s = time.perf_counter() - start
         calibrated = engine.policy.snapshot()
 
@@ -46,13 +46,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-sd", "shapes"])
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--device", default=None, help="torch device (default: auto)")
     parser.add_argument("--out", default="benchmarks/results/learned_curve.json")
     parser.add_argument("--figure", default="docs/images/learned_cost_curve.png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
 
     report = harness.report_header("learned_curve", args)
-    report["models"] = [learn(model, args.num_requests) for model in args.models]
+    report["models"] = [learn(model, args.num_requests, args.device) for model in args.models]
     for entry in report["models"]:
         for shape, curve in entry["after_burst"].items():
             points = ", ".join(f"B={b}: {ms:.1f}" for b, ms in curve["per_image_ms"].items())
