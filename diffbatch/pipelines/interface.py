@@ -6,7 +6,7 @@ anything:
 
 - `supports_request_batch = True`: `forward` takes a `DiffusionRequestBatch` of any
   size and returns one `DiffusionOutput` per request, in order. Otherwise the engine
-  only ever passes batches of one request (the per-request path).
+  only ever passes batches of one request (waves of one).
 
 Custom pipelines subclass `BasePipeline` (or just provide the same attributes and
 methods) and are passed to the engine as a class or a dotted name.
