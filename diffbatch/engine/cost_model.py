@@ -2,12 +2,15 @@
 
 Every wave the engine runs is one observation: its shape, its step count, its size
 B and its forward time. `WaveCostModel` keeps, per shape (height, width, images
-per request, CFG on or off), a smoothed forward time per wave size, measured at
-some step count; an estimate at another step count is scaled by the step ratio
-(steps dominate a wave's cost; the fixed part, text encoding and decoding, is
-small beside them at any useful step count). A start-up calibration seeds the
-model's default shape (`diffbatch.engine.calibration`); other shapes are learned
-as they appear.
+per request, CFG on or off) and wave size, the last `WINDOW` forward times (scaled
+to one step count) and estimates with their lower quartile: a machine shared with
+other work makes some waves take several times longer, and those spikes must not
+teach the engine that big waves stopped paying (measured here: a 64x64 wave of 8
+took 80 ms or 3,400 ms depending on what else ran). An estimate at another step
+count is scaled by the step ratio (steps dominate a wave's cost; the fixed part,
+text encoding and decoding, is small beside them at any useful step count). A
+start-up calibration seeds the model's default shape
+(`diffbatch.engine.calibration`); other shapes are learned as they appear.
 
 From the curve the model derives a shape's **capacity**, the wave size beyond
 which a bigger wave stops paying:
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParamsKey
 
 MIN_GAIN = 0.10  # a doubling must cut the cost per image by this much to be worth it
-SMOOTHING = 0.3  # weight of a new observation in the smoothed forward time
+WINDOW = 16  # observations kept per shape and wave size
 
 
 @dataclass(frozen=True)
@@ -62,15 +66,16 @@ class Shape:
 
 @dataclass
 class _Curve:
-    """One shape's observations: wave size -> smoothed forward ms at `steps` steps."""
+    """One shape's observations: wave size -> forward ms at `steps` steps."""
 
     steps: int  # the step count the times below are scaled to
-    ms: dict[int, float] = field(default_factory=dict)
+    ms: dict[int, float] = field(default_factory=dict)  # size -> lower quartile of samples
+    samples: dict[int, deque[float]] = field(default_factory=dict)  # size -> last WINDOW
 
     def observe(self, size: int, steps: int, forward_ms: float) -> None:
-        scaled = forward_ms * self.steps / steps
-        old = self.ms.get(size)
-        self.ms[size] = scaled if old is None else old + SMOOTHING * (scaled - old)
+        window = self.samples.setdefault(size, deque(maxlen=WINDOW))
+        window.append(forward_ms * self.steps / steps)
+        self.ms[size] = sorted(window)[(len(window) - 1) // 4]
 
     def estimate_ms(self, size: int) -> float | None:
         """Forward ms of a wave of `size` at `steps`: measured, interpolated between the

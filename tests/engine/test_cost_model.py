@@ -40,20 +40,28 @@ def test_capacity_is_not_claimed_beyond_what_was_measured():
     assert capacity_from_curve({}, 32) == 1
 
 
-def test_observations_are_smoothed_and_scaled_by_steps():
+def test_observations_are_scaled_by_steps_and_interpolated():
     model = WaveCostModel(limit=32)
     model.observe(SHAPE, 4, steps=4, forward_ms=100.0)
     assert model.estimate_ms(SHAPE, 4, steps=4) == pytest.approx(100.0)
     assert model.estimate_ms(SHAPE, 4, steps=8) == pytest.approx(200.0)
-    model.observe(SHAPE, 4, steps=8, forward_ms=400.0)  # 200 ms at 4 steps: moves 30% there
-    assert model.estimate_ms(SHAPE, 4, steps=4) == pytest.approx(130.0)
+    model.observe(SHAPE, 1, steps=8, forward_ms=80.0)  # 40 ms at the curve's 4 steps
     # between measured sizes: interpolated; beyond: the nearest size's cost per image
-    model.observe(SHAPE, 1, steps=4, forward_ms=40.0)
-    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(40.0 + (130.0 - 40.0) / 3)
-    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(260.0)
+    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(40.0 + (100.0 - 40.0) / 3)
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(200.0)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         model.observe(SHAPE, 2, steps=4, forward_ms=bad)  # ignored
-    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(70.0)
+    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(60.0)
+
+
+def test_contention_spikes_do_not_move_the_curve_but_a_lasting_change_does():
+    model = WaveCostModel(limit=32)
+    for ms in (100.0, 100.0, 100.0, 3400.0, 100.0, 2000.0, 100.0, 100.0):
+        model.observe(SHAPE, 8, steps=4, forward_ms=ms)  # a busy neighbour now and then
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(100.0)
+    for _ in range(16):  # the machine is now slower for good
+        model.observe(SHAPE, 8, steps=4, forward_ms=150.0)
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(150.0)
 
 
 def test_an_unseen_shape_borrows_the_default_curve_scaled_by_pixels():
