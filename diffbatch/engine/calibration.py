@@ -102,14 +102,28 @@ def calibrate(
             if size * 2 > memory_limit:
                 report.stop_reason = "memory"
                 break
-        if size > 1:
-            last = report.forward_ms[size // 2] / (size // 2)
-            if best / size > (1.0 - MIN_GAIN) * last:
+        if size > 1 and not _pays(report, size):
+            # Confirm before stopping: re-measure both sizes once (a neighbour's burst
+            # of work during one of them would otherwise end the ladder early).
+            for again in (size // 2, size):
+                output = executor.execute_batch(_wave(info, again, report.steps))
+                spent_ms += output.forward_time_ms
+                report.forward_ms[again] = min(report.forward_ms[again],
+                                               output.forward_time_ms)
+                policy.cost.observe(policy.default_shape, again, report.steps,
+                                    output.forward_time_ms)
+            if not _pays(report, size):
                 report.stop_reason = "gain"
                 break
         size *= 2
     report.elapsed_s = time.monotonic() - start
     return report
+
+
+def _pays(report: CalibrationReport, size: int) -> bool:
+    """Whether doubling to `size` cut the measured cost per image by `MIN_GAIN`."""
+    half = size // 2
+    return report.forward_ms[size] / size <= (1.0 - MIN_GAIN) * report.forward_ms[half] / half
 
 
 def _expected_ms(report: CalibrationReport, size: int) -> float | None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 MIN_GAIN = 0.10  # a doubling must cut the cost per image by this much to be worth it
 WINDOW = 16  # observations kept per shape and wave size
+MIN_SAMPLES = 4  # a size with fewer observations is tried again before it is trusted
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,18 @@ class WaveCostModel:
         return max(1, min(self.limit, 1 << max(0, int(math.log2(max(scaled, 1.0))))))
 
     def next_size_to_try(self, shape: Shape) -> int | None:
-        """A wave size worth measuring for `shape` (the doubling after its capacity),
-        or None when the curve already says where gains stop."""
+        """A wave size worth measuring for `shape`: the doubling after its capacity,
+        while it has fewer than `MIN_SAMPLES` observations (so one unlucky wave, run
+        while the machine was busy, cannot pin the capacity); None when the curve
+        already says where gains stop."""
         with self._lock:
             curve = self._curves.get(shape)
             if curve is None:
                 return None
-            sizes = curve.ms
-            cap = capacity_from_curve(sizes, self.limit)
-        nxt = cap * 2
-        if nxt > self.limit or nxt in sizes:
+            cap = capacity_from_curve(curve.ms, self.limit)
+            nxt = cap * 2
+            seen = len(curve.samples.get(nxt, ()))
+        if nxt > self.limit or seen >= MIN_SAMPLES:
             return None
         return nxt
 

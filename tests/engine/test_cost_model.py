@@ -83,8 +83,18 @@ def test_next_size_to_try_grows_the_curve_while_gains_continue():
     assert model.capacity(SHAPE) == 2 and model.next_size_to_try(SHAPE) == 4
     model.observe(SHAPE, 4, 4, 44.0)
     assert model.next_size_to_try(SHAPE) == 8
-    model.observe(SHAPE, 8, 4, 200.0)  # no gain at 8: the curve knows where gains stop
+    model.observe(SHAPE, 8, 4, 200.0)  # no gain at 8 in one wave: maybe a busy moment
+    assert model.capacity(SHAPE) == 4 and model.next_size_to_try(SHAPE) == 8
+    for _ in range(3):  # confirmed by four waves: the curve knows where gains stop
+        model.observe(SHAPE, 8, 4, 200.0)
     assert model.capacity(SHAPE) == 4 and model.next_size_to_try(SHAPE) is None
+    unlucky = WaveCostModel(limit=16)
+    unlucky.observe(SHAPE, 1, 4, 40.0)
+    unlucky.observe(SHAPE, 2, 4, 400.0)  # one wave of 2 while a neighbour ran
+    assert unlucky.capacity(SHAPE) == 1 and unlucky.next_size_to_try(SHAPE) == 2
+    for _ in range(3):
+        unlucky.observe(SHAPE, 2, 4, 42.0)  # the lower quartile of 4 forgets the spike
+    assert unlucky.capacity(SHAPE) == 2
     limited = WaveCostModel(limit=2)
     limited.observe(SHAPE, 1, 4, 40.0)
     limited.observe(SHAPE, 2, 4, 40.0)
