@@ -277,7 +277,8 @@ class EngineCore:
                 return None
         elif self.scheduler.num_running == 0:
             num_waiting = self.scheduler.num_waiting
-            plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting)
+            plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting,
+                                         self.num_incoming)
             admission = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
             if admission.should_wait(supports_request_batch=self.policy.batching,
                                      num_running=0):

@@ -189,3 +189,17 @@ def test_bad_values_name_the_option(options, message):
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_options(**options)
     assert message in info.value.message
+
+
+def test_announced_requests_are_waited_for_briefly():
+    """A burst whose bodies are still being read: the first request does not go alone."""
+    clock = Clock()
+    p = policy(clock)
+    teach(p)
+    p.observe_arrivals(1)
+    clock.now += 5.0  # quiet until now: the rate alone says "start at once"
+    p.observe_arrivals(1)
+    assert p.plan_wait(key(), 1).max_wait_ms == 0.0
+    plan = p.plan_wait(key(), 1, num_incoming=7)
+    assert plan.target == 8 and 0 < plan.max_wait_ms <= 20.0
+    assert p.plan_wait(key(), 1, num_incoming=100).target == p.capacity(key())
