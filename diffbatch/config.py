@@ -21,6 +21,7 @@ from diffbatch.options import (
     OrAuto,
     Rule,
     Text,
+    argparse_type,
     option,
 )
 
@@ -255,7 +256,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             continue
         choices = opt.rule.choices if isinstance(opt.rule, OneOf) else None
         metavar = opt.metavar or (None if choices else _metavar(f.name, opt.rule))
-        group.add_argument(flag, dest=f.name, type=_argparse_type(opt.rule), default=default,
+        group.add_argument(flag, dest=f.name, type=argparse_type(opt.rule), default=default,
                            choices=choices, metavar=metavar, help=help_text)
 
 
@@ -272,14 +273,3 @@ def _metavar(name: str, rule: Rule) -> str | None:
 
 def _show(default: Any) -> str:
     return "none" if default is None else str(default)
-
-
-def _argparse_type(rule: Rule) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            return rule.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = type(rule).__name__  # argparse names the type in some errors
-    return parse

@@ -17,8 +17,10 @@ an integer >= 1, got 0".
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,16 @@ class Rule:
     def _bad(self, given: Any) -> ValueError:
         return ValueError(f"must be {self.text}, got {given!r}")
 
+    def _parse_number(self, text: str, convert: Callable[[str], Any]) -> Any:
+        """`convert(text)`, checked: the text quoted when it is no number, the value not."""
+        try:
+            value = convert(text.strip())
+        except (ValueError, AttributeError):
+            raise self._bad(text) from None
+        if not self.accepts(value):
+            raise self._bad(value)
+        return value
+
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -69,13 +81,7 @@ class IntRange(Rule):
                 and (self.high is None or value <= self.high))
 
     def parse(self, text: str) -> int:
-        try:
-            value = int(text.strip())
-        except (ValueError, AttributeError):
-            raise self._bad(text) from None
-        if not self.accepts(value):
-            raise self._bad(value)
-        return value
+        return self._parse_number(text, int)
 
 
 @dataclass(frozen=True)
@@ -92,13 +98,7 @@ class FloatRange(Rule):
                 and (value > self.low if self.strict else value >= self.low))
 
     def parse(self, text: str) -> float:
-        try:
-            value = float(text.strip())
-        except (ValueError, AttributeError):
-            raise self._bad(text) from None
-        if not self.accepts(value):
-            raise self._bad(value)
-        return value
+        return self._parse_number(text, float)
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,19 @@ class OrAuto(Rule):
             raise ValueError(str(exc).replace("must be ", f"must be '{AUTO}' or ", 1)) from None
 
 
+def argparse_type(rule: Rule) -> Callable[[str], Any]:
+    """`rule.parse` as an argparse `type=`: its ValueError becomes argparse's error."""
+
+    def parse(text: str) -> Any:
+        try:
+            return rule.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = type(rule).__name__  # argparse names the type in some errors
+    return parse
+
+
 @dataclass(frozen=True)
 class Option:
     """How one config field is given and checked: its rule, help and flag."""
@@ -239,6 +252,18 @@ def option(default: Any = None, *, default_factory: Any = None, **kwargs: Any) -
 
 
 __all__ = [
-    "AUTO", "CpuList", "Directory", "Flag", "FloatRange", "IntRange", "OneOf", "Option",
-    "Optional", "OrAuto", "Rule", "Text", "option",
+    "AUTO",
+    "CpuList",
+    "Directory",
+    "Flag",
+    "FloatRange",
+    "IntRange",
+    "OneOf",
+    "Option",
+    "Optional",
+    "OrAuto",
+    "Rule",
+    "Text",
+    "argparse_type",
+    "option",
 ]

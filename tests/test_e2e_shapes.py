@@ -41,9 +41,10 @@ def test_each_request_gets_an_image_of_its_own_colour_in_one_wave():
 
 
 def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
-    from diffbatch import PayloadTooLargeError
+    from diffbatch import InvalidRequestError
 
     with Engine(None, executor="inproc", warmup=False) as engine:
         assert engine.info.model_max_pixels == 256 * 256
-        with pytest.raises(PayloadTooLargeError):
+        with pytest.raises(InvalidRequestError, match=r"e\.g\. 256x256") as info:
             engine.generate(["a red circle"], SamplingParams(height=1024, width=1024))
+        assert info.value.status_code == 400 and info.value.param == "size"

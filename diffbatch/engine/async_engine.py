@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
@@ -311,7 +311,6 @@ class Engine:
                 )
             limit = self.config.max_queue_size
             if limit is not None and self.core.num_waiting + len(requests) > limit:
-                self.record_rejected(len(requests))
                 raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
             for request in requests:
                 future: concurrent.futures.Future[DiffusionOutput] = concurrent.futures.Future()
@@ -330,8 +329,9 @@ class Engine:
         self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int,
         notice: ArrivalNotice | None = None,
     ) -> tuple[DiffusionRequest, concurrent.futures.Future[DiffusionOutput]]:
-        request = self._prepare(prompt, params, request_id, priority)
-        return request, self._add([request], notice)[0]
+        with self._counting_rejections(1):
+            request = self._prepare(prompt, params, request_id, priority)
+            return request, self._add([request], notice)[0]
 
     def _deliver(self, request: DiffusionRequest, output: DiffusionOutput) -> None:
         """Resolve the request's future exactly once (later calls are no-ops)."""
@@ -352,6 +352,16 @@ class Engine:
             self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             future.set_result(output)  # suppressed: the future was cancelled by its caller
+
+    @contextlib.contextmanager
+    def _counting_rejections(self, count: int) -> Iterator[None]:
+        """Count `count` requests as rejected if admitting them raises (invalid input,
+        a full queue): the engine's one place for its own refusals."""
+        try:
+            yield
+        except (InvalidRequestError, QueueFullError):
+            self.record_rejected(count)
+            raise
 
     def record_rejected(self, count: int = 1) -> None:
         """Count requests rejected before they reached the queue (outcome "rejected")."""
@@ -387,11 +397,12 @@ class Engine:
                 f"`request_ids` must have one id per prompt: got {len(request_ids)} for "
                 f"{len(prompts)} prompts", param="request_ids",
             )
-        requests = [
-            self._prepare(prompt, params, request_ids[i] if request_ids is not None else None, 0)
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
-        ]
-        futures = self._add(requests)
+        with self._counting_rejections(len(prompts)):
+            requests = [
+                self._prepare(prompt, params, None if request_ids is None else request_ids[i], 0)
+                for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
+            ]
+            futures = self._add(requests)
         from tqdm import tqdm
 
         show = use_tqdm and len(futures) >= _TQDM_MIN_PROMPTS

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParamsKey
 
 MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the curve says
+# Announced requests (their HTTP bodies are still being read) are waited for this long
+# at most: they are already here, only not parsed yet.
+INCOMING_WAIT_MS = 20.0
 RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 
@@ -187,8 +190,11 @@ class BatchPolicy:
         return capacity
 
     # -- admission wait --------------------------------------------------------------
-    def plan_wait(self, key: SamplingParamsKey | None, num_waiting: int) -> WaitPlan:
-        """What the admission wait should do with `num_waiting` requests of `key` idle."""
+    def plan_wait(
+        self, key: SamplingParamsKey | None, num_waiting: int, num_incoming: int = 0
+    ) -> WaitPlan:
+        """What the admission wait should do with `num_waiting` requests of `key` idle
+        and `num_incoming` announced ones still on their way (see `ArrivalNotice`)."""
         capacity = self.capacity(key)
         if not self.batching or capacity <= 1:
             return WaitPlan(target=1, max_wait_ms=0.0, stable_window_ms=0.0)
@@ -208,8 +214,16 @@ class BatchPolicy:
         one = wave_ms(1)
         if not math.isfinite(one):  # nothing learned yet: no grounds to wait
             return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+        bound = min(one, MAX_WAIT_MS)
         plan = choose_wait(num_waiting, self.arrivals.rate_per_s(), wave_ms, capacity,
-                           wait_bound_ms=min(one, MAX_WAIT_MS))
+                           wait_bound_ms=bound)
+        if num_incoming > 0 and plan.target < min(capacity, num_waiting + num_incoming):
+            # A burst already at the door: the first request's wave would otherwise
+            # start alone and the rest wait for it to finish.
+            wait = min(bound, INCOMING_WAIT_MS)
+            plan = WaitPlan(target=min(capacity, num_waiting + num_incoming),
+                            max_wait_ms=max(plan.max_wait_ms, wait),
+                            stable_window_ms=max(plan.stable_window_ms, wait))
         with self._lock:
             self._last_wait_ms[shape.label()] = plan.max_wait_ms
         return plan

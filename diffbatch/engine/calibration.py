@@ -2,11 +2,12 @@
 
 With `max_num_seqs="auto"` (or an "auto" wait), the engine runs a few synthetic
 waves through the normal executor path before it serves: sizes 1, 2, 4, ... at the
-model's default size and step count, each twice (the faster counts, so a first
-allocation does not), until a doubling stops cutting the cost per image by 10%,
-the size limit is reached, or the next wave would overrun the time budget
-(`calibration_budget_s`, 10 s by default). When even one wave at the default step
-count would not fit, it measures at fewer steps (the curve scales with steps).
+model's default size, each twice (the faster counts, so a first allocation does
+not), until a doubling stops cutting the cost per image by 10%, the size limit is
+reached, or the next wave would overrun the time budget (`calibration_budget_s`,
+10 s by default). A one-step probe first sets the step count: the model's default,
+or fewer when sizes up to about 8 would not fit the budget at it (the curve scales
+with steps, so a real model on a CPU is measured at one step).
 
 It also bounds wave sizes by memory: the runner reports its peak memory after each
 wave, so the growth per extra image is known, and a wave may use at most
@@ -59,17 +60,23 @@ def calibrate(
 ) -> CalibrationReport:
     """Run the calibration waves and feed them to `policy`; see the module docstring."""
     start = time.monotonic()
-    steps = info.default_num_inference_steps
-    report = CalibrationReport(steps=steps)
+    # 1. A one-step probe sizes the step count: enough steps to be representative, few
+    #    enough that sizes up to ~8 fit the budget (a real model on a CPU gets 1).
+    probe = executor.execute_batch(_wave(info, 1, 1))
+    probe_ms = max(probe.forward_time_ms, 1e-3)
+    spent_ms = probe.forward_time_ms  # forward time so far (the wall clock counts too)
+    fit = int(budget_s * 1000.0 / (REPEATS * 8 * probe_ms))
+    report = CalibrationReport(steps=max(1, min(info.default_num_inference_steps, fit)))
     peaks: list[tuple[int, int]] = []  # (wave size, peak memory after it)
-    free_at_start = 0
+    free_at_start = probe.free_memory_bytes
     size = 1
     while True:
         if size > policy.limit:
             report.stop_reason = "limit"
             break
         expected_ms = _expected_ms(report, size)
-        remaining_ms = (budget_s - (time.monotonic() - start)) * 1000.0
+        elapsed_ms = max((time.monotonic() - start) * 1000.0, spent_ms)
+        remaining_ms = budget_s * 1000.0 - elapsed_ms
         if expected_ms is not None and REPEATS * expected_ms > remaining_ms:
             report.stop_reason = "budget"
             break
@@ -79,18 +86,12 @@ def calibrate(
             if not all(o.ok for o in output.outputs.values()):
                 report.stop_reason = "error"
                 break
+            spent_ms += output.forward_time_ms
             best = output.forward_time_ms if best is None else min(best, output.forward_time_ms)
             free_at_start = free_at_start or output.free_memory_bytes
             peaks.append((size, output.peak_memory_bytes))
-            if size == 1 and best * REPEATS > budget_s * 1000.0 and report.steps > 1:
-                # One wave at the default steps does not fit the budget: measure fewer.
-                report.steps = max(1, int(report.steps * budget_s * 1000.0 / (4 * best)))
-                best = None
-                break
-        if report.stop_reason == "error":
+        if report.stop_reason == "error" or best is None:
             break
-        if best is None:
-            continue  # re-measure this size at the reduced step count
         report.forward_ms[size] = best
         policy.cost.observe(policy.default_shape, size, report.steps, best)
         memory_limit = _memory_limit(peaks, free_at_start)
@@ -101,14 +102,28 @@ def calibrate(
             if size * 2 > memory_limit:
                 report.stop_reason = "memory"
                 break
-        if size > 1:
-            last = report.forward_ms[size // 2] / (size // 2)
-            if best / size > (1.0 - MIN_GAIN) * last:
+        if size > 1 and not _pays(report, size):
+            # Confirm before stopping: re-measure both sizes once (a neighbour's burst
+            # of work during one of them would otherwise end the ladder early).
+            for again in (size // 2, size):
+                output = executor.execute_batch(_wave(info, again, report.steps))
+                spent_ms += output.forward_time_ms
+                report.forward_ms[again] = min(report.forward_ms[again],
+                                               output.forward_time_ms)
+                policy.cost.observe(policy.default_shape, again, report.steps,
+                                    output.forward_time_ms)
+            if not _pays(report, size):
                 report.stop_reason = "gain"
                 break
         size *= 2
     report.elapsed_s = time.monotonic() - start
     return report
+
+
+def _pays(report: CalibrationReport, size: int) -> bool:
+    """Whether doubling to `size` cut the measured cost per image by `MIN_GAIN`."""
+    half = size // 2
+    return report.forward_ms[size] / size <= (1.0 - MIN_GAIN) * report.forward_ms[half] / half
 
 
 def _expected_ms(report: CalibrationReport, size: int) -> float | None:

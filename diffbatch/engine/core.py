@@ -3,11 +3,13 @@
 `EngineCore.step()` is the whole loop body. It blocks until one of two things can
 happen, then does it:
 
-- dispatch: run the admission wait (only when nothing is in flight), `schedule()` a
-  wave and hand it to the executor (`submit_batch`: one fused forward; a pipeline
-  that cannot batch gets waves of one, since its `max_num_seqs` is 1);
-- finish: the oldest wave in flight is done: `update_from_output()`, and hand every
-  finished request to the `deliver` callback.
+- dispatch: run the admission wait (only when nothing is in flight; its target and
+  deadline come from the `BatchPolicy`, fixed or learned), `schedule()` a wave (each
+  key's capacity from the same policy) and hand it to the executor (`submit_batch`:
+  one fused forward; a pipeline that cannot batch gets waves of one);
+- finish: the oldest wave in flight is done: feed its forward time to the policy's
+  cost model, `update_from_output()`, and hand every finished request to the
+  `deliver` callback.
 
 Up to `max_concurrent_waves` of the executor's waves are in flight (the config's
 `max_waves_in_flight`). While one runs, the next is dispatched only when it is full
@@ -382,7 +384,8 @@ class EngineCore:
                 return None
         elif self.scheduler.num_running == 0:
             num_waiting = self.scheduler.num_waiting
-            plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting)
+            plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting,
+                                         self.num_incoming)
             admission = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
             if admission.should_wait(supports_request_batch=self.policy.batching,
                                      num_running=0):

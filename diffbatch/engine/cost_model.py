@@ -2,12 +2,15 @@
 
 Every wave the engine runs is one observation: its shape, its step count, its size
 B and its forward time. `WaveCostModel` keeps, per shape (height, width, images
-per request, CFG on or off), a smoothed forward time per wave size, measured at
-some step count; an estimate at another step count is scaled by the step ratio
-(steps dominate a wave's cost; the fixed part, text encoding and decoding, is
-small beside them at any useful step count). A start-up calibration seeds the
-model's default shape (`diffbatch.engine.calibration`); other shapes are learned
-as they appear.
+per request, CFG on or off) and wave size, the last `WINDOW` forward times (scaled
+to one step count) and estimates with their lower quartile: a machine shared with
+other work makes some waves take several times longer, and those spikes must not
+teach the engine that big waves stopped paying (measured here: a 64x64 wave of 8
+took 80 ms or 3,400 ms depending on what else ran). An estimate at another step
+count is scaled by the step ratio (steps dominate a wave's cost; the fixed part,
+text encoding and decoding, is small beside them at any useful step count). A
+start-up calibration seeds the model's default shape
+(`diffbatch.engine.calibration`); other shapes are learned as they appear.
 
 From the curve the model derives a shape's **capacity**, the wave size beyond
 which a bigger wave stops paying:
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +37,8 @@ if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParamsKey
 
 MIN_GAIN = 0.10  # a doubling must cut the cost per image by this much to be worth it
-SMOOTHING = 0.3  # weight of a new observation in the smoothed forward time
+WINDOW = 16  # observations kept per shape and wave size
+MIN_SAMPLES = 4  # a size with fewer observations is tried again before it is trusted
 
 
 @dataclass(frozen=True)
@@ -62,15 +67,16 @@ class Shape:
 
 @dataclass
 class _Curve:
-    """One shape's observations: wave size -> smoothed forward ms at `steps` steps."""
+    """One shape's observations: wave size -> forward ms at `steps` steps."""
 
     steps: int  # the step count the times below are scaled to
-    ms: dict[int, float] = field(default_factory=dict)
+    ms: dict[int, float] = field(default_factory=dict)  # size -> lower quartile of samples
+    samples: dict[int, deque[float]] = field(default_factory=dict)  # size -> last WINDOW
 
     def observe(self, size: int, steps: int, forward_ms: float) -> None:
-        scaled = forward_ms * self.steps / steps
-        old = self.ms.get(size)
-        self.ms[size] = scaled if old is None else old + SMOOTHING * (scaled - old)
+        window = self.samples.setdefault(size, deque(maxlen=WINDOW))
+        window.append(forward_ms * self.steps / steps)
+        self.ms[size] = sorted(window)[(len(window) - 1) // 4]
 
     def estimate_ms(self, size: int) -> float | None:
         """Forward ms of a wave of `size` at `steps`: measured, interpolated between the
@@ -135,7 +141,7 @@ class WaveCostModel:
         """The shape's capacity (see the module docstring); 1 <= capacity <= limit."""
         with self._lock:
             curve = self._curves.get(shape)
-            if curve is not None and len(curve.ms) >= 2:
+            if curve is not None and (len(curve.ms) >= 2 or shape == self.default_shape):
                 return capacity_from_curve(curve.ms, self.limit)
             default = self.default_shape
             if default is None or default not in self._curves:
@@ -145,16 +151,18 @@ class WaveCostModel:
         return max(1, min(self.limit, 1 << max(0, int(math.log2(max(scaled, 1.0))))))
 
     def next_size_to_try(self, shape: Shape) -> int | None:
-        """A wave size worth measuring for `shape` (the doubling after its capacity),
-        or None when the curve already says where gains stop."""
+        """A wave size worth measuring for `shape`: the doubling after its capacity,
+        while it has fewer than `MIN_SAMPLES` observations (so one unlucky wave, run
+        while the machine was busy, cannot pin the capacity); None when the curve
+        already says where gains stop."""
         with self._lock:
             curve = self._curves.get(shape)
             if curve is None:
                 return None
-            sizes = curve.ms
-            cap = capacity_from_curve(sizes, self.limit)
-        nxt = cap * 2
-        if nxt > self.limit or nxt in sizes:
+            cap = capacity_from_curve(curve.ms, self.limit)
+            nxt = cap * 2
+            seen = len(curve.samples.get(nxt, ()))
+        if nxt > self.limit or seen >= MIN_SAMPLES:
             return None
         return nxt
 
@@ -172,14 +180,16 @@ class WaveCostModel:
 def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     """The capacity rule on measured forward times `ms` (wave size -> ms).
 
-    Walks the ladder 1, 2, 4, ... while the next size is measured (or lies within
-    the measured range, interpolated) and cuts the cost per image by `MIN_GAIN`.
+    Walks the ladder from the smallest measured size, doubling while the next size
+    is measured (or lies within the measured range, interpolated) and cuts the cost
+    per image by `MIN_GAIN`. A size that ran is never ruled out for lack of data
+    below it.
     """
     if not ms:
         return 1
     curve = _Curve(steps=1, ms=dict(ms))
     top = max(ms)
-    size = 1
+    size = min(ms)
     while size * 2 <= min(limit, top):
         here, there = curve.estimate_ms(size), curve.estimate_ms(size * 2)
         assert here is not None and there is not None

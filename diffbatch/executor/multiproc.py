@@ -310,7 +310,7 @@ def _check_pipeline_class_importable(config: EngineConfig) -> None:
 
 
 class MultiprocExecutor(Executor):
-    """Runs the `ModelRunner` in a spawned worker process; see the module docstring.
+    """Runs the `ModelRunner` in a worker process; see the module docstring.
 
     `runner_factory` ("module:attr") replaces `ModelRunner` in the worker; tests use
     it to inject a fake runner.

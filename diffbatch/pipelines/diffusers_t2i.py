@@ -511,7 +511,7 @@ class DiffusersT2IPipeline(BasePipeline):
 
 
 class DiffusersPerRequestPipeline(DiffusersT2IPipeline):
-    """The diffusers adapter on the per-request path: one request per forward."""
+    """The diffusers adapter for a class that cannot batch: one request per forward."""
 
     supports_request_batch: ClassVar[bool] = False
 

@@ -6,7 +6,7 @@ anything:
 
 - `supports_request_batch = True`: `forward` takes a `DiffusionRequestBatch` of any
   size and returns one `DiffusionOutput` per request, in order. Otherwise the engine
-  only ever passes batches of one request (the per-request path).
+  only ever passes batches of one request (waves of one).
 
 A pipeline that loops over denoising steps calls `batch.check_interrupt()` between
 steps: it raises `WaveInterrupted` once nobody waits for the wave any more (every

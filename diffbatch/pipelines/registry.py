@@ -10,7 +10,7 @@ A model is one of:
 
 A pipeline class is None (the batch-capable `DiffusersT2IPipeline`), a class, or a
 dotted name (`pkg.mod.Cls` or `pkg.mod:Cls`). A raw diffusers `DiffusionPipeline`
-subclass has no `supports_request_batch`, so it runs on the per-request path.
+subclass has no `supports_request_batch`, so it runs one request per wave.
 """
 
 from __future__ import annotations

@@ -286,3 +286,15 @@ def test_pipeline_load_arguments_go_through_pipeline_kwargs():
     with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", warmup=False,
                 pipeline_kwargs={"variant": "fp16"}) as engine:
         assert engine.executor.runner.pipeline.kwargs == {"variant": "fp16"}
+
+
+def test_every_refusal_at_admission_is_counted_once():
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", warmup=False,
+                max_num_seqs=2, request_batch_max_wait_ms=0) as engine:
+        with pytest.raises(InvalidRequestError):
+            engine.generate(["a"], SamplingParams(height=12))  # not a multiple of 8
+        with pytest.raises(InvalidRequestError):
+            engine.generate(["a", ""], SamplingParams())  # one bad prompt refuses the call
+        assert engine.metrics.count("rejected") == 3
+        assert engine.generate(["fine"])[0].ok
+        assert engine.metrics.count("rejected") == 3

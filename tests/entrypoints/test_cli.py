@@ -94,7 +94,7 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--max-num-seqs-limit", "0"], "must be an integer >= 1, got 0"),
         (["--torch-threads", "0"], "must be an integer >= 1, got 0"),
         (["--request-timeout", "0"], "must be a finite number > 0"),
-        (["--port", "70000"], "must be between 0 and 65535"),
+        (["--port", "70000"], "must be an integer between 0 and 65535, got 70000"),
         (["--executor", "ray"], "must be one of 'mp', 'inproc', got 'ray'"),
         (["--max-queue-size", "0"], "must be an integer >= 1"),
         (["--png-compress-level", "10"], "must be an integer between 0 and 9, got 10"),

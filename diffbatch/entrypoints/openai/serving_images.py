@@ -55,8 +55,8 @@ DEFAULT_MAX_IMAGE_PIXELS = 2048 * 2048
 # Quality of jpeg/webp when the request gives no `output_compression` (OpenAI's default).
 DEFAULT_QUALITY = 100
 # Default `--png-compress-level` (zlib, 0-9). PNG is lossless, so the level trades only
-# encoding time for bytes: a smooth 512x512 RGB image took ~23 ms at 1 against ~96 ms at
-# PIL's default 6, for ~19% more bytes (64x64 images: no measurable difference).
+# encoding time for bytes; level 1 encodes several times faster than PIL's default 6 for
+# a few more bytes (measured in docs/benchmarks.md, "Measured reasons in the code").
 DEFAULT_PNG_COMPRESS_LEVEL = 1
 
 
@@ -258,9 +258,6 @@ class OpenAIServingImages:
                     request.prompt, params, request_id=request_id, priority=request.priority,
                     arrival_notice=arrival_notice,
                 )
-        except InvalidRequestError:
-            self.engine.record_rejected()  # refused by the engine's own checks (e.g. LoRA)
-            raise
         except TimeoutError:
             raise RequestTimeoutError(
                 f"request did not finish within the server's request timeout of "

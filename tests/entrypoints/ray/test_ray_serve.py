@@ -288,7 +288,8 @@ def gated(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory
     _deploy("gated", {
         "pipeline_class": GATED, "pipeline_kwargs": {"gate_dir": str(gate.folder)},
         "served_model_name": "gated", "num_replicas": 2, "executor": "inproc",
-        "max_num_seqs": 4, "max_ongoing_requests": 4, "num_cpus_per_replica": REPLICA_CPUS,
+        "max_num_seqs": 4, "request_batch_max_wait_ms": 0,  # fixed: the test holds waves
+        "max_ongoing_requests": 4, "num_cpus_per_replica": REPLICA_CPUS,
         "health_check_period_s": 1, "health_check_timeout_s": 10,
     })
     try:

@@ -1,0 +1,205 @@
+"""The batch policy: fixed or auto capacity, and the auto admission-wait rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffbatch.config import EngineConfig
+from diffbatch.engine.batch_policy import ArrivalRate, BatchPolicy, choose_wait
+from diffbatch.engine.cost_model import Shape
+from diffbatch.pipelines.interface import PipelineInfo
+from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+
+INFO = PipelineInfo(name="P", default_height=64, default_width=64,
+                    default_num_inference_steps=4, default_guidance_scale=5.0, size_multiple=8)
+
+
+def key(size: int = 64, steps: int = 4) -> SamplingParamsKey:
+    params = SamplingParams(height=size, width=size, num_inference_steps=steps,
+                            guidance_scale=5.0)
+    return SamplingParamsKey.from_params(params, cfg_enabled=True)
+
+
+def tiny_sd_like(size: int) -> float:
+    """Wave ms shaped like tiny-sd at 64x64 here: a fixed cost amortised by the wave."""
+    return 40.0 + 7.0 * size
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the wait rule, on numbers ---------------------------------------------------------
+
+
+def test_waits_under_a_burst_until_the_wave_is_full():
+    plan = choose_wait(1, rate_per_s=2000.0, wave_ms=tiny_sd_like, capacity=8,
+                       wait_bound_ms=tiny_sd_like(1))
+    assert plan.target == 8
+    assert 0 < plan.max_wait_ms <= tiny_sd_like(1)
+
+
+@pytest.mark.parametrize("rate_per_s", [0.0, 0.5, 2.0, 10.0])
+def test_never_waits_at_low_load(rate_per_s):
+    plan = choose_wait(1, rate_per_s=rate_per_s, wave_ms=tiny_sd_like, capacity=8,
+                       wait_bound_ms=tiny_sd_like(1))
+    assert plan.max_wait_ms == 0.0 and plan.target == 1
+
+
+def test_never_waits_past_the_bound():
+    for rate in (30.0, 100.0, 300.0, 1000.0, 1e6):
+        plan = choose_wait(1, rate_per_s=rate, wave_ms=tiny_sd_like, capacity=32,
+                           wait_bound_ms=25.0)
+        assert plan.max_wait_ms <= 25.0
+        assert plan.stable_window_ms <= plan.max_wait_ms
+
+
+def test_no_wait_when_batching_does_not_pay_or_the_wave_is_full():
+    flat = lambda size: 40.0 * size  # noqa: E731 - every image costs the same
+    assert choose_wait(1, 2000.0, flat, 8, 40.0).max_wait_ms == 0.0
+    assert choose_wait(8, 2000.0, tiny_sd_like, 8, 47.0).max_wait_ms == 0.0
+
+
+# -- the arrival rate, on a driven clock -------------------------------------------------
+
+
+def test_arrival_rate_from_gaps_between_events():
+    clock = Clock()
+    rate = ArrivalRate(clock)
+    assert rate.rate_per_s() == 0.0  # one event says nothing about a rate
+    rate.observe()
+    for _ in range(20):
+        clock.now += 0.01
+        rate.observe()
+    assert rate.rate_per_s() == pytest.approx(100.0)
+    clock.now += 1.0  # a quiet second: the stream slowed down
+    assert rate.rate_per_s() == pytest.approx(1.0)
+
+
+def test_a_list_of_prompts_is_one_event_not_a_burst():
+    clock = Clock()
+    rate = ArrivalRate(clock)
+    rate.observe(32)  # one `generate` call with 32 prompts
+    assert rate.rate_per_s() == 0.0
+    clock.now += 2.0
+    rate.observe(4)  # 4 requests 2 s later: 2 requests per second
+    assert rate.rate_per_s() == pytest.approx(2.0)
+
+
+# -- the policy --------------------------------------------------------------------------
+
+
+def policy(clock: Clock | None = None, **options) -> BatchPolicy:
+    config = EngineConfig.from_options(model="fake", **options)
+    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or Clock())
+
+
+def teach(p: BatchPolicy, wave_ms=tiny_sd_like, sizes=(1, 2, 4, 8, 16, 32)) -> None:
+    for size in sizes:
+        p.cost.observe(p.default_shape, size, 4, wave_ms(size))
+    p.serving = True
+
+
+def test_fixed_settings_pass_through():
+    p = policy(max_num_seqs=8, request_batch_max_wait_ms=20)
+    assert not p.learns
+    assert p.capacity(key()) == 8 and p.capacity(key(), num_waiting=100) == 8
+    plan = p.plan_wait(key(), 1)
+    assert (plan.target, plan.max_wait_ms, plan.stable_window_ms) == (8, 20.0, 4.0)
+
+
+def test_a_pipeline_that_cannot_batch_gets_waves_of_one():
+    config = EngineConfig(model="fake")
+    p = BatchPolicy(config, INFO, supports_request_batch=False)
+    assert p.capacity(key()) == 1 and not p.learns
+    assert p.plan_wait(key(), 1).max_wait_ms == 0.0
+
+
+def test_auto_capacity_follows_the_learned_curve_per_shape():
+    p = policy()
+    assert p.learns and p.limit == 32
+    teach(p, wave_ms=lambda size: 20.0 + 10.0 * size)
+    assert p.capacity(key()) == 16  # 20 + 10B: the 16 -> 32 doubling gains < 10%
+    assert p.capacity(key(128)) == 4  # an unseen shape: 4x the pixels
+    assert policy(max_num_seqs_limit=8).limit == 8
+
+
+def test_a_backlog_beyond_capacity_tries_the_next_doubling_once():
+    p = policy()
+    teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a try
+    assert p.capacity(key()) == 4
+    assert p.capacity(key(), num_waiting=20) == 8
+    assert p.capacity(key(), num_waiting=6) == 6  # no bigger than the backlog
+    p.observe_wave(key(), 8, tiny_sd_like(8))
+    assert p.capacity(key(), num_waiting=20) == 16  # 8 paid too: try 16
+
+
+def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
+    clock = Clock()
+    p = policy(clock)
+    teach(p)
+    for _ in range(3):  # a burst: an arrival every 0.5 ms
+        p.observe_arrivals(1)
+        clock.now += 0.0005
+    burst = p.plan_wait(key(), 3)
+    assert burst.target > 3 and 0 < burst.max_wait_ms <= tiny_sd_like(1)
+    clock.now += 5.0  # then nothing for 5 s: an arrival now is alone
+    p.observe_arrivals(1)
+    alone = p.plan_wait(key(), 1)
+    assert alone.max_wait_ms == 0.0 and alone.target == 1
+
+
+def test_no_wait_before_anything_is_learned():
+    clock = Clock()
+    p = policy(clock)
+    for _ in range(5):
+        p.observe_arrivals(1)
+        clock.now += 0.0005
+    assert p.plan_wait(key(), 2).max_wait_ms == 0.0
+
+
+def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
+    p = policy()
+    p.observe_wave(key(), 4, 100.0)  # the warm-up, before serving
+    assert p.cost.shapes() == []
+    p.serving = True
+    p.observe_wave(key(), 4, 100.0, num_forwards=3)  # a bisected wave: not one forward
+    assert p.cost.shapes() == []
+    p.observe_wave(key(), 4, 100.0)
+    assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
+    snapshot = p.snapshot()["64x64/n1/cfg"]
+    assert snapshot["per_image_ms"] == {4: 25.0} and snapshot["capacity"] == 4
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"max_num_seqs": "autoo"}, "`max_num_seqs` must be 'auto' or an integer >= 1, got 'autoo'"),
+    ({"max_num_seqs": -1}, "`max_num_seqs` must be 'auto' or an integer >= 1, got -1"),
+    ({"request_batch_max_wait_ms": "soon"},
+     "`request_batch_max_wait_ms` must be 'auto' or a finite number >= 0, got 'soon'"),
+    ({"max_num_seqs_limit": 0}, "`max_num_seqs_limit` must be an integer >= 1, or None"),
+    ({"calibration_budget_s": -1}, "`calibration_budget_s` must be a finite number >= 0"),
+])
+def test_bad_values_name_the_option(options, message):
+    from diffbatch import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_options(**options)
+    assert message in info.value.message
+
+
+def test_announced_requests_are_waited_for_briefly():
+    """A burst whose bodies are still being read: the first request does not go alone."""
+    clock = Clock()
+    p = policy(clock)
+    teach(p)
+    p.observe_arrivals(1)
+    clock.now += 5.0  # quiet until now: the rate alone says "start at once"
+    p.observe_arrivals(1)
+    assert p.plan_wait(key(), 1).max_wait_ms == 0.0
+    plan = p.plan_wait(key(), 1, num_incoming=7)
+    assert plan.target == 8 and 0 < plan.max_wait_ms <= 20.0
+    assert p.plan_wait(key(), 1, num_incoming=100).target == p.capacity(key())

@@ -1,0 +1,108 @@
+"""The learned cost curve and the capacity rule, on synthetic curves."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffbatch.engine.cost_model import Shape, WaveCostModel, capacity_from_curve
+
+SHAPE = Shape(64, 64, 1, True)
+
+
+def curve(per_wave_ms, sizes=(1, 2, 4, 8, 16, 32)) -> dict[int, float]:
+    return {b: per_wave_ms(b) for b in sizes}
+
+
+@pytest.mark.parametrize(
+    ("name", "ms", "limit", "expected"),
+    [
+        # every image costs the same: batching never pays
+        ("flat per image", curve(lambda b: 10.0 * b), 32, 1),
+        # a fixed cost amortised by the wave: pays while the fixed part dominates
+        ("linear with fixed cost", curve(lambda b: 20.0 + 10.0 * b), 32, 16),
+        # the wave takes the same time whatever its size: every doubling pays
+        ("constant wave", curve(lambda b: 50.0), 32, 32),
+        # saturates: free up to 8 images, then linear
+        ("saturating at 8", curve(lambda b: 40.0 * max(b, 8) / 8), 32, 8),
+        # gets slower per image beyond 8 (e.g. out of cache)
+        ("regressing at 8", {1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0, 16: 200.0, 32: 800.0}, 32, 8),
+        # the limit wins
+        ("limited", curve(lambda b: 50.0), 4, 4),
+    ],
+)
+def test_capacity_rule_on_synthetic_curves(name, ms, limit, expected):
+    assert capacity_from_curve(ms, limit) == expected, name
+
+
+def test_capacity_is_not_claimed_beyond_what_was_measured():
+    """Only sizes inside the measured range count: no gain is assumed past the largest."""
+    assert capacity_from_curve({1: 40.0, 2: 40.0}, 32) == 2
+    assert capacity_from_curve({}, 32) == 1
+
+
+def test_observations_are_scaled_by_steps_and_interpolated():
+    model = WaveCostModel(limit=32)
+    model.observe(SHAPE, 4, steps=4, forward_ms=100.0)
+    assert model.estimate_ms(SHAPE, 4, steps=4) == pytest.approx(100.0)
+    assert model.estimate_ms(SHAPE, 4, steps=8) == pytest.approx(200.0)
+    model.observe(SHAPE, 1, steps=8, forward_ms=80.0)  # 40 ms at the curve's 4 steps
+    # between measured sizes: interpolated; beyond: the nearest size's cost per image
+    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(40.0 + (100.0 - 40.0) / 3)
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(200.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        model.observe(SHAPE, 2, steps=4, forward_ms=bad)  # ignored
+    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(60.0)
+
+
+def test_contention_spikes_do_not_move_the_curve_but_a_lasting_change_does():
+    model = WaveCostModel(limit=32)
+    for ms in (100.0, 100.0, 100.0, 3400.0, 100.0, 2000.0, 100.0, 100.0):
+        model.observe(SHAPE, 8, steps=4, forward_ms=ms)  # a busy neighbour now and then
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(100.0)
+    for _ in range(16):  # the machine is now slower for good
+        model.observe(SHAPE, 8, steps=4, forward_ms=150.0)
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(150.0)
+
+
+def test_an_unseen_shape_borrows_the_default_curve_scaled_by_pixels():
+    model = WaveCostModel(limit=32, default_shape=SHAPE)
+    assert model.estimate_ms(Shape(128, 128, 1, True), 1, steps=4) is None  # nothing yet
+    for b, ms in curve(lambda b: 20.0 + 10.0 * b).items():
+        model.observe(SHAPE, b, steps=4, forward_ms=ms)
+    big = Shape(128, 128, 1, True)  # 4x the pixels
+    assert model.estimate_ms(big, 1, steps=4) == pytest.approx(4 * 30.0)
+    assert model.capacity(SHAPE) == 16
+    assert model.capacity(big) == 4  # 16 scaled by 1/4
+    assert model.capacity(Shape(32, 32, 1, True)) == 32  # 64, bounded by the limit
+
+
+def test_next_size_to_try_grows_the_curve_while_gains_continue():
+    model = WaveCostModel(limit=16)
+    model.observe(SHAPE, 1, 4, 40.0)
+    model.observe(SHAPE, 2, 4, 42.0)
+    assert model.capacity(SHAPE) == 2 and model.next_size_to_try(SHAPE) == 4
+    model.observe(SHAPE, 4, 4, 44.0)
+    assert model.next_size_to_try(SHAPE) == 8
+    model.observe(SHAPE, 8, 4, 200.0)  # no gain at 8 in one wave: maybe a busy moment
+    assert model.capacity(SHAPE) == 4 and model.next_size_to_try(SHAPE) == 8
+    for _ in range(3):  # confirmed by four waves: the curve knows where gains stop
+        model.observe(SHAPE, 8, 4, 200.0)
+    assert model.capacity(SHAPE) == 4 and model.next_size_to_try(SHAPE) is None
+    unlucky = WaveCostModel(limit=16)
+    unlucky.observe(SHAPE, 1, 4, 40.0)
+    unlucky.observe(SHAPE, 2, 4, 400.0)  # one wave of 2 while a neighbour ran
+    assert unlucky.capacity(SHAPE) == 1 and unlucky.next_size_to_try(SHAPE) == 2
+    for _ in range(3):
+        unlucky.observe(SHAPE, 2, 4, 42.0)  # the lower quartile of 4 forgets the spike
+    assert unlucky.capacity(SHAPE) == 2
+    limited = WaveCostModel(limit=2)
+    limited.observe(SHAPE, 1, 4, 40.0)
+    limited.observe(SHAPE, 2, 4, 40.0)
+    assert limited.next_size_to_try(SHAPE) is None  # the limit stops exploring
+
+
+def test_per_image_table_for_metrics():
+    model = WaveCostModel(limit=8)
+    model.observe(SHAPE, 1, 4, 40.0)
+    model.observe(SHAPE, 4, 4, 80.0)
+    assert model.per_image_ms() == {"64x64/n1/cfg": {1: 40.0, 4: 20.0}}

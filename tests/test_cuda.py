@@ -1,0 +1,44 @@
+"""The engine on a CUDA device: skipped where there is none (run by scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffbatch import Engine, SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("tiny-sd", device="cuda") as engine:  # auto batching, worker process
+        yield engine
+
+
+def test_generates_on_cuda_with_auto_batching(engine):
+    assert engine.info.device.startswith("cuda")
+    outs = engine.generate([f"a cat {i}" for i in range(8)], SamplingParams(seed=1))
+    assert all(o.ok for o in outs)
+    assert max(o.batch_size for o in outs) > 1
+    assert engine.policy.cost.capacity(engine.policy.default_shape) >= 1
+
+
+def test_batch_invariance_on_cuda(engine):
+    params = SamplingParams(height=64, width=64, num_inference_steps=4, output_type="pt")
+    together = engine.generate(["a red circle", "a blue square", "a cat"],
+                               [params.clone(seed=s) for s in (1, 2, 3)])
+    alone = engine.generate(["a blue square"], params.clone(seed=2))[0]
+    assert together[1].batch_size > 1
+    torch.testing.assert_close(together[1].images, alone.images, atol=1e-4, rtol=0)
+
+
+def test_half_precision_runs_on_cuda():
+    with Engine("tiny-sd", device="cuda", dtype="float16", max_num_seqs=4,
+                request_batch_max_wait_ms=0) as engine:
+        outs = engine.generate(["a", "b", "c", "d"], SamplingParams(seed=5, output_type="pt"))
+    assert all(o.ok for o in outs)
+    assert all(torch.isfinite(o.images).all() for o in outs)

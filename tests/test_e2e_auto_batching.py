@@ -1,0 +1,67 @@
+"""An engine with no tuning options batches a burst and does not wait at low load.
+
+Real worker process, real `tiny-sd` pipeline, the defaults `max_num_seqs="auto"`
+and `request_batch_max_wait_ms="auto"` (start-up calibration included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from diffbatch import Engine, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PARAMS = SamplingParams(height=64, width=64, num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("tiny-sd") as engine:
+        yield engine
+
+
+def admissions(engine: Engine) -> dict[str, float]:
+    """Waves run so far by why their admission wait ended ("none": no wait)."""
+    counts: dict[str, float] = {}
+    for metric in engine.metrics.registry.collect():
+        if metric.name == "diffbatch_waves":
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    reason = sample.labels["admission"]
+                    counts[reason] = counts.get(reason, 0.0) + sample.value
+    return counts
+
+
+def test_defaults_are_auto_and_calibrated(engine):
+    assert engine.config.max_num_seqs == "auto"
+    assert engine.config.request_batch_max_wait_ms == "auto"
+    shape = engine.policy.default_shape
+    assert engine.policy.cost.estimate_ms(shape, 1, 4) is not None  # calibration ran
+    assert engine.policy.cost.capacity(shape) > 1  # tiny-sd at 64x64 gains from waves
+    text = engine.metrics.registry.get_sample_value(
+        "diffbatch_capacity_requests", {"shape": shape.label()})
+    assert text == engine.policy.cost.capacity(shape)
+
+
+def test_a_burst_forms_waves_larger_than_one(engine):
+    async def burst():
+        return await asyncio.gather(*(
+            engine.generate_async(f"a burst {i}", PARAMS.clone(seed=i)) for i in range(16)))
+
+    outs = asyncio.run(burst())
+    assert all(out.ok for out in outs)
+    assert max(out.batch_size for out in outs) > 1
+
+
+def test_low_load_runs_waves_of_one_without_waiting(engine):
+    before = admissions(engine)
+    for i in range(6):  # one request at a time: each alone, never held back
+        out = engine.generate([f"alone {i}"], PARAMS.clone(seed=100 + i))[0]
+        assert out.ok and out.batch_size == 1
+    after = admissions(engine)
+    waited = {reason: after.get(reason, 0.0) - before.get(reason, 0.0) for reason in after}
+    assert waited.get("none", 0.0) == 6
+    assert sum(waited.values()) == 6
