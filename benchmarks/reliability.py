@@ -239,6 +239,8 @@ def disconnects(url: str, args: argparse.Namespace, client: httpx.Client,
     left = segments_of(worker)
     rss_growth = rss_mib([server_pid, *children(server_pid)]) - rss_before
     gone = sum(not isinstance(r, httpx.Response) for r in results)
+    cancelled = (after.get("diffbatch_waves_cancelled_total", 0.0)
+                 - before.get("diffbatch_waves_cancelled_total", 0.0))
     checks = {
         "gauges back to 0": True,  # settled() above, or it raised
         "no shm segment left": not left,
@@ -247,11 +249,8 @@ def disconnects(url: str, args: argparse.Namespace, client: httpx.Client,
     return {"scenario": "disconnects", "requests": args.disconnects,
             "answers": summarize_answers(results),
             "aborted": outcome(after, "aborted") - outcome(before, "aborted"),
-            "waves_cancelled": after.get("diffbatch_waves_cancelled_total", 0.0)
-            - before.get("diffbatch_waves_cancelled_total", 0.0),
-            "rss_growth_mib": rss_growth, "settle_s": settle_s,
-            "figure": f"{gone} left, waves stopped "
-                      f"{after.get('diffbatch_waves_cancelled_total', 0.0) - before.get('diffbatch_waves_cancelled_total', 0.0):.0f}, "  # noqa: E501
+            "waves_cancelled": cancelled, "rss_growth_mib": rss_growth, "settle_s": settle_s,
+            "figure": f"{gone} clients left, {cancelled:.0f} waves stopped early, "
                       f"RSS {rss_growth:+.1f} MiB",
             "checks": checks}
 
@@ -286,11 +285,11 @@ def kills(url: str, args: argparse.Namespace, client: httpx.Client,
         recoveries = []
         for _ in range(args.kills):
             wait_until(lambda: status_of(client, url) == 200, "a healthy server")
-            pid = worker_pid(server_pid)
+            killed = worker_pid(server_pid)
             wait_for_a_running_wave(client, url)
-            os.kill(pid, signal.SIGKILL)
+            os.kill(killed, signal.SIGKILL)
             start = time.monotonic()
-            wait_until(lambda: worker_pid(server_pid) not in (None, pid)
+            wait_until(lambda old=killed: worker_pid(server_pid) not in (None, old)
                        and status_of(client, url) == 200, "the replacement worker")
             recoveries.append(time.monotonic() - start)
         return recoveries
@@ -298,7 +297,8 @@ def kills(url: str, args: argparse.Namespace, client: httpx.Client,
     recoveries, results = under_load(url, args, fault)
     after = metrics(client, url)
     failed = [r for r in results if not isinstance(r, httpx.Response) or r.status_code != 200]
-    reruns = after.get("diffbatch_waves_rerun_total", 0) - before.get("diffbatch_waves_rerun_total", 0)
+    reruns = (after.get("diffbatch_waves_rerun_total", 0.0)
+              - before.get("diffbatch_waves_rerun_total", 0.0))
     checks = {
         "only crashed waves affected (none failed)": not failed,
         "every crash re-run": reruns >= args.kills,
@@ -331,7 +331,7 @@ def freeze(url: str, args: argparse.Namespace, client: httpx.Client,
     (detect, recover, counted), results = under_load(url, args, fault)
     failed = [r for r in results if not isinstance(r, httpx.Response) or r.status_code != 200]
     checks = {
-        f"detected within stall timeout + 2 s": detect <= args.stall_timeout + 2.0,
+        "detected within stall timeout + 2 s": detect <= args.stall_timeout + 2.0,
         "counted in /metrics": counted,
         "its wave re-run (none failed)": not failed,
     }

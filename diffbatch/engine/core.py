@@ -208,6 +208,17 @@ class EngineCore:
                 del self._open_notices[id(notice)]
                 self.cond.notify_all()
 
+    def _num_recent_incoming(self) -> int:
+        """(Holding `cond`.) Open notices younger than `MAX_NOTICE_HOLD_MS` (a slow
+        upload older than that is not part of the burst)."""
+        since = time.monotonic() - MAX_NOTICE_HOLD_MS / 1000.0
+        count = 0
+        for opened in reversed(self._open_notices.values()):  # newest first
+            if opened < since:
+                break
+            count += 1
+        return count
+
     def _incoming_hold_until(self) -> float:
         """(Holding `cond`.) Until when announced requests may hold the admission wait:
         the newest open notice's opening plus `MAX_NOTICE_HOLD_MS` (0.0: none open)."""
@@ -385,7 +396,7 @@ class EngineCore:
         elif self.scheduler.num_running == 0:
             num_waiting = self.scheduler.num_waiting
             plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting,
-                                         self.num_incoming)
+                                         self._num_recent_incoming())
             admission = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
             if admission.should_wait(supports_request_batch=self.policy.batching,
                                      num_running=0):

@@ -82,8 +82,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS", help="abort requests not finished after this long (504)",
     )
     server.add_argument(
-        "--shutdown-timeout", type=float_at_least(0.0, strict=False), default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        metavar="SECONDS",
+        "--shutdown-timeout", type=float_at_least(0.0, strict=False),
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
         help="on SIGTERM or Ctrl-C: refuse new requests and answer waiting ones 503 at once, "
         "let running waves finish for this long, then interrupt them (503), stop the "
         "worker and exit",
