@@ -187,3 +187,18 @@ def test_auto_batching_smoke(tmp_path: Path) -> None:
         assert verdict["pass"] == (verdict["throughput_pass"] and verdict["p50_pass"]
                                    and verdict["dominance_pass"])
     assert report["pass"] == result["pass"]
+
+
+def test_reliability_smoke(tmp_path: Path) -> None:
+    report = run_script("reliability.py", tmp_path / "reliability.json", "--quick",
+                        "--burst", "30", "--disconnects", "6", "--kills", "1", "--soak-s", "3",
+                        "--clients", "4", "--sigterm-requests", "4")
+    rows = {row["scenario"]: row for row in report["results"]}
+    assert list(rows) == ["burst", "disconnects", "worker kills", "worker freeze", "soak",
+                          "SIGTERM"]
+    for row in rows.values():
+        assert row["checks"] and row["figure"] and row["answers"]
+    assert sum(rows["burst"]["answers"].values()) == 30
+    assert len(rows["worker kills"]["recovery_s"]) == 1
+    assert "detect_s" in rows["worker freeze"] and "exit_s" in rows["SIGTERM"]
+    assert rows["soak"]["rss_mib"]
