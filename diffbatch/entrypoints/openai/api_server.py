@@ -149,6 +149,7 @@ def build_app(
     install_openapi(
         app, size_rule=app.state.serving_images.size_rule,
         lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
+        max_request_work=getattr(engine, "max_request_work", None),
     )
     # Added last = outermost: metrics see every answer, including the guard's.
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,

@@ -13,8 +13,9 @@ cannot know, or gets wrong, is fixed here once, when the spec is first asked for
    and every error answer is the JSON `ErrorResponse`, also on `/metrics`, whose
    success is `text/plain`;
 3. what depends on this server: the `size` values its model and pixel cap allow,
-   `lora` only when it serves adapters (`--lora-dir`), and the bearer key when
-   `--api-key` is set;
+   `lora` only when it serves adapters (`--lora-dir`), the bearer key when
+   `--api-key` is set, and the work limit (`--max-request-work`) in the description
+   of `num_inference_steps`;
 4. a single allowed value (`const`) is written as a one-value `enum`, like the
    others (`response_format`, `moderation`, `stream`, `partial_images`).
 
@@ -22,6 +23,9 @@ NOTE: the `size` pattern lists the sides of square-bounded sizes (each side at m
 the largest square's), a subset of what the server takes: the exact rule, a cap
 on width * height, is not a regular language worth writing out. The description
 states the exact rule; every size the pattern allows is one the server accepts.
+The work limit is a product of four fields (width x height x steps x n), which JSON
+Schema cannot state at all: a request above it is valid by the spec and refused with
+400, so the spec holds both ways only on a server run with `--max-request-work 0`.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ _ERROR_SCHEMA_REF = "#/components/schemas/ErrorResponse"
 
 
 def install_openapi(
-    app: FastAPI, *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool
+    app: FastAPI, *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
+    max_request_work: int | None = None,
 ) -> None:
     """Make `app.openapi()` (and so `/openapi.json` and `/docs`) this server's spec."""
 
@@ -54,7 +59,7 @@ def install_openapi(
                 title=app.title, version=app.version, summary=app.summary, routes=app.routes,
             )
             _specialise(spec, size_rule=size_rule, lora_enabled=lora_enabled,
-                        api_key_required=api_key_required)
+                        api_key_required=api_key_required, max_request_work=max_request_work)
             app.openapi_schema = spec
         return app.openapi_schema
 
@@ -68,7 +73,8 @@ def size_pattern(size_rule: SizeRule) -> str:
 
 
 def _specialise(
-    spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool
+    spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
+    max_request_work: int | None = None,
 ) -> None:
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     # 1. The request schema from pydantic, with exact integer bounds.
@@ -97,6 +103,12 @@ def _specialise(
         f"{size_rule.max_side} each and {size_rule.max_pixels} pixels in all"
         + (f" (the largest square is {square}x{square})" if square else "")
     )
+    if max_request_work is not None:
+        steps = properties["num_inference_steps"]
+        steps["description"] = (
+            steps.get("description", "").rstrip(".") + f". This server refuses (400) a "
+            f"request whose width x height x num_inference_steps x n is above "
+            f"{max_request_work} (--max-request-work)").lstrip(". ")
     if lora_enabled:
         lora = properties["lora"]
         lora["anyOf"][0]["pattern"] = lora.pop("pattern")
