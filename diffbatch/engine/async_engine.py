@@ -462,6 +462,8 @@ class Engine:
         """Raise `EngineDeadError` unless the loop and the executor can take work."""
         if self._closed:
             raise EngineClosedError("engine is closed")
+        if self._draining:
+            raise EngineClosedError(_SHUTTING_DOWN)
         if not self.core.is_running:
             raise EngineDeadError("the engine loop is not running")
         self.executor.check_health()
@@ -533,8 +535,8 @@ class Engine:
             closing = getattr(self, "_closed", True)
             self._closed = True
         if closing:
-            if hasattr(self, "_close_done"):
-                self._close_done.wait(timeout_s if timeout_s is not None else 120.0)
+            if hasattr(self, "_close_done"):  # bounded like the first call's stages
+                self._close_done.wait(6 * timeout_s if timeout_s is not None else None)
             return
         try:
             open_requests = self.core.stop()  # cancels the waves in flight

@@ -477,7 +477,7 @@ class EngineCore:
                 return True
             if record.crashed_before and len(live) == 1:
                 return False
-            mid = (len(live) + 1) // 2
+            mid = len(live) // 2  # as `ModelRunner._isolate` splits
             halves = [part for part in (live[:mid], live[mid:]) if part]
             for part in halves:
                 self._reruns.append(_Rerun(replace(wave, requests=part, close_reason="rerun"),

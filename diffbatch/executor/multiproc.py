@@ -5,10 +5,10 @@ of the engine process, so a crash in native code kills only the worker. The
 worker's life, as the serving worker of one executor:
 
     starting --WorkerReady--> serving --exit/kill--> dead --replacement ready--> serving
-       |  load error, timeout       |                  |  restart fails
-       v                            | no heartbeat     v
-    (start-up raises)               v for the stall  dead for good (unhealthy)
-                                  frozen --SIGKILL--> dead
+       |  load error, timeout    |                    ^  |  restart fails
+       v                         | no heartbeat for   |  v
+    (start-up raises)            v the stall timeout  |  dead for good (unhealthy)
+                               frozen ---SIGKILL------+
     any state --shutdown()--> closed
 
 - start-up runs `python -m diffbatch.worker` as its own program (never a re-import of

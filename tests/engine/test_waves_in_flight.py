@@ -324,11 +324,11 @@ def test_only_a_request_that_kills_the_worker_again_alone_fails(harness):
     h.add("ok0", "bad", "ok1")
     died = WorkerDiedError("worker process died (exit code -11 (SIGSEGV)) while running "
                            "wave 1", started=True)
-    h.executor.run_next(fail=died)  # the wave of 3 -> [ok0, bad] and [ok1]
-    assert h.executor.run_next(fail=died) == ["ok0", "bad"]  # -> [ok0] and [bad]
-    assert h.executor.run_next() == ["ok1"]
+    h.executor.run_next(fail=died)  # the wave of 3 -> [ok0] and [bad, ok1]
     assert h.executor.run_next() == ["ok0"]
+    assert h.executor.run_next(fail=died) == ["bad", "ok1"]  # -> [bad] and [ok1]
     assert h.executor.run_next(fail=died) == ["bad"]  # alone, again: it fails
+    assert h.executor.run_next() == ["ok1"]
     assert h.result("ok0").ok and h.result("ok1").ok
     bad = h.result("bad")
     assert bad.error is not None and bad.error.status_code == 500
