@@ -169,6 +169,20 @@ async def closed_loop(url: str, clients: int, steps: int, stop: asyncio.Event,
         await asyncio.gather(*(loop() for _ in range(clients)))
 
 
+def error_messages(results: list[httpx.Response | Exception]) -> dict[str, int]:
+    """How often each error message came back (the first 100 characters)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if isinstance(r, httpx.Response) and r.status_code != 200:
+            text = r.json()["error"]["message"] if is_openai_error(r) else r.text
+        elif isinstance(r, Exception):
+            text = f"{type(r).__name__}: {r}"
+        else:
+            continue
+        counts[text[:100]] = counts.get(text[:100], 0) + 1
+    return counts
+
+
 def summarize_answers(results: list[httpx.Response | Exception]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in results:
@@ -410,7 +424,8 @@ def sigterm(url: str, args: argparse.Namespace, client: httpx.Client,
         and not segments_of(worker) and not segments_of(server_pid),
     }
     return {"scenario": "SIGTERM", "requests": args.sigterm_requests,
-            "answers": summarize_answers(results), "exit_s": exit_s,
+            "answers": summarize_answers(results), "errors": error_messages(results),
+            "exit_s": exit_s,
             "exit_code": server.process.returncode,
             "figure": f"exited in {exit_s:.1f} s (shutdown timeout {args.shutdown_timeout:g} s, "
                       f"exit code {server.process.returncode})",
@@ -436,7 +451,8 @@ def server_spec(args: argparse.Namespace) -> harness.ServerSpec:
         name="reliability", extra_args=[
             "--max-queue-size", str(args.max_queue_size),
             "--worker-stall-timeout", str(args.stall_timeout),
-            "--shutdown-timeout", str(args.shutdown_timeout)])
+            "--shutdown-timeout", str(args.shutdown_timeout),
+            "--log-level", args.server_log_level])
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -512,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's --worker-stall-timeout")
     parser.add_argument("--shutdown-timeout", type=float, default=3.0,
                         help="the server's --shutdown-timeout")
+    parser.add_argument("--server-log-level", default="warning",
+                        help="the server's --log-level (its log is kept in a temp folder)")
     parser.add_argument("--out", default="benchmarks/results/reliability.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)

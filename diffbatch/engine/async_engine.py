@@ -541,6 +541,11 @@ class Engine:
         try:
             open_requests = self.core.stop()  # cancels the waves in flight
             self._fail(open_requests, EngineClosedError("engine is closed"))
+            # Joining lets the delivery thread hand out what finished just before.
+            if timeout_s is None:
+                self.core.join()
+            else:
+                self.core.join(timeout_s)
             error = RequestError.from_exception(EngineClosedError("engine is closed"))
             with self._lock:
                 leftovers = list(self._futures.items())
@@ -549,10 +554,8 @@ class Engine:
                 if not future.done():
                     future.set_result(DiffusionOutput.from_error(request_id, error))
             if timeout_s is None:
-                self.core.join()
                 self.executor.shutdown()
             else:
-                self.core.join(timeout_s)
                 self.executor.shutdown(timeout_s=timeout_s)
                 self.core.join(timeout_s)  # the loop ends once the executor failed its waves
         finally:

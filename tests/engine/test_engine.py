@@ -298,3 +298,35 @@ def test_every_refusal_at_admission_is_counted_once():
         assert engine.metrics.count("rejected") == 3
         assert engine.generate(["fine"])[0].ok
         assert engine.metrics.count("rejected") == 3
+
+
+def test_close_hands_out_outputs_that_finished_just_before_it():
+    """A request whose wave finished is answered with its images, even when close()
+    comes while its output is still on the way to its caller."""
+    engine = Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=1,
+                    request_batch_max_wait_ms=0, warmup=False)
+    delivering, release, joining = threading.Event(), threading.Event(), threading.Event()
+    deliver = engine.core.deliver
+
+    def slow_deliver(request, output):
+        delivering.set()
+        release.wait(30)
+        deliver(request, output)
+
+    engine.core.deliver = slow_deliver
+    join = engine.core.join
+
+    def watched_join(*args, **kwargs):
+        joining.set()
+        return join(*args, **kwargs)
+
+    engine.core.join = watched_join
+    future = submit(engine, "done just in time", "r")
+    assert delivering.wait(30)  # finished; its delivery is under way
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    assert joining.wait(30)
+    assert not future.done()  # not failed as "engine is closed" meanwhile
+    release.set()
+    assert future.result(30).ok
+    closer.join(30)
