@@ -168,8 +168,9 @@ class SamplingParams:
             the HTTP API converts OpenAI's transparent-where-to-paint masks). Needs
             `image`, of the same size. With a mask the task is inpainting.
         strength: How far an edit may move away from `image`, in (0, 1]: the share
-            of the denoising schedule that runs (1 ignores the image's content where
-            it paints). None takes the pipeline's default for the task. Edits only.
+            of the denoising schedule that runs, at least one step (1 ignores the
+            image's content where it paints). None takes the pipeline's default for
+            the task. Edits only.
     """
 
     height: int | None = None
@@ -356,11 +357,12 @@ class SamplingParamsKey:
 
     @property
     def num_denoising_steps(self) -> int:
-        """Denoising steps a wave of this key runs: an edit runs `strength` of the
-        schedule (diffusers' `get_timesteps`), text-to-image all of it."""
+        """Denoising steps a wave of this key runs (about: pipelines round differently):
+        an edit runs `strength` of the schedule, at least one step; text-to-image all."""
+        steps = self.num_inference_steps
         if self.strength is None:
-            return self.num_inference_steps
-        return min(int(self.num_inference_steps * self.strength), self.num_inference_steps)
+            return steps
+        return max(1, min(int(steps * self.strength), steps))
 
     def short(self) -> str:
         """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1/lora=style@0.5`

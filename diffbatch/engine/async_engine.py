@@ -209,14 +209,6 @@ class Engine:
                     f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
                     f"got {value}", param=name,
                 )
-        if params.strength is not None:
-            steps = params.num_inference_steps
-            if int(steps * params.strength) < 1:
-                raise InvalidRequestError(
-                    f"`strength` {params.strength:g} runs no denoising step of "
-                    f"{steps}: strength * num_inference_steps must be >= 1; raise either",
-                    param="strength",
-                )
         accepted = info.call_arguments
         if accepted is None:
             return

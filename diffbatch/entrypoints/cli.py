@@ -46,6 +46,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         DEFAULT_HEADER_TIMEOUT_S,
         DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         DEFAULT_LIMIT_CONCURRENCY,
+        DEFAULT_MAX_UPLOAD_MB,
     )
     from diffbatch.entrypoints.openai.serving_images import (
         DEFAULT_MAX_IMAGE_PIXELS,
@@ -83,6 +84,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
         help="largest width*height of one image (400 above it)",
+    )
+    server.add_argument(
+        "--max-upload-mb", type=int_at_least(1), default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
+        help="largest body of POST /v1/images/edits, image and mask together, in MiB "
+        "(413 above it)",
     )
     server.add_argument(
         "--png-compress-level", type=int_between(0, 9), default=DEFAULT_PNG_COMPRESS_LEVEL,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -431,7 +432,9 @@ class DiffusersT2IPipeline(BasePipeline):
         # 4. Edits: each request's image (and mask), its strength.
         if params.task != "text-to-image":
             kwargs.update(edit_inputs(batch))
-            kwargs["strength"] = key.strength if key is not None else params.strength
+            strength = key.strength if key is not None else params.strength
+            steps = kwargs.get("num_inference_steps", params.num_inference_steps)
+            kwargs["strength"] = at_least_one_step(strength, steps)
         # 5. Pipeline quirks.
         self._apply_quirks(kwargs, extra, call_params)
         return kwargs
@@ -562,6 +565,22 @@ def edit_inputs(batch: DiffusionRequestBatch) -> dict[str, Any]:
         mask = torch.stack(masks).unsqueeze(1)  # [B*n, 1, H, W] uint8
         inputs["mask_image"] = mask.to(torch.float32) / 255.0
     return inputs
+
+
+def at_least_one_step(strength: float | None, num_inference_steps: int | None) -> Any:
+    """`strength`, raised just enough that an edit runs at least one denoising step.
+
+    NOTE: SD's `get_timesteps` runs `int(num_inference_steps * strength)` steps and
+    raises for none, so 0.1 of 4 steps would fail the wave; diffbatch defines a small
+    strength as the lightest edit, one step (the smallest float that rounds to one:
+    `int(49 * (1 / 49))` is 0).
+    """
+    if strength is None or not num_inference_steps:
+        return strength
+    lowest = 1.0 / num_inference_steps
+    while int(num_inference_steps * lowest) < 1:
+        lowest = math.nextafter(lowest, 2.0)
+    return max(float(strength), lowest)
 
 
 def _edit_pipes(pipe: Any) -> dict[str, Any]:

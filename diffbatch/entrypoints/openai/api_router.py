@@ -1,8 +1,10 @@
 """Thin FastAPI routes of the OpenAI-compatible server; the logic is in `serving_images.py`.
 
 Each route lists the error statuses it can answer (and only those: `/openapi.json`
-must say what the server does), and the image route is wrapped in
-`with_cancellation` so a client disconnect aborts its engine request.
+must say what the server does), and the image routes are wrapped in
+`with_cancellation` so a client disconnect aborts their engine request. The edits
+route reads its multipart form itself (`uploads.read_edit_form`) before the
+cancellable part starts: the disconnect listener reads the same ASGI channel.
 """
 
 from __future__ import annotations
@@ -12,20 +14,24 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
 from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
     HealthResponse,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelCard,
     ModelList,
 )
 from diffbatch.entrypoints.openai.serving_images import ImageResult
+from diffbatch.entrypoints.openai.uploads import EditForm, read_edit_form
 from diffbatch.entrypoints.utils import with_cancellation
 from diffbatch.errors import DiffbatchError, EngineDeadError
 
@@ -39,6 +45,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 IMAGES_ROUTE = "/v1/images/generations"
+EDITS_ROUTE = "/v1/images/edits"
 # Set in the ASGI scope state once the image handler runs; the metrics middleware
 # counts image requests refused before it (auth, content type, validation) as rejected.
 HANDLED_STATE = "diffbatch_handled"
@@ -72,6 +79,36 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
     notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
     result = await _serving(raw_request).create_image(
         request, request_id, notice, client_request_id=client_request_id
+    )
+    if not isinstance(result, ImageResult):
+        return result
+    return JSONResponse(result.response.model_dump(), headers=result.headers)
+
+
+@router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
+             responses=_errors(400, 401, 404, 413, 415, 500, 504))
+async def edit_image(raw_request: Request) -> Response:
+    """Edit one uploaded image (OpenAI `images.edit`): image-to-image, or inpainting with
+    a mask. The multipart request body is declared by `openapi.py`."""
+    form = await read_edit_form(raw_request)
+    try:
+        request = ImageEditRequest.model_validate(form.fields)
+    except ValidationError as exc:  # the same 400s as a JSON body's (errors.py)
+        raise RequestValidationError(exc.errors()) from None
+    # Set here, as the JSON route sets it once FastAPI validated its body: refusals
+    # before this point are counted by the metrics middleware as "rejected".
+    setattr(raw_request.state, HANDLED_STATE, True)
+    return await _run_edit(request=request, form=form, raw_request=raw_request)
+
+
+@with_cancellation
+async def _run_edit(*, request: ImageEditRequest, form: EditForm,
+                    raw_request: Request) -> Response:
+    request_id = f"img-{uuid.uuid4().hex}"  # the server's own, as for generations
+    notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
+    result = await _serving(raw_request).create_edit(
+        request, form.image, form.mask, request_id, notice,
+        client_request_id=raw_request.headers.get("x-request-id"),
     )
     if not isinstance(result, ImageResult):
         return result

@@ -39,8 +39,12 @@ OutputFormat = Literal["png", "jpeg", "webp", "jpg"]
 # "<width>x<height>", sides in ASCII digits; the server checks multiples and limits.
 _SIZE_RE = re.compile(r"^\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*$")
 _MAX_SIDE_DIGITS = 12  # longer sides are "too large" without being converted to int
-# JSON Schema pattern of a prompt that is not only whitespace.
-NOT_BLANK_PATTERN = r"\S"
+# JSON Schema pattern of a prompt that is not only whitespace: some character outside
+# Python's whitespace (`str.isspace`, what `validate_prompt` strips), not the regex `\S`,
+# whose whitespace leaves out U+001C-U+001F and U+0085 and adds U+FEFF.
+NOT_BLANK_PATTERN = (
+    r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+)
 # JSON Schema pattern of a LoRA name: relative, no NUL, no part that starts with a dot
 # (so no "." or ".."; the server itself refuses only what leaves --lora-dir).
 LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
@@ -288,6 +292,78 @@ class ImageGenerationRequest(OpenAIBaseModel):
     def image_size(self) -> tuple[int, int] | None:
         """(width, height) asked for, or None for the model's default size."""
         return parse_size(self.size)
+
+
+# Numbers in a multipart form arrive as text: "2", "0.5", "1e-05" (JSON's spelling).
+_FORM_INT_RE = re.compile(r"^[+-]?[0-9]+$")
+_FORM_FLOAT_RE = re.compile(r"^[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$")
+_FORM_BOOLS = {"true": True, "false": False}  # JSON's spelling, as clients send them
+
+
+def _form_number(value: Any) -> Any:
+    """A form field's text as the number it spells; any other text is left for the
+    field's own (strict) validation to refuse, naming the field."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if _FORM_INT_RE.match(text) and len(text) <= 40:
+        return int(text)
+    if _FORM_FLOAT_RE.match(text):
+        return float(text)
+    return value
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """Text fields of `POST /v1/images/edits` (multipart): the generation fields plus `strength`.
+
+    The files (`image`, and `mask` for inpainting) are parts of the same form, decoded
+    and checked by `uploads.py`. Form fields are text, so numbers are read from their
+    spelling ("2", "0.5") and booleans from "true"/"false"; past that every rule is the
+    generation request's.
+
+    Args:
+        strength: Extension: how far the edit may move away from the image, in (0, 1]
+            (the share of the denoising schedule that runs); None = the model's default.
+        input_fidelity: OpenAI's; only "low" (the default), since diffbatch has no
+            high-fidelity mode.
+    """
+
+    strength: float | None = Field(
+        default=None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False,
+        description="how far the edit may move from the image, in (0, 1] (the share of "
+        "the schedule that runs, at least one step); the model's default when left out",
+    )
+    input_fidelity: Literal["low"] | None = None
+
+    @field_validator("n", "output_compression", "num_inference_steps", "seed", "priority",
+                     "partial_images", "guidance_scale", "lora_scale", "strength",
+                     mode="before")
+    @classmethod
+    def _read_form_number(cls, value: Any) -> Any:
+        return _form_number(value)
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _read_form_bool(cls, value: Any) -> Any:
+        return _FORM_BOOLS.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("input_fidelity", mode="before")
+    @classmethod
+    def _check_input_fidelity(cls, value: Any) -> Any:
+        if value is not None and value != "low":
+            raise InvalidRequestError(
+                f"`input_fidelity` {value!r} is not supported by this server; leave it out "
+                "or use \"low\"", param="input_fidelity",
+            )
+        return value
+
+    @field_validator("strength", mode="before")
+    @classmethod
+    def _check_strength(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"`strength` must be a finite number, got {value}",
+                                      param="strength")
+        return value
 
 
 class ImageObject(BaseModel):

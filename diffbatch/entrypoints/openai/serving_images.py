@@ -1,4 +1,5 @@
-"""The logic of `POST /v1/images/generations`: one HTTP request, one engine request.
+"""The logic of `POST /v1/images/generations` and `/v1/images/edits`: one HTTP request,
+one engine request.
 
 `OpenAIServingImages.create_image` is the whole flow, in stages:
 
@@ -12,6 +13,10 @@
 4. encode the images (PNG/JPEG/WebP + base64) in a worker thread, so encoding one
    response never blocks the event loop that serves the others;
 5. build the OpenAI response.
+
+`create_edit` is the same flow for an edit: stage 1 also checks that the model can
+edit, and stage 2 decodes the uploaded image and mask (`uploads.py`, in a worker
+thread) into the request's `SamplingParams`; stages 3-5 are shared.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from diffbatch.entrypoints.openai.errors import request_error_response
 from diffbatch.entrypoints.openai.protocol import (
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ImageObject,
 )
+from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
     DiffbatchError,
     InvalidRequestError,
@@ -189,6 +196,34 @@ class OpenAIServingImages:
 
     def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
         """Stage 1: model-dependent checks; returns the (width, height) to generate."""
+        self._check_model_and_lora(request)
+        size = request.image_size()
+        width, height = size if size is not None else self.size_rule.default_size
+        given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
+        self.size_rule.check(width, height, given)
+        return width, height
+
+    def check_edit_request(
+        self, request: ImageEditRequest, *, has_mask: bool
+    ) -> tuple[int, int] | None:
+        """Stage 1 of an edit: the model can run it; returns the size asked for (None:
+        "auto", the uploaded image's, decided once it is read)."""
+        self._check_model_and_lora(request)
+        info = self.engine.info
+        task = "inpaint" if has_mask else "image-to-image"
+        if not info.supports_task(task):
+            edits = ", ".join(info.default_strengths) or "none"
+            raise InvalidRequestError(
+                f"model {self.served_model_name!r} ({info.name}) cannot run {task} edits: "
+                f"diffusers has no {task} pipeline for it (edits it runs: {edits})",
+                param="mask" if has_mask else "image",
+            )
+        size = request.image_size()
+        if size is not None:
+            self.size_rule.check(*size, " ".join(str(request.size).split())[:40])
+        return size
+
+    def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
         if request.model is not None and request.model != self.served_model_name:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this server serves "
@@ -201,11 +236,6 @@ class OpenAIServingImages:
                 "`lora` is not available: this server was started without `--lora-dir`",
                 param="lora",
             )
-        size = request.image_size()
-        width, height = size if size is not None else self.size_rule.default_size
-        given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
-        self.size_rule.check(width, height, given)
-        return width, height
 
     def sampling_params(
         self, request: ImageGenerationRequest, width: int, height: int
@@ -251,6 +281,46 @@ class OpenAIServingImages:
         except DiffbatchError:
             self.engine.record_rejected()  # refused before reaching the engine
             raise
+        return await self._generate(request, params, request_id, arrival_notice,
+                                    client_request_id, start)
+
+    async def create_edit(
+        self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
+        request_id: str, arrival_notice: ArrivalNotice | None = None,
+        client_request_id: str | None = None,
+    ) -> ImageResult | JSONResponse:
+        """`create_image` for an edit: `image_data` (and `mask_data`) are the uploads.
+
+        Raises:
+            DiffbatchError: as `create_image`, and 400 for an upload that is no usable
+                image or mask (`uploads.py`).
+        """
+        start = time.perf_counter()
+        # 1-2. Check, decode the uploads off the event loop, build the request.
+        try:
+            size = self.check_edit_request(request, has_mask=mask_data is not None)
+            inputs = await asyncio.to_thread(
+                decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
+                size=size, multiple=self.size_rule.multiple,
+                max_output_pixels=self.size_rule.max_pixels,
+            )
+            height, width = inputs.image.shape[:2]
+            self.size_rule.check(width, height, f"{width}x{height}")
+            params = self.sampling_params(request, width, height).clone(
+                image=inputs.image, mask=inputs.mask, strength=request.strength,
+            )
+        except DiffbatchError:
+            self.engine.record_rejected()
+            raise
+        return await self._generate(request, params, request_id, arrival_notice,
+                                    client_request_id, start)
+
+    async def _generate(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
+        arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
+    ) -> ImageResult | JSONResponse:
+        """Stages 3-5, shared by generations and edits."""
+        width, height = params.width, params.height
         # 3. Generate; only this request is awaited here.
         try:
             async with asyncio.timeout(self.request_timeout_s):
@@ -294,11 +364,14 @@ class OpenAIServingImages:
             "x-diffbatch-engine-ms": f"{output.total_time_ms:.2f}",  # arrival -> delivered
             "x-diffbatch-encode-ms": f"{encode_s * 1e3:.2f}",
             "x-diffbatch-batch-size": str(output.batch_size),
+            # image i of the response was drawn with seed + i
+            "x-diffbatch-seed": str(params.seed if output.seed is None else output.seed),
         }
         logger.debug(
-            "request %s (client id %.100r): prompt_len=%d n=%d size=%dx%d batch=%d queue=%.1fms "
-            "execute=%.1fms encode=%.1fms total=%.1fms",
-            request_id, client_request_id, len(request.prompt), request.n, width, height,
+            "request %s (client id %.100r): %s prompt_len=%d n=%d size=%dx%d batch=%d "
+            "queue=%.1fms execute=%.1fms encode=%.1fms total=%.1fms",
+            request_id, client_request_id, params.task, len(request.prompt), request.n, width,
+            height,
             output.batch_size,
             output.queue_time_ms, output.execute_time_ms, encode_s * 1e3,
             (time.perf_counter() - start) * 1e3,

@@ -66,6 +66,7 @@ class RayServeArgs(BaseModel):
     max_image_pixels: int | None = Field(None, ge=1)  # None: the server's default
     png_compress_level: int | None = Field(None, ge=0, le=9)  # None: the server's default
     max_body_bytes: int | None = Field(None, ge=1)  # None: the server's default
+    max_upload_mb: int | None = Field(None, ge=1)  # edits' body limit; None: the default
 
     # -- deployment (Ray Serve) ------------------------------------------------------
     name: str = DEFAULT_DEPLOYMENT_NAME  # the deployment's name
@@ -152,6 +153,8 @@ class RayServeArgs(BaseModel):
             kwargs["png_compress_level"] = self.png_compress_level
         if self.max_body_bytes is not None:
             kwargs["max_body_bytes"] = self.max_body_bytes
+        if self.max_upload_mb is not None:
+            kwargs["max_upload_bytes"] = self.max_upload_mb << 20
         return kwargs
 
     def effective_max_ongoing_requests(self) -> int:
