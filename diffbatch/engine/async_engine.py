@@ -31,6 +31,7 @@ from diffbatch.config import EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
+from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
     ConfigError,
     EngineClosedError,
@@ -130,6 +131,8 @@ class Engine:
             self.core.num_waiting_by_key, self.policy.snapshot,
         )
         self.core.metrics = self.metrics
+        self.wave_log = WaveLog()  # the waves run since start-up, for `GET /v1/waves`
+        self.core.wave_log = self.wave_log
         logger.info(
             "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%s (limit %d) wait=%s "
             "executor=%s",
@@ -185,8 +188,8 @@ class Engine:
         # NOTE: the pipeline's class name, not `config.model`, which may be a server path.
         supported = ["text-to-image", *self.info.default_strengths]
         raise InvalidRequestError(
-            f"{task} is not supported by this model ({self.info.name}): diffusers has no "
-            f"{task} pipeline for it; it supports {', '.join(supported)}",
+            f"{task} is not supported by this model ({self.info.name}): no diffusers "
+            f"{task} pipeline runs it; it supports {', '.join(supported)}",
             param="mask" if task == "inpaint" else "image",
         )
 

@@ -219,7 +219,8 @@ class DiffusersT2IPipeline(BasePipeline):
         self._loras: dict[str, str] = {}  # adapter name -> path it was loaded from
         self._lora_enabled = False
         # task -> the diffusers pipeline that runs it; edits share `pipe`'s modules
-        self.task_pipes: dict[str, Any] = {"text-to-image": pipe, **_edit_pipes(pipe)}
+        self.task_pipes: dict[str, Any] = {"text-to-image": pipe}
+        self.task_pipes.update(_edit_pipes(pipe, self._make_info().size_multiple))
         self._info = self._make_info()
 
     # -- loading ---------------------------------------------------------------------
@@ -583,14 +584,18 @@ def at_least_one_step(strength: float | None, num_inference_steps: int | None) -
     return max(float(strength), lowest)
 
 
-def _edit_pipes(pipe: Any) -> dict[str, Any]:
-    """The edit pipelines diffusers has for `pipe`'s family, built from its components.
+def _edit_pipes(pipe: Any, probe_size: int) -> dict[str, Any]:
+    """The edit pipelines diffusers has for `pipe`'s family, built from its components,
+    each checked by one tiny run.
 
     NOTE: `AutoPipelineFor*.from_pipe` passes the same module objects (no copy, and
     no dtype change, unlike `DiffusionPipeline.from_pipe`, which casts to float32 unless
     told the dtype). A family without such a pipeline (from_pipe raises ValueError), or
-    whose pipeline takes no `strength` with a default, is left out: its edits are
-    refused at admission.
+    whose pipeline takes no `strength` with a default, is left out, and so is one that
+    fails a one-step run at `probe_size` x `probe_size`: the pipelines check the model
+    only when called (SD's inpainting takes a UNet of 4 or 9 input channels, so the
+    8-channel `shapes` model can do image-to-image but not inpainting). A task left out
+    is refused at admission, never failed inside a wave.
     """
     import diffusers
 
@@ -609,8 +614,28 @@ def _edit_pipes(pipe: Any) -> dict[str, Any]:
                         type(task_pipe).__name__)
             continue
         task_pipe.set_progress_bar_config(disable=True)
+        try:
+            _probe(task_pipe, task, probe_size)
+        except Exception as exc:
+            logger.info("no %s for %s: %s cannot run this model (%s: %s)", task,
+                        type(pipe).__name__, type(task_pipe).__name__, type(exc).__name__, exc)
+            continue
         pipes[task] = task_pipe
     return pipes
+
+
+def _probe(task_pipe: Any, task: str, size: int) -> None:
+    """One denoising step of `task` on a blank `size` x `size` image, without CFG."""
+    params = _call_parameters(task_pipe)
+    kwargs: dict[str, Any] = {
+        "prompt": "", "image": torch.zeros(1, 3, size, size), "strength": 1.0,
+        "num_inference_steps": 1, "guidance_scale": 1.0, "output_type": "pt",
+        "height": size, "width": size,
+    }
+    if task == "inpaint":
+        kwargs["mask_image"] = torch.ones(1, 1, size, size)
+    with torch.inference_mode():
+        task_pipe(**{name: value for name, value in kwargs.items() if name in params})
 
 
 def _call_parameters(pipe: Any) -> Any:

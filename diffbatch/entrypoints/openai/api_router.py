@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from diffbatch.engine.wave_log import DEFAULT_CAPACITY as MAX_WAVES
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
 from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
@@ -29,6 +31,8 @@ from diffbatch.entrypoints.openai.protocol import (
     ImageGenerationResponse,
     ModelCard,
     ModelList,
+    WaveInfo,
+    WaveList,
 )
 from diffbatch.entrypoints.openai.serving_images import ImageResult
 from diffbatch.entrypoints.openai.uploads import EditForm, read_edit_form
@@ -46,6 +50,14 @@ router = APIRouter()
 
 IMAGES_ROUTE = "/v1/images/generations"
 EDITS_ROUTE = "/v1/images/edits"
+# The playground: `GET /` serves its page, its CSS and JS are under `PLAYGROUND_PATH`.
+STATIC_DIR = Path(__file__).parent / "static"
+PLAYGROUND_PATH = "/playground"
+# The page loads only its own files and talks only to this server; images are data: URLs
+# (results) and blob: URLs (uploads).
+_PLAYGROUND_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
+                   "img-src 'self' data: blob:; connect-src 'self'; form-action 'none'; "
+                   "base-uri 'none'; frame-ancestors 'none'")
 # Set in the ASGI scope state once the image handler runs; the metrics middleware
 # counts image requests refused before it (auth, content type, validation) as rejected.
 HANDLED_STATE = "diffbatch_handled"
@@ -140,6 +152,29 @@ def _model_card(raw_request: Request) -> ModelCard:
         root=getattr(_engine(raw_request).config, "model", None),
         created=raw_request.app.state.started_at,
     )
+
+
+@router.get("/v1/waves", response_model=WaveList, responses=_errors(400, 401))
+async def list_waves(
+    raw_request: Request,
+    after: int = Query(0, ge=0, le=2**63 - 1, description="return waves with a larger id"),
+    limit: int = Query(MAX_WAVES, ge=1, le=MAX_WAVES, description="at most this many (the "
+                       "newest)"),
+) -> Response:
+    """The waves run since start-up with an id above `after`, oldest first (the server keeps
+    the last few hundred): size, batch key, why each closed, its timings."""
+    log = _engine(raw_request).wave_log
+    events = log.since(after, limit)
+    body = WaveList(data=[WaveInfo(**e.to_dict()) for e in events], last_id=log.last_id)
+    return JSONResponse(body.model_dump())
+
+
+@router.get("/", include_in_schema=False)
+async def playground() -> Response:
+    """The playground page (static; its script calls this server's API)."""
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
+                        headers={"Content-Security-Policy": _PLAYGROUND_CSP,
+                                 "Cache-Control": "no-cache"})
 
 
 @router.get("/health", response_model=HealthResponse, responses=_errors())

@@ -22,11 +22,14 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from diffbatch.entrypoints.openai.api_router import (
     EDITS_ROUTE,
     HANDLED_STATE,
     IMAGES_ROUTE,
+    PLAYGROUND_PATH,
+    STATIC_DIR,
     router,
 )
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
@@ -144,6 +147,7 @@ def build_app(
         http_metrics=http_metrics,
     )
     app.include_router(router)
+    app.mount(PLAYGROUND_PATH, StaticFiles(directory=STATIC_DIR), name="playground")
     install_exception_handlers(app)
     install_openapi(
         app, size_rule=app.state.serving_images.size_rule,

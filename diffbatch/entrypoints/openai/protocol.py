@@ -382,6 +382,29 @@ class ImageGenerationResponse(BaseModel):
     size: str  # the size actually generated, "WxH"
 
 
+class WaveInfo(BaseModel):
+    """One finished wave in `GET /v1/waves` (see `diffbatch.engine.wave_log.WaveEvent`)."""
+
+    id: int  # increasing; pass the last one seen as `after`
+    wave_id: int
+    num_requests: int
+    key: str  # the wave's batch key, short form, e.g. "64x64/s15/g5/n1"
+    close_reason: str
+    admission: str
+    max_queue_wait_ms: float
+    forward_ms: float
+    num_errors: int
+    finished_at: float  # Unix time
+
+
+class WaveList(BaseModel):
+    """Body of `GET /v1/waves`: the waves after `after`, oldest first."""
+
+    object: Literal["list"] = "list"
+    data: list[WaveInfo]
+    last_id: int  # the newest wave's id (0 before any); poll with `after=last_id`
+
+
 class ModelCard(BaseModel):
     """One entry of `GET /v1/models`."""
 

@@ -215,7 +215,7 @@ class OpenAIServingImages:
             edits = ", ".join(info.default_strengths) or "none"
             raise InvalidRequestError(
                 f"model {self.served_model_name!r} ({info.name}) cannot run {task} edits: "
-                f"diffusers has no {task} pipeline for it (edits it runs: {edits})",
+                f"no diffusers {task} pipeline runs it (edits it runs: {edits})",
                 param="mask" if has_mask else "image",
             )
         size = request.image_size()

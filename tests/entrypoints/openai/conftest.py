@@ -102,6 +102,9 @@ def gated_server(**app_kwargs: Any) -> Iterator[tuple[RunningServer, type[GatedP
         k: app_kwargs.pop(k) for k in ("max_num_seqs", "max_queue_size", "lora_dir")
         if k in app_kwargs
     }
+    # Fixed settings: "auto" would calibrate at start-up, through the closed gate.
+    engine_kwargs.setdefault("max_num_seqs", 1)
+    engine_kwargs.setdefault("request_batch_max_wait_ms", 0)
     config_kwargs = app_kwargs.pop("config", {})
     gate = make_gate()
     engine = Engine(pipeline_class=gate, executor="inproc", **engine_kwargs)
