@@ -75,3 +75,14 @@ def cpu_list(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def http_url(text: str) -> str:
+    """An absolute http(s) URL, e.g. "https://img.example.com/api"."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"must be an absolute http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from diffbatch.engine.wave_log import DEFAULT_CAPACITY as MAX_WAVES
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, MEDIA_TYPES
 from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
@@ -90,11 +91,12 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
     client_request_id = raw_request.headers.get("x-request-id")
     notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
     result = await _serving(raw_request).create_image(
-        request, request_id, notice, client_request_id=client_request_id
+        request, request_id, notice, client_request_id=client_request_id,
+        base_url=str(raw_request.base_url),
     )
     if not isinstance(result, ImageResult):
         return result
-    return JSONResponse(result.response.model_dump(), headers=result.headers)
+    return JSONResponse(result.response.to_json(), headers=result.headers)
 
 
 @router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
@@ -121,10 +123,11 @@ async def _run_edit(*, request: ImageEditRequest, form: EditForm,
     result = await _serving(raw_request).create_edit(
         request, form.image, form.mask, request_id, notice,
         client_request_id=raw_request.headers.get("x-request-id"),
+        base_url=str(raw_request.base_url),
     )
     if not isinstance(result, ImageResult):
         return result
-    return JSONResponse(result.response.model_dump(), headers=result.headers)
+    return JSONResponse(result.response.to_json(), headers=result.headers)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_errors(401))
@@ -152,6 +155,26 @@ def _model_card(raw_request: Request) -> ModelCard:
         root=getattr(_engine(raw_request).config, "model", None),
         created=raw_request.app.state.started_at,
     )
+
+
+@router.get(f"{FILES_ROUTE}/{{file_id}}", response_class=Response, responses={
+    200: {"content": {media: {"schema": {"type": "string", "format": "binary"}}
+                      for media in MEDIA_TYPES.values()},
+          "description": "the image file"},
+    **_errors(404)})
+async def image_file(file_id: str, raw_request: Request) -> Response:
+    """An image made with `response_format: "url"`, for an hour after it was made. The link
+    is the credential: no API key is needed."""
+    store = _serving(raw_request).image_store
+    image = store.get(file_id) if store is not None else None
+    if image is None:
+        return error_response(
+            404, "no such image file: links last an hour after the image was made, and the "
+            "server forgets them when it restarts or needs the room", param="file_id",
+        )
+    max_age = int(store.seconds_left(image)) if store is not None else 0
+    return Response(image.data, media_type=image.media_type,
+                    headers={"Cache-Control": f"private, max-age={max_age}"})
 
 
 @router.get("/v1/waves", response_model=WaveList, responses=_errors(400, 401))

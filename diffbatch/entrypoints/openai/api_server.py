@@ -33,6 +33,13 @@ from diffbatch.entrypoints.openai.api_router import (
     router,
 )
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
+from diffbatch.entrypoints.openai.image_store import (
+    DEFAULT_MAX_MB as DEFAULT_IMAGE_STORE_MB,
+)
+from diffbatch.entrypoints.openai.image_store import (
+    DEFAULT_TTL_S as DEFAULT_IMAGE_URL_TTL_S,
+)
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
 from diffbatch.entrypoints.openai.middleware import (
     ArrivalNoticeMiddleware,
     HTTPMetrics,
@@ -62,6 +69,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 # 2048x2048 RGBA PNG of noise is about 16 MiB, plus a mask; OpenAI takes files < 50 MB.
 DEFAULT_MAX_UPLOAD_MB = 32
 _IMAGE_ROUTES = frozenset({IMAGES_ROUTE, EDITS_ROUTE})
+# `/v1` paths served without the API key: image links, whose unguessable id is the key.
+_OPEN_PREFIXES = (f"{FILES_ROUTE}/",)
 # Connection-level defaults (`diffbatch serve --header-timeout ...`). A client's headers
 # are a few hundred bytes: 10 s is generous on any link, and bounds how long a
 # slow-header client holds a connection (uvicorn alone never times them out).
@@ -84,6 +93,9 @@ def build_app(
     png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_MB << 20,
+    image_store_bytes: int = DEFAULT_IMAGE_STORE_MB << 20,
+    image_url_ttl_s: float = DEFAULT_IMAGE_URL_TTL_S,
+    public_url: str | None = None,
     close_engine_on_shutdown: bool = True,
 ) -> FastAPI:
     """Build the FastAPI app that serves `engine`.
@@ -100,6 +112,11 @@ def build_app(
         max_body_bytes: Largest JSON request body (413 above it).
         max_upload_bytes: Largest multipart body of an edit, image and mask together
             (413 above it).
+        image_store_bytes: Memory kept for `response_format: "url"` images, oldest
+            dropped first; 0 refuses "url" with a 400.
+        image_url_ttl_s: How long such a link works.
+        public_url: Base of those links (e.g. "https://img.example.com/api" behind a
+            proxy); None: the base URL each request was sent to.
         close_engine_on_shutdown: Close the engine when the server shuts down.
 
     Returns:
@@ -113,6 +130,10 @@ def build_app(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_upload_bytes < 1:
         raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
+    if image_store_bytes < 0:
+        raise ValueError(f"image_store_bytes must be >= 0, got {image_store_bytes}")
+    if public_url is not None and not public_url.startswith(("http://", "https://")):
+        raise ValueError(f"public_url must start with http:// or https://, got {public_url!r}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,6 +166,9 @@ def build_app(
         max_image_pixels=max_image_pixels,
         png_compress_level=png_compress_level,
         http_metrics=http_metrics,
+        image_store=ImageStore(image_store_bytes, image_url_ttl_s) if image_store_bytes
+        else None,
+        public_url=public_url,
     )
     app.include_router(router)
     app.mount(PLAYGROUND_PATH, StaticFiles(directory=STATIC_DIR), name="playground")
@@ -152,12 +176,13 @@ def build_app(
     install_openapi(
         app, size_rule=app.state.serving_images.size_rule,
         lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
-        max_upload_pixels=max_image_pixels,
+        max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
     )
     # Added last = outermost: metrics see every answer, including the guard's.
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        json_routes=frozenset({IMAGES_ROUTE}),
-                       upload_routes=frozenset({EDITS_ROUTE}), max_upload_bytes=max_upload_bytes)
+                       upload_routes=frozenset({EDITS_ROUTE}), max_upload_bytes=max_upload_bytes,
+                       open_prefixes=_OPEN_PREFIXES)
     # Outside the guard: the notice opens before the body is read.
     app.add_middleware(ArrivalNoticeMiddleware, engine=engine, routes=_IMAGE_ROUTES)
     app.add_middleware(
@@ -252,6 +277,10 @@ def run_server(args: argparse.Namespace) -> None:
             max_image_pixels=args.max_image_pixels,
             png_compress_level=args.png_compress_level,
             max_upload_bytes=args.max_upload_mb << 20,
+            image_store_bytes=(DEFAULT_IMAGE_STORE_MB if args.image_store_mb is None
+                               else args.image_store_mb) << 20,
+            image_url_ttl_s=args.image_url_ttl,
+            public_url=args.public_url,
         )
     except BaseException:
         engine.close()

@@ -130,7 +130,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
         model: The served model name; None serves the default model.
         n: Images to generate for this prompt, 1-10.
         size: "<width>x<height>" or "auto"/None for the model's default size.
-        response_format: Only "b64_json"; "url" is rejected (this server hosts no files).
+        response_format: "b64_json" (default) or "url": links to the images, kept by
+            the server for an hour (`image_store.py`).
         output_format: Image encoding: "png" (default), "jpeg" or "webp".
         output_compression: Quality 0-100 of jpeg/webp (100 = best, the default).
         user: End-user id; accepted and ignored.
@@ -166,8 +167,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         description='"<width>x<height>" or "auto" (the model\'s default size); both sides '
         "multiples of the model's size multiple, within the server's pixel cap",
     )
-    response_format: Literal["b64_json"] | None = Field(
-        default=None, description='only "b64_json"; "url" is refused (no files are hosted)'
+    response_format: Literal["b64_json", "url"] | None = Field(
+        default=None, description='"b64_json" (the default): the images in the response; '
+        '"url": links to them, valid for an hour',
     )
     output_format: OutputFormat = Field(default="png", description='"jpg" is "jpeg"')
     output_compression: int | None = Field(
@@ -225,15 +227,10 @@ class ImageGenerationRequest(OpenAIBaseModel):
     @field_validator("response_format", mode="before")
     @classmethod
     def _check_response_format(cls, value: Any) -> Any:
-        if value == "url":
+        if value not in (None, "b64_json", "url"):
             raise InvalidRequestError(
-                "`response_format` \"url\" is not supported: this server does not host "
-                "image files; use \"b64_json\" (the images come back base64-encoded)",
+                f"`response_format` must be \"b64_json\" or \"url\", got {value!r}",
                 param="response_format",
-            )
-        if value not in (None, "b64_json"):
-            raise InvalidRequestError(
-                f"`response_format` must be \"b64_json\", got {value!r}", param="response_format"
             )
         return value
 
@@ -367,9 +364,10 @@ class ImageEditRequest(ImageGenerationRequest):
 
 
 class ImageObject(BaseModel):
-    """One generated image in the response."""
+    """One generated image in the response: `b64_json` or `url`, as the request asked."""
 
-    b64_json: str
+    b64_json: str | None = None  # the encoded image, base64 (response_format "b64_json")
+    url: str | None = None  # a link to it, valid for an hour (response_format "url")
     revised_prompt: str | None = None  # diffbatch never rewrites prompts
 
 
@@ -380,6 +378,15 @@ class ImageGenerationResponse(BaseModel):
     data: list[ImageObject]
     output_format: str
     size: str  # the size actually generated, "WxH"
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body: each image with `b64_json` or `url`, whichever it has."""
+        body = self.model_dump()
+        for item in body["data"]:
+            for name in ("b64_json", "url"):
+                if item[name] is None:
+                    del item[name]
+        return body
 
 
 class WaveInfo(BaseModel):

@@ -10,8 +10,9 @@ one engine request.
    awaited with it, so concurrent HTTP requests sit in the engine's queue together
    and batch there. Cancelling this coroutine (client disconnect, timeout) aborts
    the request in the engine;
-4. encode the images (PNG/JPEG/WebP + base64) in a worker thread, so encoding one
-   response never blocks the event loop that serves the others;
+4. encode the images (PNG/JPEG/WebP, then base64, or kept in the `ImageStore` for
+   `response_format: "url"`) in a worker thread, so encoding one response never
+   blocks the event loop that serves the others;
 5. build the OpenAI response.
 
 `create_edit` is the same flow for an edit: stage 1 also checks that the model can
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.entrypoints.openai.errors import request_error_response
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
 from diffbatch.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
@@ -121,16 +123,16 @@ class ImageResult:
     headers: dict[str, str]  # server-side timings, for clients and benchmarks
 
 
-def encode_images(
+def encode_image_files(
     images: list[Any], output_format: str, quality: int | None,
     png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
-) -> list[str]:
-    """Encode PIL images to base64 strings of `output_format` (png, jpeg or webp).
+) -> list[bytes]:
+    """Encode PIL images to files of `output_format` (png, jpeg or webp).
 
     Runs in a worker thread; `quality` (0-100) applies to jpeg and webp only,
     `png_compress_level` (zlib, 0-9) to png only.
     """
-    encoded: list[str] = []
+    encoded: list[bytes] = []
     for image in images:
         buffer = io.BytesIO()
         if output_format == "png":
@@ -139,8 +141,17 @@ def encode_images(
             rgb = image.convert("RGB") if image.mode not in ("RGB", "L") else image
             q = DEFAULT_QUALITY if quality is None else quality
             rgb.save(buffer, format=output_format.upper(), quality=q)
-        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+        encoded.append(buffer.getvalue())
     return encoded
+
+
+def encode_images(
+    images: list[Any], output_format: str, quality: int | None,
+    png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
+) -> list[str]:
+    """`encode_image_files`, each file as a base64 string (`response_format: "b64_json"`)."""
+    return [base64.b64encode(data).decode("ascii") for data in
+            encode_image_files(images, output_format, quality, png_compress_level)]
 
 
 class OpenAIServingImages:
@@ -154,6 +165,10 @@ class OpenAIServingImages:
         max_image_pixels: Largest width * height of one image; larger sizes get 400.
         png_compress_level: zlib level of PNG responses, 0-9 (1 fastest, 9 smallest).
         http_metrics: Where to record encoding time (None = not recorded).
+        image_store: Where `response_format: "url"` images are kept (None: "url" is
+            refused with a 400).
+        public_url: Base of the links to stored images, e.g. "https://img.example.com"
+            (None: the base URL each request was sent to).
     """
 
     def __init__(
@@ -165,6 +180,8 @@ class OpenAIServingImages:
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
         http_metrics: HTTPMetrics | None = None,
+        image_store: ImageStore | None = None,
+        public_url: str | None = None,
     ) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
@@ -180,6 +197,8 @@ class OpenAIServingImages:
         self.max_image_pixels = max_image_pixels
         self.png_compress_level = png_compress_level
         self.http_metrics = http_metrics
+        self.image_store = image_store
+        self.public_url = public_url.rstrip("/") if public_url else None
         info = engine.info
         model_cap = info.model_max_pixels or max_image_pixels
         self.size_rule = SizeRule(
@@ -224,6 +243,13 @@ class OpenAIServingImages:
         return size
 
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
+        if request.response_format == "url" and self.image_store is None:
+            raise InvalidRequestError(
+                "`response_format` \"url\" is not available: this server keeps no image "
+                "files (--image-store-mb 0, the default of several Ray Serve replicas); use "
+                "\"b64_json\"",
+                param="response_format",
+            )
         if request.model is not None and request.model != self.served_model_name:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this server serves "
@@ -254,6 +280,13 @@ class OpenAIServingImages:
             lora_scale=request.lora_scale,
         )
 
+    def _store(self, images: list[Any], request: ImageGenerationRequest) -> list[str]:
+        """Encode `images` and keep them in the image store; returns their file ids."""
+        assert self.image_store is not None  # checked in stage 1
+        files = encode_image_files(images, request.output_format, request.output_compression,
+                                   self.png_compress_level)
+        return [self.image_store.put(data, request.output_format) for data in files]
+
     def _redact(self, message: str) -> str:
         """`message` without the server's folder names (a pipeline error may hold them)."""
         for path in self._private_paths:
@@ -263,11 +296,14 @@ class OpenAIServingImages:
     async def create_image(
         self, request: ImageGenerationRequest, request_id: str,
         arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
+        base_url: str = "",
     ) -> ImageResult | JSONResponse:
         """Run stages 1-5 for one request; a failed engine request becomes its error response.
 
         `request_id` is the engine's id, made by the server; `client_request_id` (the
-        client's `x-request-id`, if any) is only logged and echoed back.
+        client's `x-request-id`, if any) is only logged and echoed back. `base_url` (the
+        URL the request was sent to) starts the links of `response_format: "url"`
+        unless the server has a `public_url`.
 
         Raises:
             DiffbatchError: invalid input (400/404/413), a full queue (503), a dead
@@ -282,12 +318,12 @@ class OpenAIServingImages:
             self.engine.record_rejected()  # refused before reaching the engine
             raise
         return await self._generate(request, params, request_id, arrival_notice,
-                                    client_request_id, start)
+                                    client_request_id, start, base_url)
 
     async def create_edit(
         self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
         request_id: str, arrival_notice: ArrivalNotice | None = None,
-        client_request_id: str | None = None,
+        client_request_id: str | None = None, base_url: str = "",
     ) -> ImageResult | JSONResponse:
         """`create_image` for an edit: `image_data` (and `mask_data`) are the uploads.
 
@@ -313,11 +349,12 @@ class OpenAIServingImages:
             self.engine.record_rejected()
             raise
         return await self._generate(request, params, request_id, arrival_notice,
-                                    client_request_id, start)
+                                    client_request_id, start, base_url)
 
     async def _generate(
         self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
         arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
+        base_url: str,
     ) -> ImageResult | JSONResponse:
         """Stages 3-5, shared by generations and edits."""
         width, height = params.width, params.height
@@ -342,20 +379,24 @@ class OpenAIServingImages:
                          client_request_id, output.error.message)
             error = dataclasses.replace(output.error, message=self._redact(output.error.message))
             return request_error_response(error)
-        # 4. Encode off the event loop.
+        # 4. Encode off the event loop (and keep the files, for links).
         encode_start = time.perf_counter()
-        b64 = await asyncio.to_thread(
-            encode_images, list(output.images), request.output_format,
-            request.output_compression, self.png_compress_level,
-        )
+        if request.response_format == "url":
+            images = await asyncio.to_thread(self._store, list(output.images), request)
+            links = self.public_url or base_url.rstrip("/")
+            data = [ImageObject(url=f"{links}{FILES_ROUTE}/{file_id}") for file_id in images]
+        else:
+            b64 = await asyncio.to_thread(
+                encode_images, list(output.images), request.output_format,
+                request.output_compression, self.png_compress_level,
+            )
+            data = [ImageObject(b64_json=item) for item in b64]
         encode_s = time.perf_counter() - encode_start
         if self.http_metrics is not None:
             self.http_metrics.encode_s.labels(request.output_format).observe(encode_s)
         # 5. Respond.
         response = ImageGenerationResponse(
-            data=[ImageObject(b64_json=data) for data in b64],
-            output_format=request.output_format,
-            size=f"{width}x{height}",
+            data=data, output_format=request.output_format, size=f"{width}x{height}",
         )
         headers = {
             "x-request-id": client_request_id or request_id,

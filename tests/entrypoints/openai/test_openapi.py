@@ -71,7 +71,7 @@ def test_prompts_declare_their_length_and_not_blank(spec) -> None:
 
 @pytest.mark.parametrize(
     ("field", "allowed"),
-    [("output_format", ["png", "jpeg", "webp", "jpg"]), ("response_format", ["b64_json"]),
+    [("output_format", ["png", "jpeg", "webp", "jpg"]), ("response_format", ["b64_json", "url"]),
      ("quality", ["auto", "standard"]), ("background", ["auto", "opaque"]),
      ("moderation", ["auto"]), ("stream", [False]), ("partial_images", [0])],
 )

@@ -71,6 +71,26 @@ def test_official_openai_client(server: RunningServer) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_official_openai_client_with_url_links(server: RunningServer) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    result = client.images.generate(model=MODEL, prompt="a red circle", n=2,
+                                    response_format="url",
+                                    extra_body={"seed": 1, "num_inference_steps": STEPS})
+    assert [item.b64_json for item in result.data] == [None, None]
+    linked = []
+    for item in result.data:
+        assert item.url.startswith(f"{server.url}/v1/images/files/")
+        download = httpx.get(item.url)  # a link needs no API key
+        assert download.status_code == 200 and download.headers["content-type"] == "image/png"
+        linked.append(np.asarray(Image.open(io.BytesIO(download.content))))
+    same = client.images.generate(model=MODEL, prompt="a red circle", n=2,
+                                  extra_body={"seed": 1, "num_inference_steps": STEPS})
+    for image, item in zip(linked, same.data, strict=True):
+        assert (image == np.asarray(decode(item.b64_json))).all()
+
+
 async def _generate(client: httpx.AsyncClient, prompt: str, seed: int) -> np.ndarray:
     response = await client.post(ROUTE, json={
         "prompt": prompt, "seed": seed, "num_inference_steps": STEPS, "size": "64x64",
@@ -114,7 +134,7 @@ BAD_INPUTS = [
     ({"prompt": "p", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "p", "lora": "../outside"}, 400, "lora"),
     ({"prompt": "p", "lora": "missing-adapter"}, 404, "lora"),
-    ({"prompt": "p", "response_format": "url"}, 400, "response_format"),
+    ({"prompt": "p", "response_format": "svg"}, 400, "response_format"),
 ]
 
 
