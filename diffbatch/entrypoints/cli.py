@@ -63,8 +63,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL at POST /v1/images/generations (OpenAI-compatible). "
-        "Concurrent HTTP requests are batched by the engine.",
+        description="Serve MODEL at POST /v1/images/generations and /v1/images/edits "
+        "(OpenAI-compatible), with a playground at GET /. Concurrent HTTP requests are "
+        "batched by the engine.",
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(
