@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffbatch.pipelines.diffusers_t2i import edit_inputs
+from diffbatch.pipelines.diffusers_edit import edit_inputs
 from tests.pipelines.conftest import SIZE, TOLERANCE, make_batch, make_request
 
 EDIT_MODELS = ("tiny-sd", "tiny-sd3")
