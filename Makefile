@@ -32,8 +32,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 browser:
-	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
-		echo "browser: $$(command -v chromium || command -v chromium-browser)"; \
+	@if [ -n "$$DIFFBATCH_CHROMIUM" ]; then echo "browser: $$DIFFBATCH_CHROMIUM"; \
+	elif command -v chromium || command -v chromium-browser || command -v google-chrome; then \
+		:; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		$(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGE); \
