@@ -9,7 +9,13 @@ MODEL ?=
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install install-dev serve test lint bench clean
+# The playground's browser tests drive the system's Chromium through playwright, which
+# is told its path: nothing is downloaded at test time. `make browser` installs it with
+# apt (as root, or through sudo) when it is missing.
+BROWSER_PACKAGE ?= chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install install-dev browser serve test lint bench clean
 
 # The serving install: diffbatch and what it needs, nothing for tests or benchmarks.
 $(VENV)/.installed: pyproject.toml
@@ -18,10 +24,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TORCH_PIN)" -e .
 	touch $@
 
-# The test install adds the [dev] extra (pytest, ruff, the openai client, Ray Serve).
+# The test install adds the [dev] extra (pytest, ruff, the openai client, Ray Serve,
+# playwright) and the browser the playground's tests drive.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev]"
+	$(MAKE) browser
 	touch $@
+
+browser:
+	@if [ -n "$$DIFFBATCH_CHROMIUM" ]; then echo "browser: $$DIFFBATCH_CHROMIUM"; \
+	elif command -v chromium || command -v chromium-browser || command -v google-chrome; then \
+		:; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGE); \
+	else \
+		echo "install Chromium for the playground's browser tests (or set" \
+			"DIFFBATCH_CHROMIUM to a Chromium/Chrome binary)" >&2; exit 1; \
+	fi
 
 install: $(VENV)/.installed
 
@@ -32,7 +52,7 @@ serve: install
 
 test: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
-	$(PY) -m pytest -q -p no:cacheprovider
+	DIFFBATCH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -p no:cacheprovider
 
 lint: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts

@@ -7,6 +7,7 @@ The engine's flags are generated from `EngineConfig` with the same rules.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 from diffbatch.options import CpuList, Directory, FloatRange, IntRange, argparse_type
@@ -30,3 +31,14 @@ def float_at_least(low: float, *, strict: bool) -> Callable[[str], float]:
 port = argparse_type(IntRange(0, 65535))  # a TCP port
 directory = argparse_type(Directory())  # an existing directory, made absolute
 cpu_list = argparse_type(CpuList())  # a CPU list in `taskset -c` syntax, kept as text
+
+
+def http_url(text: str) -> str:
+    """An absolute http(s) URL, e.g. "https://img.example.com/api"."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"must be an absolute http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")

@@ -60,7 +60,7 @@ class DiffusionRequest:
 
     `sampling_params` are resolved (pipeline defaults and seed filled in) and `key`
     is set by the engine when the request is added. The object crosses to the worker
-    process pickled; it holds no tensors.
+    process pickled, an edit's input image and mask (uint8 tensors in its params) too.
     """
 
     request_id: str

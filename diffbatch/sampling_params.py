@@ -12,12 +12,24 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from diffbatch.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    import torch
+
 OutputType = Literal["pil", "pt", "np"]
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "pt", "np")
+# What a request asks the pipeline to do, decided by which inputs it carries: no
+# `image` is text-to-image, an `image` alone image-to-image, an `image` and a `mask`
+# inpainting. Requests of different tasks never share a wave (the key holds the task).
+Task = Literal["text-to-image", "image-to-image", "inpaint"]
+TEXT_TO_IMAGE: Task = "text-to-image"
+IMAGE_TO_IMAGE: Task = "image-to-image"
+INPAINT: Task = "inpaint"
+TASKS: tuple[Task, ...] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINT)
+_TASK_LABELS = {IMAGE_TO_IMAGE: "i2i", INPAINT: "inpaint"}  # in `SamplingParamsKey.short()`
 
 # Upper bounds that keep one request from monopolising a server; pipelines may be stricter.
 MAX_NUM_INFERENCE_STEPS = 1000
@@ -75,6 +87,45 @@ def check_text(name: str, value: str, *, allow_nul: bool = True) -> None:
         )
 
 
+def _as_uint8_tensor(name: str, value: Any, channels: int) -> torch.Tensor:
+    """A PIL image or a uint8 tensor as a contiguous uint8 tensor [H, W, C] (C = 3 for
+    an image) or [H, W] (a mask, C = 1); anything else is refused."""
+    import torch
+
+    shape = "[H, W, 3]" if channels == 3 else "[H, W]"
+    if not isinstance(value, torch.Tensor):
+        from PIL import Image
+
+        if not isinstance(value, Image.Image):
+            raise InvalidRequestError(
+                f"`{name}` must be a uint8 tensor {shape} or a PIL image, got "
+                f"{type(value).__name__}", param=name,
+            )
+        import numpy as np
+
+        value = torch.from_numpy(np.array(value.convert("RGB" if channels == 3 else "L")))
+    if value.dtype != torch.uint8:
+        raise InvalidRequestError(
+            f"`{name}` must be a uint8 tensor {shape}, got dtype {value.dtype}", param=name
+        )
+    if channels == 1 and value.ndim == 3 and value.shape[-1] == 1:
+        value = value[..., 0]
+    expected_ndim = 3 if channels == 3 else 2
+    if value.ndim != expected_ndim or (channels == 3 and value.shape[-1] != 3):
+        raise InvalidRequestError(
+            f"`{name}` must be a uint8 tensor {shape}, got shape {list(value.shape)}", param=name
+        )
+    height, width = int(value.shape[0]), int(value.shape[1])
+    if not (1 <= height <= MAX_SIDE and 1 <= width <= MAX_SIDE):
+        raise InvalidRequestError(
+            f"`{name}` sides must be between 1 and {MAX_SIDE} pixels, got {width}x{height}",
+            param=name,
+        )
+    if value.device.type != "cpu" or not value.is_contiguous():
+        value = value.to("cpu").contiguous()
+    return value  # the same tensor when it already was one (clones share it)
+
+
 def _freeze(value: Any) -> Any:
     """Turn lists/dicts into tuples so a value can live in a hashable key."""
     if isinstance(value, dict):
@@ -109,6 +160,17 @@ class SamplingParams:
         timesteps: Custom timesteps, when the pipeline's scheduler takes them.
         extra: Model-specific keyword arguments passed to the pipeline call. They are
             part of the batch key, so requests with different extras never share a wave.
+        image: The image to edit, a uint8 tensor [H, W, 3] (RGB) or a PIL image (turned
+            into one); None generates from text alone. With an image, `height` and
+            `width` default to its own and must equal them when given.
+        mask: Where to paint, a uint8 tensor [H, W] (or [H, W, 1]) or a PIL image (taken
+            as grayscale): 255 repaints a pixel, 0 keeps it (diffusers' convention;
+            the HTTP API converts OpenAI's transparent-where-to-paint masks). Needs
+            `image`, of the same size. With a mask the task is inpainting.
+        strength: How far an edit may move away from `image`, in (0, 1]: the share
+            of the denoising schedule that runs, at least one step (1 ignores the
+            image's content where it paints). None takes the pipeline's default for
+            the task. Edits only.
     """
 
     height: int | None = None
@@ -124,6 +186,11 @@ class SamplingParams:
     sigmas: tuple[float, ...] | None = None
     timesteps: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # NOTE: tensors are left out of `==` (an ambiguous truth value) and of the repr (a
+    # log line must not hold pixels); the key tells waves apart by task and size.
+    image: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [H, W, 3]
+    mask: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [H, W]
+    strength: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("height", "width"):
@@ -175,6 +242,52 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"`extra` must be a dict, got {type(self.extra).__name__}", param="extra"
             )
+        self._check_edit_inputs()
+
+    def _check_edit_inputs(self) -> None:
+        """`image`, `mask` and `strength`: types, shapes and how they go together."""
+        if self.image is not None:
+            self.image = _as_uint8_tensor("image", self.image, 3)
+            height, width = int(self.image.shape[0]), int(self.image.shape[1])
+            for name, side in (("height", height), ("width", width)):
+                given = getattr(self, name)
+                if given is not None and given != side:
+                    raise InvalidRequestError(
+                        f"`{name}` must equal the image's {name} ({side}) when an image is "
+                        f"given, got {given}; resize the image instead", param=name,
+                    )
+        if self.mask is not None:
+            if self.image is None:
+                raise InvalidRequestError(
+                    "`mask` needs an `image` to paint into", param="mask"
+                )
+            self.mask = _as_uint8_tensor("mask", self.mask, 1)
+            if tuple(self.mask.shape) != tuple(self.image.shape[:2]):
+                raise InvalidRequestError(
+                    f"`mask` must have the image's size "
+                    f"({self.image.shape[1]}x{self.image.shape[0]}), got "
+                    f"{self.mask.shape[1]}x{self.mask.shape[0]}",
+                    param="mask",
+                )
+        if self.strength is not None:
+            if self.image is None:
+                raise InvalidRequestError(
+                    "`strength` applies to edits only; give an `image` or leave it out",
+                    param="strength",
+                )
+            _check_float("strength", self.strength, 0.0, 1.0)
+            if self.strength == 0:
+                raise InvalidRequestError(
+                    "`strength` must be > 0 (0 would return the image unchanged), got 0",
+                    param="strength",
+                )
+
+    @property
+    def task(self) -> Task:
+        """What the request asks for, from the inputs it carries (see `Task`)."""
+        if self.image is None:
+            return TEXT_TO_IMAGE
+        return IMAGE_TO_IMAGE if self.mask is None else INPAINT
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied (and validated)."""
@@ -194,6 +307,9 @@ class SamplingParamsKey:
     width: int
     num_frames: int | None  # video-capable pipelines only; None for images
     num_inference_steps: int
+    task: Task  # text-to-image, image-to-image or inpaint: each runs its own pipeline
+    # Share of the schedule an edit runs (it sets how many steps run); None for text-to-image.
+    strength: float | None
     # None when the pipeline applies per-request guidance and CFG is on: then requests
     # that differ only in guidance_scale share a wave.
     guidance_scale: float | None
@@ -224,6 +340,9 @@ class SamplingParamsKey:
             width=params.width,
             num_frames=num_frames,
             num_inference_steps=params.num_inference_steps,
+            task=params.task,
+            strength=float(params.strength) if params.strength is not None
+            and params.task != TEXT_TO_IMAGE else None,
             guidance_scale=None if per_request_guidance and cfg_enabled
             else float(params.guidance_scale),
             cfg_enabled=cfg_enabled,
@@ -236,8 +355,18 @@ class SamplingParamsKey:
             extra=_freeze(extra),
         )
 
+    @property
+    def num_denoising_steps(self) -> int:
+        """Denoising steps a wave of this key runs (about: pipelines round differently):
+        an edit runs `strength` of the schedule, at least one step; text-to-image all."""
+        steps = self.num_inference_steps
+        if self.strength is None:
+            return steps
+        return max(1, min(int(steps * self.strength), steps))
+
     def short(self) -> str:
-        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1/lora=style@0.5`.
+        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1/lora=style@0.5`
+        (an edit adds its task and strength: `/i2i@0.8`, `/inpaint@1`).
 
         The LoRA shows as its adapter name (the last part of its path), never the
         path: `/metrics` is unauthenticated and must not reveal the server's folders.
@@ -245,6 +374,9 @@ class SamplingParamsKey:
         guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
         text = f"{self.width}x{self.height}/s{self.num_inference_steps}/g{guidance}"
         text += f"/n{self.num_outputs_per_prompt}"
+        if self.task != TEXT_TO_IMAGE:
+            strength = "?" if self.strength is None else f"{self.strength:g}"
+            text += f"/{_TASK_LABELS[self.task]}@{strength}"
         if self.lora is not None:
             text += f"/lora={lora_adapter_name(self.lora)}@{self.lora_scale:g}"
         return text

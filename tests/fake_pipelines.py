@@ -4,6 +4,9 @@ Importable by name (`tests.fake_pipelines.FakeBatchPipeline`) so worker processe
 can load them too. Images depend only on each request's seed and prompt, like a
 real batch-invariant pipeline.
 
+Edits (an input image, a mask) are supported: the output mixes the request's noise
+with its image, only where its mask paints.
+
 A prompt containing `POISON` makes `FakeBatchPipeline` and `PoisonTinySD` (the real
 diffusers adapter, for end-to-end tests with model "tiny-sd") fail the whole wave
 that holds it, the way a request with bad input breaks a fused forward.
@@ -55,6 +58,7 @@ class FakeBatchPipeline(BasePipeline):
         return PipelineInfo(
             name=type(self).__name__, default_height=16, default_width=16,
             default_num_inference_steps=2, default_guidance_scale=5.0, size_multiple=8,
+            default_strengths={"image-to-image": 0.8, "inpaint": 1.0},
         )
 
     def refresh_cache(self) -> None:
@@ -80,6 +84,11 @@ class FakeBatchPipeline(BasePipeline):
             params = request.sampling_params
             gens = batch.generators[i * n:(i + 1) * n]
             images = fake_images(request.prompt, gens, params.height, params.width)
+            if params.image is not None:  # an edit: half noise, half its image (where painted)
+                source = params.image.permute(2, 0, 1).float() / 255.0  # [3, H, W]
+                edited = images * 0.5 + source * 0.5
+                paint = None if params.mask is None else params.mask.bool()
+                images = edited if paint is None else torch.where(paint, edited, source)
             outputs.append(DiffusionOutput(request.request_id, images=images))
         return outputs
 
@@ -159,6 +168,13 @@ class PoisonTinySD(DiffusersT2IPipeline):
         if poisoned:
             raise RuntimeError(f"poisoned prompt at wave position(s) {poisoned}")
         return super().forward(batch)
+
+
+class NoEditPipeline(FakeBatchPipeline):
+    """Declares no edit tasks, like a diffusers family without image-to-image pipelines."""
+
+    def info(self) -> PipelineInfo:
+        return dataclasses.replace(super().info(), default_strengths={})
 
 
 def _touch(path: str) -> None:

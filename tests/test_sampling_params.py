@@ -143,3 +143,84 @@ def test_per_request_guidance_pipelines_share_keys_across_guidance_scales():
         SamplingParamsKey.from_params(a, cfg_enabled=True, per_request_guidance=True)
     assert SamplingParamsKey.from_params(a, cfg_enabled=True, per_request_guidance=True) \
         .short() == "64x64/s4/g*/n1"
+
+
+# -- edits: image, mask, strength -------------------------------------------------------
+def image(height: int = 64, width: int = 64):
+    import torch
+
+    return torch.zeros(height, width, 3, dtype=torch.uint8)
+
+
+def mask(height: int = 64, width: int = 64):
+    import torch
+
+    return torch.full((height, width), 255, dtype=torch.uint8)
+
+
+def test_the_task_follows_the_inputs():
+    assert SamplingParams().task == "text-to-image"
+    assert SamplingParams(image=image()).task == "image-to-image"
+    assert SamplingParams(image=image(), mask=mask()).task == "inpaint"
+
+
+def test_key_distinguishes_task_and_strength_but_not_pixels():
+    import torch
+
+    base = dict(height=64, width=64, num_inference_steps=4, guidance_scale=5.0, seed=1)
+    i2i = key(image=image(), strength=0.5)
+    assert i2i != key()
+    assert i2i != key(image=image(), mask=mask(), strength=0.5)
+    assert i2i != key(image=image(), strength=0.75)
+    other_pixels = torch.full((64, 64, 3), 7, dtype=torch.uint8)
+    assert i2i == key(image=other_pixels, strength=0.5)
+    assert (i2i.task, i2i.strength, i2i.num_denoising_steps) == ("image-to-image", 0.5, 2)
+    assert key().strength is None and key().num_denoising_steps == 4
+    assert SamplingParamsKey.from_params(SamplingParams(**base), cfg_enabled=True).task \
+        == "text-to-image"
+    assert key(image=image(), mask=mask(), strength=1.0).short() == "64x64/s4/g5/n1/inpaint@1"
+
+
+def test_a_pil_image_and_mask_become_uint8_tensors():
+    from PIL import Image
+
+    params = SamplingParams(image=Image.new("RGBA", (32, 16), (255, 0, 0, 255)),
+                            mask=Image.new("L", (32, 16), 255))
+    assert params.image.shape == (16, 32, 3) and params.image[0, 0].tolist() == [255, 0, 0]
+    assert params.mask.shape == (16, 32) and int(params.mask.min()) == 255
+
+
+def test_params_with_images_compare_and_print_without_pixels():
+    a = SamplingParams(image=image(), seed=1)
+    assert a == a.clone() and "image" not in repr(a)
+    assert a.clone(seed=2).image is a.image
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"image": "a.png"}, "image"),
+        ({"image": [[0]]}, "image"),
+        ({"image": "float"}, "image"),
+        ({"image": "gray"}, "image"),
+        ({"image": image(), "height": 32}, "height"),
+        ({"image": image(), "width": 32}, "width"),
+        ({"mask": mask()}, "mask"),
+        ({"image": image(), "mask": mask(32, 64)}, "mask"),
+        ({"image": image(), "mask": "rgb"}, "mask"),
+        ({"strength": 0.5}, "strength"),
+        ({"image": image(), "strength": 0}, "strength"),
+        ({"image": image(), "strength": 1.5}, "strength"),
+        ({"image": image(), "strength": math.nan}, "strength"),
+    ],
+)
+def test_invalid_edit_inputs_fail_on_construction_naming_the_field(kwargs, param):
+    import torch
+
+    special = {"float": torch.zeros(8, 8, 3), "gray": torch.zeros(8, 8, dtype=torch.uint8),
+               "rgb": torch.zeros(64, 64, 3, dtype=torch.uint8)}
+    kwargs = {k: special.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert f"`{param}`" in str(info.value)

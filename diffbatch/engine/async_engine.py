@@ -31,6 +31,7 @@ from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
+from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
     ConfigError,
     EngineClosedError,
@@ -138,6 +139,8 @@ class Engine:
             worker_health=self.executor.health_stats,
         )
         self.core.metrics = self.metrics
+        self.wave_log = WaveLog()  # the waves run since start-up, for `GET /v1/waves`
+        self.core.wave_log = self.wave_log
         logger.info(
             "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%s (limit %d) wait=%s "
             "executor=%s",
@@ -174,17 +177,39 @@ class Engine:
                 param="sampling_params",
             )
         info = self.info
+        self._check_task(params)
+        # An edit's size is its image's (SamplingParams checked any given size equals it).
+        image_height, image_width = (
+            (None, None) if params.image is None else params.image.shape[:2]
+        )
+        strength = params.strength
+        if strength is None and params.image is not None:
+            strength = info.default_strengths[params.task]
         resolved = params.clone(
-            height=params.height or info.default_height,
-            width=params.width or info.default_width,
+            height=params.height or image_height or info.default_height,
+            width=params.width or image_width or info.default_width,
             num_inference_steps=params.num_inference_steps or info.default_num_inference_steps,
             guidance_scale=(info.default_guidance_scale if params.guidance_scale is None
                             else params.guidance_scale),
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
             lora=self._resolve_lora(params.lora),
+            strength=strength,
         )
         self._check_against_model(resolved)
         return resolved
+
+    def _check_task(self, params: SamplingParams) -> None:
+        """Refuse an edit the loaded pipeline has no pipeline for (before any wave)."""
+        task = params.task
+        if self.info.supports_task(task):
+            return
+        # NOTE: the pipeline's class name, not `config.model`, which may be a server path.
+        supported = ["text-to-image", *self.info.default_strengths]
+        raise InvalidRequestError(
+            f"{task} is not supported by this model ({self.info.name}): no diffusers "
+            f"{task} pipeline runs it; it supports {', '.join(supported)}",
+            param="mask" if task == "inpaint" else "image",
+        )
 
     def _check_against_model(self, params: SamplingParams) -> None:
         """The checks that depend on the loaded model, run once, at admission."""
@@ -289,9 +314,12 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         request = DiffusionRequest(request_id, prompt, resolved, priority=priority)
         cfg_enabled = self.info.cfg_enabled(resolved)
+        # NOTE: per-request guidance was checked on the text-to-image pipelines only;
+        # edits keep the guidance scale in their key, so an edit wave has one scale.
         request.key = SamplingParamsKey.from_params(
             resolved, cfg_enabled=cfg_enabled,
-            per_request_guidance=self.info.supports_per_request_guidance,
+            per_request_guidance=self.info.supports_per_request_guidance
+            and resolved.task == "text-to-image",
         )
         return request
 

@@ -205,7 +205,7 @@ class BatchPolicy:
                             stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
         if key is None:
             return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
-        shape, steps = Shape.of(key), key.num_inference_steps
+        shape, steps = Shape.of(key), key.num_denoising_steps
 
         def wave_ms(size: int) -> float:
             estimate = self.cost.estimate_ms(shape, size, steps)
@@ -237,7 +237,7 @@ class BatchPolicy:
         """Feed one finished wave to the cost model (only clean single-forward waves)."""
         if key is None or num_forwards != 1 or not self.learns or not self.serving:
             return
-        self.cost.observe(Shape.of(key), size, key.num_inference_steps, forward_ms)
+        self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per shape: per-image ms by wave size, capacity, last planned wait (metrics)."""

@@ -58,6 +58,7 @@ from diffbatch.sched.policy import make_scheduler
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
     from diffbatch.engine.batch_policy import BatchPolicy
+    from diffbatch.engine.wave_log import WaveLog
     from diffbatch.executor.abstract import Executor
     from diffbatch.metrics import EngineMetrics
     from diffbatch.sched.output import SchedulerOutput
@@ -111,6 +112,8 @@ class ArrivalNotice:
 
 class EngineCore:
     """Owns the scheduler and the loop thread; see the module docstring."""
+
+    wave_log: WaveLog | None = None  # set by the engine: each logged wave is appended
 
     def __init__(
         self,
@@ -504,3 +507,11 @@ class EngineCore:
         if self.metrics is not None:
             self.metrics.observe_wave(wave.num_requests, wave.close_reason,
                                       admission_reason, forward_ms / 1000.0)
+        if self.wave_log is not None:
+            self.wave_log.record(
+                wave_id=wave.wave_id, num_requests=wave.num_requests,
+                key=wave.key.short() if wave.key else "-", close_reason=wave.close_reason,
+                admission=admission_reason, max_queue_wait_ms=queue_wait_ms,
+                forward_ms=forward_ms, num_errors=sum(
+                    o.error is not None for o in runner_output.outputs.values()),
+            )

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from diffbatch.arg_types import (
     float_at_least,
+    http_url,
     int_at_least,
     int_between,
     port,
@@ -46,7 +47,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         DEFAULT_HEADER_TIMEOUT_S,
         DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         DEFAULT_LIMIT_CONCURRENCY,
+        DEFAULT_MAX_UPLOAD_MB,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
+    )
+    from diffbatch.entrypoints.openai.image_store import (
+        DEFAULT_MAX_MB as DEFAULT_IMAGE_STORE_MB,
+    )
+    from diffbatch.entrypoints.openai.image_store import (
+        DEFAULT_TTL_S as DEFAULT_IMAGE_URL_TTL_S,
     )
     from diffbatch.entrypoints.openai.serving_images import (
         DEFAULT_MAX_IMAGE_PIXELS,
@@ -56,8 +64,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL at POST /v1/images/generations (OpenAI-compatible). "
-        "Concurrent HTTP requests are batched by the engine.",
+        description="Serve MODEL at POST /v1/images/generations and /v1/images/edits "
+        "(OpenAI-compatible), with a playground at GET /. Concurrent HTTP requests are "
+        "batched by the engine.",
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(
@@ -91,6 +100,27 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
         help="largest width*height of one image (400 above it)",
+    )
+    server.add_argument(
+        "--max-upload-mb", type=int_at_least(1), default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
+        help="largest body of POST /v1/images/edits, image and mask together, in MiB "
+        "(413 above it)",
+    )
+    server.add_argument(
+        "--public-url", type=http_url, default=None, metavar="URL",
+        help='base of the links `response_format: "url"` answers with, e.g. '
+        "https://img.example.com behind a proxy (default: the URL each request was sent to)",
+    )
+    server.add_argument(
+        "--image-store-mb", type=int_at_least(0), default=None, metavar="MB",
+        help='memory for images answered as links (`response_format: "url"`), oldest '
+        f"dropped first; 0 refuses url with a 400 (default: {DEFAULT_IMAGE_STORE_MB}; 0 with "
+        "several --ray replicas, whose links could reach another replica)",
+    )
+    server.add_argument(
+        "--image-url-ttl", type=float_at_least(0.0, strict=True),
+        default=DEFAULT_IMAGE_URL_TTL_S, metavar="SECONDS",
+        help='how long a link of `response_format: "url"` works',
     )
     server.add_argument(
         "--png-compress-level", type=int_between(0, 9), default=DEFAULT_PNG_COMPRESS_LEVEL,

@@ -12,6 +12,10 @@ For pipelines whose CFG combine is `uncond + guidance_scale * (text - uncond)`
 `guidance_scale` per sample (`PerSampleGuidance`), so requests that differ only in
 their guidance scale share a wave (tests/pipelines/test_per_request_guidance.py).
 
+Edits (image-to-image and inpainting) run on pipelines built from the loaded one's
+own components (`diffusers_edit.py`), one call per wave as well, on the pipeline of
+the wave's task.
+
 `DiffusersPerRequestPipeline` is the same adapter restricted to one request per
 forward; the registry binds it to a raw diffusers class given as `pipeline_class`.
 """
@@ -30,6 +34,12 @@ import torch
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
+from diffbatch.pipelines.diffusers_edit import (
+    at_least_one_step,
+    call_parameters,
+    edit_inputs,
+    edit_pipes,
+)
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 logger = logging.getLogger(__name__)
@@ -44,7 +54,8 @@ _DTYPES = {
 _RESERVED = frozenset({
     "prompt", "negative_prompt", "num_images_per_prompt", "generator", "output_type",
     "return_dict", "height", "width", "num_inference_steps", "guidance_scale", "sigmas",
-    "timesteps", "latents", "prompt_embeds", "negative_prompt_embeds",
+    "timesteps", "latents", "prompt_embeds", "negative_prompt_embeds", "image", "mask_image",
+    "strength", "masked_image_latents",
 })
 # Sample sizes for which PixArt pipelines have resolution bins.
 _PIXART_BIN_SAMPLE_SIZES = (32, 64, 128, 256)
@@ -205,6 +216,9 @@ class DiffusersT2IPipeline(BasePipeline):
         self._call_params = inspect.signature(type(pipe).__call__).parameters
         self._loras: dict[str, str] = {}  # adapter name -> path it was loaded from
         self._lora_enabled = False
+        # task -> the diffusers pipeline that runs it; edits share `pipe`'s modules
+        self.task_pipes: dict[str, Any] = {"text-to-image": pipe}
+        self.task_pipes.update(edit_pipes(pipe, self._make_info().size_multiple))
         self._info = self._make_info()
 
     # -- loading ---------------------------------------------------------------------
@@ -298,6 +312,10 @@ class DiffusersT2IPipeline(BasePipeline):
                 if name not in _RESERVED or name in ("sigmas", "timesteps")
             ) - {"self", "kwargs", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
                  "callback", "callback_steps"},
+            default_strengths={
+                task: float(call_parameters(task_pipe)["strength"].default)
+                for task, task_pipe in self.task_pipes.items() if task != "text-to-image"
+            },
         )
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
@@ -347,11 +365,12 @@ class DiffusersT2IPipeline(BasePipeline):
                 f"the wave has {len(batch)} requests x {n} images but "
                 f"{len(batch.generators)} generators; pass one generator per image"
             )
-        # 2. One diffusers call for the whole wave, stopped between steps once nobody
-        #    waits for it.
+        # 2. One diffusers call for the whole wave, on the pipeline of its task, stopped
+        #    between steps once nobody waits for it.
         batch.check_interrupt()
-        kwargs = {**self.call_kwargs(batch), **self._interrupt_kwargs(batch)}
-        images = self.pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
+        pipe = self._task_pipe(batch)
+        kwargs = {**self.call_kwargs(batch), **self._interrupt_kwargs(batch, pipe)}
+        images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
             raise ValueError(
                 f"{self._info.name} returned {getattr(images, 'shape', type(images))}, "
@@ -364,11 +383,19 @@ class DiffusersT2IPipeline(BasePipeline):
             for i, r in enumerate(batch.requests)
         ]
 
+    def _task_pipe(self, batch: DiffusionRequestBatch) -> Any:
+        task = batch.requests[0].sampling_params.task
+        pipe = self.task_pipes.get(task)
+        if pipe is None:  # the engine refuses these at admission (PipelineInfo)
+            raise ValueError(f"{self._info.name} has no {task} pipeline")
+        return pipe
+
     def call_kwargs(self, batch: DiffusionRequestBatch) -> dict[str, Any]:
         """The keyword arguments of the wave's one diffusers call (without running it)."""
         params = batch.requests[0].sampling_params
         key = batch.key
         extra = dict(params.extra)
+        call_params = call_parameters(self._task_pipe(batch))
         kwargs: dict[str, Any] = {
             "prompt": batch.prompts,
             "num_images_per_prompt": batch.num_outputs_per_prompt,
@@ -376,10 +403,11 @@ class DiffusersT2IPipeline(BasePipeline):
             "output_type": "pt",
             "return_dict": True,
         }
-        # 1. Shape and schedule from the wave key (the requests' resolved params).
+        # 1. Shape and schedule from the wave key (the requests' resolved params). SD's
+        #    image-to-image takes no height/width: its size is the image's.
         for name in ("height", "width", "num_inference_steps"):
             value = getattr(key, name) if key is not None else getattr(params, name)
-            if value is not None:
+            if value is not None and name in call_params:
                 kwargs[name] = value
         guidance_scale = self._guidance_scale(batch)
         if guidance_scale is not None:
@@ -391,17 +419,28 @@ class DiffusersT2IPipeline(BasePipeline):
             value = getattr(params, name)
             if value is not None:
                 kwargs[name] = list(value)
-        # 2. Model-specific extras (names this pipeline's __call__ takes).
+        # 2. Model-specific extras (names this pipeline's __call__ takes; the engine
+        #    checked them against the text-to-image pipeline's).
+        unknown = sorted(set(extra) - set(call_params))
+        if unknown:
+            raise ValueError(f"{type(self._task_pipe(batch)).__name__} does not take the "
+                             f"`extra` argument(s) {unknown}")
         kwargs.update(extra)
         # 3. Per-request negative prompts (None -> ""), a list like the prompts (SD
         #    rejects a string negative prompt beside a list prompt).
-        if "negative_prompt" in self._call_params and self._uses_negative_prompt(extra):
+        if "negative_prompt" in call_params and self._uses_negative_prompt(extra):
             kwargs["negative_prompt"] = [p or "" for p in batch.negative_prompts]
-        # 4. Pipeline quirks.
-        self._apply_quirks(kwargs, extra)
+        # 4. Edits: each request's image (and mask), its strength.
+        if params.task != "text-to-image":
+            kwargs.update(edit_inputs(batch))
+            strength = key.strength if key is not None else params.strength
+            steps = kwargs.get("num_inference_steps", params.num_inference_steps)
+            kwargs["strength"] = at_least_one_step(strength, steps)
+        # 5. Pipeline quirks.
+        self._apply_quirks(kwargs, extra, call_params)
         return kwargs
 
-    def _interrupt_kwargs(self, batch: DiffusionRequestBatch) -> dict[str, Any]:
+    def _interrupt_kwargs(self, batch: DiffusionRequestBatch, pipe: Any) -> dict[str, Any]:
         """The per-step hook that stops the diffusers loop once nobody waits for the wave.
 
         NOTE: the hook raises `WaveInterrupted` rather than setting the pipeline's
@@ -409,14 +448,15 @@ class DiffusersT2IPipeline(BasePipeline):
         decodes the latents and returns images nobody wants; raising stops at once, and
         the runner turns it into aborted outputs (never a bisected error).
         """
-        if "callback_on_step_end" in self._call_params:
+        call_params = call_parameters(pipe)
+        if "callback_on_step_end" in call_params:
             def on_step_end(pipe: Any, step: int, timestep: Any,
                             callback_kwargs: dict[str, Any]) -> dict[str, Any]:
                 batch.check_interrupt()
                 return callback_kwargs
 
             return {"callback_on_step_end": on_step_end}
-        if "callback" in self._call_params and "callback_steps" in self._call_params:
+        if "callback" in call_params and "callback_steps" in call_params:
             # the older per-step hook (PixArt-Sigma): callback(step, timestep, latents)
             return {"callback": lambda *_: batch.check_interrupt(), "callback_steps": 1}
         return {}
@@ -461,17 +501,18 @@ class DiffusersT2IPipeline(BasePipeline):
             return float(extra.get("true_cfg_scale", 1.0)) > 1.0
         return True
 
-    def _apply_quirks(self, kwargs: dict[str, Any], extra: dict[str, Any]) -> None:
+    def _apply_quirks(self, kwargs: dict[str, Any], extra: dict[str, Any],
+                      call_params: Any) -> None:
         transformer = getattr(self.pipe, "transformer", None)
         # PixArt: resolution binning exists only for the released sample sizes and
         # raises "Invalid sample size" for any other (e.g. tiny) transformer.
-        if "use_resolution_binning" in self._call_params and "use_resolution_binning" \
+        if "use_resolution_binning" in call_params and "use_resolution_binning" \
                 not in extra and transformer is not None \
                 and transformer.config.get("sample_size") not in _PIXART_BIN_SAMPLE_SIZES:
             kwargs["use_resolution_binning"] = False
         # PixArt: clean_caption=True without bs4/ftfy falls back to False with a
         # warning on every call; pass the fallback explicitly.
-        if "clean_caption" in self._call_params and "clean_caption" not in extra:
+        if "clean_caption" in call_params and "clean_caption" not in extra:
             from diffusers.utils import is_bs4_available, is_ftfy_available
 
             if not (is_bs4_available() and is_ftfy_available()):

@@ -8,6 +8,10 @@ anything:
   size and returns one `DiffusionOutput` per request, in order. Otherwise the engine
   only ever passes batches of one request (waves of one).
 
+Which tasks a pipeline runs besides text-to-image (image-to-image, inpainting) is
+declared by the loaded pipeline in `PipelineInfo.default_strengths`; the engine refuses
+an edit the pipeline does not declare before it reaches a wave.
+
 A pipeline that loops over denoising steps calls `batch.check_interrupt()` between
 steps: it raises `WaveInterrupted` once nobody waits for the wave any more (every
 request aborted, timed out or disconnected), so the wave stops at the next step
@@ -78,6 +82,16 @@ class DiffusionRequestBatch:
         return [r.prompt for r in self.requests]
 
     @property
+    def images(self) -> list[torch.Tensor | None]:
+        """Each request's input image, uint8 [H, W, 3] (None for text-to-image)."""
+        return [r.sampling_params.image for r in self.requests]
+
+    @property
+    def masks(self) -> list[torch.Tensor | None]:
+        """Each request's inpainting mask, uint8 [H, W], 255 = paint (None without one)."""
+        return [r.sampling_params.mask for r in self.requests]
+
+    @property
     def negative_prompts(self) -> list[str | None]:
         return [r.sampling_params.negative_prompt for r in self.requests]
 
@@ -135,6 +149,13 @@ class PipelineInfo:
     # Names `SamplingParams.extra` may use, plus "sigmas"/"timesteps" when the
     # pipeline takes custom schedules; None: not declared, anything is passed on.
     call_arguments: frozenset[str] | None = None
+    # The edit tasks `forward` runs ("image-to-image", "inpaint"), each with the
+    # `strength` a request without one gets; text-to-image is always supported.
+    default_strengths: dict[str, float] = field(default_factory=dict, hash=False)
+
+    def supports_task(self, task: str) -> bool:
+        """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""
+        return task == "text-to-image" or task in self.default_strengths
 
     def cfg_enabled(self, params: SamplingParams) -> bool:
         """Whether classifier-free guidance is on for these resolved params."""

@@ -1,31 +1,42 @@
 """Thin FastAPI routes of the OpenAI-compatible server; the logic is in `serving_images.py`.
 
 Each route lists the error statuses it can answer (and only those: `/openapi.json`
-must say what the server does), and the image route is wrapped in
-`with_cancellation` so a client disconnect aborts its engine request.
+must say what the server does), and the image routes are wrapped in
+`with_cancellation` so a client disconnect aborts their engine request. The edits
+route reads its multipart form itself (`uploads.read_edit_form`) before the
+cancellable part starts: the disconnect listener reads the same ASGI channel.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
+from diffbatch.engine.wave_log import DEFAULT_CAPACITY as MAX_WAVES
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, MEDIA_TYPES
 from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
     HealthResponse,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelCard,
     ModelList,
+    WaveInfo,
+    WaveList,
 )
 from diffbatch.entrypoints.openai.serving_images import ImageResult
+from diffbatch.entrypoints.openai.uploads import EditForm, read_edit_form
 from diffbatch.entrypoints.utils import with_cancellation
 from diffbatch.errors import DiffbatchError, EngineDeadError
 
@@ -39,6 +50,15 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 IMAGES_ROUTE = "/v1/images/generations"
+EDITS_ROUTE = "/v1/images/edits"
+# The playground: `GET /` serves its page, its CSS and JS are under `PLAYGROUND_PATH`.
+STATIC_DIR = Path(__file__).parent / "static"
+PLAYGROUND_PATH = "/playground"
+# The page loads only its own files and talks only to this server; images are data: URLs
+# (results) and blob: URLs (uploads).
+_PLAYGROUND_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
+                   "img-src 'self' data: blob:; connect-src 'self'; form-action 'none'; "
+                   "base-uri 'none'; frame-ancestors 'none'")
 # Set in the ASGI scope state once the image handler runs; the metrics middleware
 # counts image requests refused before it (auth, content type, validation) as rejected.
 HANDLED_STATE = "diffbatch_handled"
@@ -71,11 +91,43 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
     client_request_id = raw_request.headers.get("x-request-id")
     notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
     result = await _serving(raw_request).create_image(
-        request, request_id, notice, client_request_id=client_request_id
+        request, request_id, notice, client_request_id=client_request_id,
+        base_url=str(raw_request.base_url),
     )
     if not isinstance(result, ImageResult):
         return result
-    return JSONResponse(result.response.model_dump(), headers=result.headers)
+    return JSONResponse(result.response.to_json(), headers=result.headers)
+
+
+@router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
+             responses=_errors(400, 401, 404, 413, 415, 500, 504))
+async def edit_image(raw_request: Request) -> Response:
+    """Edit one uploaded image (OpenAI `images.edit`): image-to-image, or inpainting with
+    a mask. The multipart request body is declared by `openapi.py`."""
+    form = await read_edit_form(raw_request)
+    try:
+        request = ImageEditRequest.model_validate(form.fields)
+    except ValidationError as exc:  # the same 400s as a JSON body's (errors.py)
+        raise RequestValidationError(exc.errors()) from None
+    # Set here, as the JSON route sets it once FastAPI validated its body: refusals
+    # before this point are counted by the metrics middleware as "rejected".
+    setattr(raw_request.state, HANDLED_STATE, True)
+    return await _run_edit(request=request, form=form, raw_request=raw_request)
+
+
+@with_cancellation
+async def _run_edit(*, request: ImageEditRequest, form: EditForm,
+                    raw_request: Request) -> Response:
+    request_id = f"img-{uuid.uuid4().hex}"  # the server's own, as for generations
+    notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
+    result = await _serving(raw_request).create_edit(
+        request, form.image, form.mask, request_id, notice,
+        client_request_id=raw_request.headers.get("x-request-id"),
+        base_url=str(raw_request.base_url),
+    )
+    if not isinstance(result, ImageResult):
+        return result
+    return JSONResponse(result.response.to_json(), headers=result.headers)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_errors(401))
@@ -103,6 +155,49 @@ def _model_card(raw_request: Request) -> ModelCard:
         root=getattr(_engine(raw_request).config, "model", None),
         created=raw_request.app.state.started_at,
     )
+
+
+@router.get(f"{FILES_ROUTE}/{{file_id}}", response_class=Response, responses={
+    200: {"content": {media: {"schema": {"type": "string", "format": "binary"}}
+                      for media in MEDIA_TYPES.values()},
+          "description": "the image file"},
+    **_errors(404)})
+async def image_file(file_id: str, raw_request: Request) -> Response:
+    """An image made with `response_format: "url"`, for an hour after it was made. The link
+    is the credential: no API key is needed."""
+    store = _serving(raw_request).image_store
+    image = store.get(file_id) if store is not None else None
+    if image is None:
+        return error_response(
+            404, "no such image file: links last an hour after the image was made, and the "
+            "server forgets them when it restarts or needs the room", param="file_id",
+        )
+    max_age = int(store.seconds_left(image)) if store is not None else 0
+    return Response(image.data, media_type=image.media_type,
+                    headers={"Cache-Control": f"private, max-age={max_age}"})
+
+
+@router.get("/v1/waves", response_model=WaveList, responses=_errors(400, 401))
+async def list_waves(
+    raw_request: Request,
+    after: int = Query(0, ge=0, le=2**63 - 1, description="return waves with a larger id"),
+    limit: int = Query(MAX_WAVES, ge=1, le=MAX_WAVES, description="at most this many (the "
+                       "newest)"),
+) -> Response:
+    """The waves run since start-up with an id above `after`, oldest first (the server keeps
+    the last few hundred): size, batch key, why each closed, its timings."""
+    log = _engine(raw_request).wave_log
+    events = log.since(after, limit)
+    body = WaveList(data=[WaveInfo(**e.to_dict()) for e in events], last_id=log.last_id)
+    return JSONResponse(body.model_dump())
+
+
+@router.get("/", include_in_schema=False)
+async def playground() -> Response:
+    """The playground page (static; its script calls this server's API)."""
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
+                        headers={"Content-Security-Policy": _PLAYGROUND_CSP,
+                                 "Cache-Control": "no-cache"})
 
 
 @router.get("/health", response_model=HealthResponse, responses=_errors())

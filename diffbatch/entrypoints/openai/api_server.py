@@ -30,9 +30,24 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
-from diffbatch.entrypoints.openai.api_router import HANDLED_STATE, IMAGES_ROUTE, router
+from diffbatch.entrypoints.openai.api_router import (
+    EDITS_ROUTE,
+    HANDLED_STATE,
+    IMAGES_ROUTE,
+    PLAYGROUND_PATH,
+    STATIC_DIR,
+    router,
+)
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
+from diffbatch.entrypoints.openai.image_store import (
+    DEFAULT_MAX_MB as DEFAULT_IMAGE_STORE_MB,
+)
+from diffbatch.entrypoints.openai.image_store import (
+    DEFAULT_TTL_S as DEFAULT_IMAGE_URL_TTL_S,
+)
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
 from diffbatch.entrypoints.openai.middleware import (
     ArrivalNoticeMiddleware,
     HTTPMetrics,
@@ -56,6 +71,12 @@ logger = logging.getLogger(__name__)
 
 # Default `max_body_bytes`: far above any valid request (prompts are <= 10,000 chars).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Default `max_upload_bytes` (`--max-upload-mb`): an edit's whole multipart body. A
+# 2048x2048 RGBA PNG of noise is about 16 MiB, plus a mask; OpenAI takes files < 50 MB.
+DEFAULT_MAX_UPLOAD_MB = 32
+_IMAGE_ROUTES = frozenset({IMAGES_ROUTE, EDITS_ROUTE})
+# `/v1` paths served without the API key: image links, whose unguessable id is the key.
+_OPEN_PREFIXES = (f"{FILES_ROUTE}/",)
 # Connection-level defaults (`diffbatch serve --header-timeout ...`). A client's headers
 # are a few hundred bytes: 10 s is generous on any link, and bounds how long a
 # slow-header client holds a connection (uvicorn alone never times them out).
@@ -83,6 +104,10 @@ def build_app(
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_MB << 20,
+    image_store_bytes: int = DEFAULT_IMAGE_STORE_MB << 20,
+    image_url_ttl_s: float = DEFAULT_IMAGE_URL_TTL_S,
+    public_url: str | None = None,
     close_engine_on_shutdown: bool = True,
     shutdown_grace_s: float | None = None,
 ) -> FastAPI:
@@ -97,7 +122,14 @@ def build_app(
         max_image_pixels: Largest width * height of one image (400 above it).
         png_compress_level: zlib level of PNG responses, 0-9: 1 encodes fastest,
             9 smallest (the pixels are the same at every level).
-        max_body_bytes: Largest request body (413 above it).
+        max_body_bytes: Largest JSON request body (413 above it).
+        max_upload_bytes: Largest multipart body of an edit, image and mask together
+            (413 above it).
+        image_store_bytes: Memory kept for `response_format: "url"` images, oldest
+            dropped first; 0 refuses "url" with a 400.
+        image_url_ttl_s: How long such a link works.
+        public_url: Base of those links (e.g. "https://img.example.com/api" behind a
+            proxy); None: the base URL each request was sent to.
         close_engine_on_shutdown: Close the engine when the server shuts down.
         shutdown_grace_s: Bound on each stage of closing the engine at shutdown (the
             last waves, then the worker); None = the engine's own bounds.
@@ -111,6 +143,12 @@ def build_app(
         raise ValueError("api_key must be a non-empty string or None")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if max_upload_bytes < 1:
+        raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
+    if image_store_bytes < 0:
+        raise ValueError(f"image_store_bytes must be >= 0, got {image_store_bytes}")
+    if public_url is not None and not public_url.startswith(("http://", "https://")):
+        raise ValueError(f"public_url must start with http:// or https://, got {public_url!r}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,19 +181,26 @@ def build_app(
         max_image_pixels=max_image_pixels,
         png_compress_level=png_compress_level,
         http_metrics=http_metrics,
+        image_store=ImageStore(image_store_bytes, image_url_ttl_s) if image_store_bytes
+        else None,
+        public_url=public_url,
     )
     app.include_router(router)
+    app.mount(PLAYGROUND_PATH, StaticFiles(directory=STATIC_DIR), name="playground")
     install_exception_handlers(app)
     install_openapi(
         app, size_rule=app.state.serving_images.size_rule,
         lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
         max_request_work=getattr(engine, "max_request_work", None),
+        max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
     )
     # Added last = outermost: metrics see every answer, including the guard's.
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
-                       json_routes=frozenset({IMAGES_ROUTE}))
+                       json_routes=frozenset({IMAGES_ROUTE}),
+                       upload_routes=frozenset({EDITS_ROUTE}), max_upload_bytes=max_upload_bytes,
+                       open_prefixes=_OPEN_PREFIXES)
     # Outside the guard: the notice opens before the body is read.
-    app.add_middleware(ArrivalNoticeMiddleware, engine=engine, route=IMAGES_ROUTE)
+    app.add_middleware(ArrivalNoticeMiddleware, engine=engine, routes=_IMAGE_ROUTES)
     app.add_middleware(
         HTTPMetricsMiddleware,
         metrics=http_metrics,
@@ -176,7 +221,7 @@ def _rejection_counter(engine: Engine) -> Any:
     """Count image requests refused before their handler ran as engine "rejected"."""
 
     def on_answer(scope: dict[str, Any], status: int) -> None:
-        if scope["path"] != IMAGES_ROUTE or not 400 <= status < 499:
+        if scope["path"] not in _IMAGE_ROUTES or not 400 <= status < 499:
             return
         if not scope.get("state", {}).get(HANDLED_STATE):
             engine.record_rejected()
@@ -247,6 +292,11 @@ def run_server(args: argparse.Namespace) -> None:
             max_image_pixels=args.max_image_pixels,
             png_compress_level=args.png_compress_level,
             shutdown_grace_s=SHUTDOWN_GRACE_S,
+            max_upload_bytes=args.max_upload_mb << 20,
+            image_store_bytes=(DEFAULT_IMAGE_STORE_MB if args.image_store_mb is None
+                               else args.image_store_mb) << 20,
+            image_url_ttl_s=args.image_url_ttl,
+            public_url=args.public_url,
         )
     except BaseException:
         engine.close()

@@ -128,8 +128,9 @@ def request_error_response(error: RequestError) -> JSONResponse:
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
-    """The request field a pydantic error location points at ("body", "n") -> "n"."""
-    parts = [str(p) for p in loc if p != "body"]
+    """The request field a pydantic error location points at ("body", "n") -> "n",
+    ("query", "after") -> "after"."""
+    parts = [str(p) for p in loc if p not in ("body", "query")]
     return ".".join(parts) if parts else None
 
 

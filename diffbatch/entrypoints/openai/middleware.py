@@ -9,11 +9,14 @@ can refuse from headers and size alone, in this order:
 
 1. API key (only `/v1/...`; `/health`, `/metrics` and `/docs` stay open) -> 401
    with `WWW-Authenticate: Bearer`;
-2. content type of a POST to a JSON route that is not JSON -> 415. Only routes
-   that exist and take a JSON POST are checked, so a multipart POST to a route that
-   does not exist is still a 404 and a POST to `/v1/models` a 405;
-3. body over `max_body_bytes` (by `Content-Length`, or counted while reading) -> 413;
-4. body that is not UTF-8 (JSON on the wire is UTF-8, RFC 8259) -> 400 `invalid_json`.
+2. content type of a POST to a JSON route that is not JSON, or to an upload route
+   that is not `multipart/form-data` -> 415. Only routes that exist and take such
+   a POST are checked, so a POST to a route that does not exist is still a 404 and
+   a POST to `/v1/models` a 405;
+3. body over `max_body_bytes` (`max_upload_bytes` on an upload route; by
+   `Content-Length`, or counted while reading) -> 413;
+4. JSON body that is not UTF-8 (JSON on the wire is UTF-8, RFC 8259) -> 400
+   `invalid_json`.
 
 A client that disconnects while its body is still being read gets no answer: the
 guard records 499 (client closed), like a disconnect while the request runs,
@@ -50,33 +53,40 @@ PROTECTED_PREFIX = "/v1"
 ARRIVAL_NOTICE_STATE = "arrival_notice"  # scope["state"] key of the request's ArrivalNotice
 
 
+def _content_type(content_type: str) -> tuple[str, str]:
+    message = email.message.Message()
+    message["content-type"] = content_type
+    return message.get_content_maintype(), message.get_content_subtype()
+
+
 def _is_json(content_type: str | None) -> bool:
     if not content_type:
         return False
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (
-        subtype == "json" or subtype.endswith("+json")
-    )
+    main, subtype = _content_type(content_type)
+    return main == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _is_multipart_form(content_type: str | None) -> bool:
+    return bool(content_type) and _content_type(content_type or "") == ("multipart", "form-data")
 
 
 class ArrivalNoticeMiddleware:
     """Announce each image request to the engine while the server still reads it.
 
     The notice (`Engine.expect_request`) is open from the first ASGI event of a
-    `POST` to the images route until the request reaches the engine (or fails): the
+    `POST` to an image route until the request reaches the engine (or fails): the
     admission wait then does not close a wave while a burst is still being parsed.
     The route hands the notice to `generate_async` through `scope["state"]`.
     """
 
-    def __init__(self, app: ASGIApp, *, engine: Any, route: str) -> None:
+    def __init__(self, app: ASGIApp, *, engine: Any, routes: frozenset[str]) -> None:
         self.app = app
         self.engine = engine
-        self.route = route
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.route:
+        if scope["type"] != "http" or scope["method"] != "POST" \
+                or scope["path"] not in self.routes:
             await self.app(scope, receive, send)
             return
         with self.engine.expect_request() as notice:
@@ -89,12 +99,17 @@ class RequestGuardMiddleware:
 
     def __init__(
         self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-        json_routes: frozenset[str],
+        json_routes: frozenset[str], upload_routes: frozenset[str] = frozenset(),
+        max_upload_bytes: int | None = None, open_prefixes: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.json_routes = json_routes  # paths whose POST body is JSON (checked here)
+        self.upload_routes = upload_routes  # paths whose POST body is a multipart form
+        self.max_upload_bytes = max_upload_bytes or max_body_bytes  # their body limit
+        # `/v1` paths served without the key: links whose unguessable id is the credential
+        self.open_prefixes = open_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
@@ -102,36 +117,43 @@ class RequestGuardMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         # 1. API key.
-        if self.api_key is not None:
+        if self.api_key is not None and not scope["path"].startswith(self.open_prefixes):
             refusal = self._check_api_key(headers.get("authorization"))
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
-        if scope["method"] != "POST" or scope["path"] not in self.json_routes:
+        upload = scope["path"] in self.upload_routes
+        if scope["method"] != "POST" or not (upload or scope["path"] in self.json_routes):
             await self.app(scope, receive, send)  # routing answers 404/405 as usual
             return
         # 2. Content type.
-        if not _is_json(headers.get("content-type")):
-            given = headers.get("content-type") or "none"
+        given = headers.get("content-type")
+        if not (_is_multipart_form(given) if upload else _is_json(given)):
+            wanted = ("a multipart form: send `Content-Type: multipart/form-data`" if upload
+                      else "JSON: send `Content-Type: application/json`")
             await error_response(
-                415, f"request body must be JSON: send `Content-Type: application/json` "
-                f"(got {given})", code="unsupported_media_type",
+                415, f"request body must be {wanted} (got {given or 'none'})",
+                code="unsupported_media_type",
             )(scope, receive, send)
             return
         # 3. Body size.
+        limit = self.max_upload_bytes if upload else self.max_body_bytes
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(int(length))(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._too_large(limit, int(length))(scope, receive, send)
             return
-        body = await self._read_body(receive)
+        body = await self._read_body(receive, limit)
         if body == CLIENT_CLOSED_STATUS:  # nobody to answer: recorded as 499, not as a 400
             logger.debug("client disconnected while sending %s", scope["path"])
             await Response(status_code=CLIENT_CLOSED_STATUS)(scope, receive, send)
             return
         if body == 413:  # over the limit while counting (chunked upload)
-            await self._too_large(None)(scope, receive, send)
+            await self._too_large(limit, None)(scope, receive, send)
             return
         assert isinstance(body, bytes)
+        if upload:  # the form parser reads binary parts; its text fields are checked there
+            await self.app(scope, _replay(body, receive), send)
+            return
         # 4. Encoding.
         try:
             body.decode("utf-8")
@@ -163,14 +185,14 @@ class RequestGuardMiddleware:
             )
         return None
 
-    def _too_large(self, num_bytes: int | None) -> JSONResponse:
+    def _too_large(self, limit: int, num_bytes: int | None) -> JSONResponse:
         got = f", got {num_bytes}" if num_bytes is not None else ""
         return error_response(
-            413, f"request body must be at most {self.max_body_bytes} bytes{got}",
+            413, f"request body must be at most {limit} bytes{got}",
             code="payload_too_large",
         )
 
-    async def _read_body(self, receive: Receive) -> bytes | int:
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | int:
         """Read the whole body, or say why not: 413 once it passes the limit, 499
         (`CLIENT_CLOSED_STATUS`) if the client went away before sending all of it."""
         chunks: list[bytes] = []
@@ -181,7 +203,7 @@ class RequestGuardMiddleware:
                 return CLIENT_CLOSED_STATUS
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
+            if size > limit:
                 return 413
             chunks.append(chunk)
             if not message.get("more_body", False):

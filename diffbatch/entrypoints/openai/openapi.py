@@ -17,7 +17,14 @@ cannot know, or gets wrong, is fixed here once, when the spec is first asked for
    `--api-key` is set, and the work limit (`--max-request-work`) in the description
    of `num_inference_steps`;
 4. a single allowed value (`const`) is written as a one-value `enum`, like the
-   others (`response_format`, `moderation`, `stream`, `partial_images`).
+   others (`response_format`, `moderation`, `stream`, `partial_images`);
+5. the edits route reads its multipart form itself, so its request body is declared
+   here: `ImageEditRequest`'s fields (without the `null` branches: a form field is
+   left out, never null) plus the `image` and `mask` files, with the media types
+   each part may be (`encoding`).
+
+NOTE: what the spec cannot say about the files, it says in their descriptions: the
+image's pixel cap, and that the mask must have the image's size and an alpha channel.
 
 NOTE: the `size` pattern lists the sides of square-bounded sizes (each side at most
 the largest square's), a subset of what the server takes: the exact rule, a cap
@@ -35,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.openapi.utils import get_openapi
 
 from diffbatch.entrypoints.openai.middleware import PROTECTED_PREFIX
-from diffbatch.entrypoints.openai.protocol import ImageGenerationRequest
+from diffbatch.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -43,15 +50,27 @@ if TYPE_CHECKING:
     from diffbatch.entrypoints.openai.serving_images import SizeRule
 
 _REQUEST_SCHEMA = "ImageGenerationRequest"
+_EDIT_SCHEMA = "ImageEditRequest"
+EDITS_PATH = "/v1/images/edits"
+# The media type each part of the edit form may be. `prompt` is plain text, as every
+# text field; it is named because it is required (see NOTE in `_declare_edit_body`).
+_EDIT_MEDIA_TYPES = {"image": "image/png, image/jpeg, image/webp", "mask": "image/png",
+                     "prompt": "text/plain"}
 _BEARER = "bearer"
 _ERROR_SCHEMA_REF = "#/components/schemas/ErrorResponse"
 
 
 def install_openapi(
     app: FastAPI, *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
+    max_upload_pixels: int | None = None, open_prefixes: tuple[str, ...] = (),
     max_request_work: int | None = None,
 ) -> None:
-    """Make `app.openapi()` (and so `/openapi.json` and `/docs`) this server's spec."""
+    """Make `app.openapi()` (and so `/openapi.json` and `/docs`) this server's spec.
+
+    `max_upload_pixels` is the largest upload the edits route takes (default: the
+    size rule's cap); `open_prefixes` are `/v1` paths served without the API key;
+    `max_request_work` is stated where JSON Schema cannot enforce it (see NOTE).
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -59,7 +78,11 @@ def install_openapi(
                 title=app.title, version=app.version, summary=app.summary, routes=app.routes,
             )
             _specialise(spec, size_rule=size_rule, lora_enabled=lora_enabled,
-                        api_key_required=api_key_required, max_request_work=max_request_work)
+                        api_key_required=api_key_required, open_prefixes=open_prefixes,
+                        max_request_work=max_request_work)
+            _declare_edit_body(spec, size_rule=size_rule, lora_enabled=lora_enabled,
+                               max_upload_pixels=max_upload_pixels or size_rule.max_pixels)
+            _normalise(spec)
             app.openapi_schema = spec
         return app.openapi_schema
 
@@ -72,8 +95,18 @@ def size_pattern(size_rule: SizeRule) -> str:
     return f"^(?:auto|(?:{sides})x(?:{sides}))$" if sides else "^auto$"
 
 
+def _size_description(size_rule: SizeRule, auto: str) -> str:
+    square = size_rule.largest_square
+    return (
+        f'"<width>x<height>" or "auto" ({auto}): sides multiples of {size_rule.multiple}, at '
+        f"most {size_rule.max_side} each and {size_rule.max_pixels} pixels in all"
+        + (f" (the largest square is {square}x{square})" if square else "")
+    )
+
+
 def _specialise(
     spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
+    open_prefixes: tuple[str, ...] = (),
     max_request_work: int | None = None,
 ) -> None:
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -94,35 +127,108 @@ def _specialise(
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     # 3. This server's sizes, LoRA and key.
-    properties = request["properties"]
-    square = size_rule.largest_square
-    properties["size"]["anyOf"][0]["pattern"] = size_pattern(size_rule)
-    properties["size"]["description"] = (
-        f'"<width>x<height>" or "auto" ({size_rule.default_size[0]}x'
-        f"{size_rule.default_size[1]}): sides multiples of {size_rule.multiple}, at most "
-        f"{size_rule.max_side} each and {size_rule.max_pixels} pixels in all"
-        + (f" (the largest square is {square}x{square})" if square else "")
-    )
+    _specialise_fields(request["properties"], size_rule=size_rule, lora_enabled=lora_enabled,
+                       auto=f"{size_rule.default_size[0]}x{size_rule.default_size[1]}")
     if max_request_work is not None:
-        steps = properties["num_inference_steps"]
+        steps = request["properties"]["num_inference_steps"]
         steps["description"] = (
             steps.get("description", "").rstrip(".") + f". This server refuses (400) a "
             f"request whose width x height x num_inference_steps x n is above "
             f"{max_request_work} (--max-request-work)").lstrip(". ")
+    if api_key_required:
+        schemas_root = spec["components"]
+        schemas_root["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
+        for path, operations in spec.get("paths", {}).items():
+            if path.startswith(PROTECTED_PREFIX) and not path.startswith(open_prefixes):
+                for operation in operations.values():
+                    operation["security"] = [{_BEARER: []}]
+    # 4. (`_normalise`, once the edit body is declared too.)
+
+
+def _specialise_fields(
+    properties: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, auto: str
+) -> None:
+    """Step 3 on a request model's properties: this server's sizes and LoRA."""
+    properties["size"]["anyOf"][0]["pattern"] = size_pattern(size_rule)
+    properties["size"]["description"] = _size_description(size_rule, auto)
     if lora_enabled:
         lora = properties["lora"]
         lora["anyOf"][0]["pattern"] = lora.pop("pattern")
     else:
         del properties["lora"]
-    if api_key_required:
-        schemas_root = spec["components"]
-        schemas_root["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
-        for path, operations in spec.get("paths", {}).items():
-            if path.startswith(PROTECTED_PREFIX):
-                for operation in operations.values():
-                    operation["security"] = [{_BEARER: []}]
-    # 4. Integer bounds as integers everywhere, and `const` as a one-value `enum`.
-    _normalise(spec)
+
+
+def _declare_edit_body(
+    spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, max_upload_pixels: int
+) -> None:
+    """Step 5: the multipart body of the edits route."""
+    operation = spec.get("paths", {}).get(EDITS_PATH, {}).get("post")
+    if operation is None:
+        return
+    schema = ImageEditRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    properties = schema["properties"]
+    _specialise_fields(
+        properties, size_rule=size_rule, lora_enabled=lora_enabled,
+        auto=f"the image's size, scaled down to fit the cap, sides rounded down to "
+        f"multiples of {size_rule.multiple}",
+    )
+    for name in list(properties):
+        field = _without_null(properties[name])
+        if field is None:  # a field that can only be null (`style`): not a form field
+            del properties[name]
+        else:
+            properties[name] = field
+    properties["image"] = {
+        "type": "string", "format": "binary",
+        "description": f"the image to edit: PNG, JPEG or WebP, at most {max_upload_pixels} "
+        "pixels (width * height)",
+    }
+    properties["mask"] = {
+        "type": "string", "format": "binary",
+        "description": "inpainting: a PNG of the image's size with an alpha channel, "
+        "transparent (alpha 0) where the image is to be edited; without it the edit is "
+        "image-to-image",
+    }
+    # A form field is present or not (never null), so the JSON body's "if an integer
+    # output_compression then a lossy output_format" is plain dependence on presence.
+    # NOTE: schemathesis 4.x cannot judge `if` against a file part; this says the same.
+    schema.pop("if", None)
+    lossy = schema.pop("then", None)
+    if lossy is not None:
+        schema["dependentSchemas"] = {"output_compression": lossy}
+    schema["required"] = ["image", *schema.get("required", [])]
+    spec["components"]["schemas"][_EDIT_SCHEMA] = schema
+    # NOTE: `prompt`'s media type is stated (text/plain is every text part's default)
+    # because schemathesis 4.x fills a required part without one with "" when it
+    # builds a form from the parts' media types, though the schema asks for text.
+    operation["requestBody"] = {
+        "required": True,
+        "content": {"multipart/form-data": {
+            "schema": {"$ref": f"#/components/schemas/{_EDIT_SCHEMA}"},
+            "encoding": {name: {"contentType": media} for name, media
+                         in _EDIT_MEDIA_TYPES.items()},
+        }},
+    }
+
+
+def _without_null(field: dict[str, Any]) -> dict[str, Any] | None:
+    """A property schema without its `null` branch (and null default); None if only null."""
+    field = dict(field)
+    if field.get("default", 0) is None:
+        del field["default"]
+    if field.get("type") == "null":
+        return None
+    branches = field.get("anyOf")
+    if branches is not None:
+        kept = [b for b in branches if b.get("type") != "null"]
+        if not kept:
+            return None
+        del field["anyOf"]
+        if len(kept) == 1:
+            field = {**kept[0], **field}
+        else:
+            field["anyOf"] = kept
+    return field
 
 
 def _normalise(node: Any) -> None:

@@ -39,8 +39,12 @@ OutputFormat = Literal["png", "jpeg", "webp", "jpg"]
 # "<width>x<height>", sides in ASCII digits; the server checks multiples and limits.
 _SIZE_RE = re.compile(r"^\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*$")
 _MAX_SIDE_DIGITS = 12  # longer sides are "too large" without being converted to int
-# JSON Schema pattern of a prompt that is not only whitespace.
-NOT_BLANK_PATTERN = r"\S"
+# JSON Schema pattern of a prompt that is not only whitespace: some character outside
+# Python's whitespace (`str.isspace`, what `validate_prompt` strips), not the regex `\S`,
+# whose whitespace leaves out U+001C-U+001F and U+0085 and adds U+FEFF.
+NOT_BLANK_PATTERN = (
+    r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+)
 # JSON Schema pattern of a LoRA name: relative, no NUL, no part that starts with a dot
 # (so no "." or ".."; the server itself refuses only what leaves --lora-dir).
 LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
@@ -126,7 +130,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
         model: The served model name; None serves the default model.
         n: Images to generate for this prompt, 1-10.
         size: "<width>x<height>" or "auto"/None for the model's default size.
-        response_format: Only "b64_json"; "url" is rejected (this server hosts no files).
+        response_format: "b64_json" (default) or "url": links to the images, kept by
+            the server for an hour (`image_store.py`).
         output_format: Image encoding: "png" (default), "jpeg" or "webp".
         output_compression: Quality 0-100 of jpeg/webp (100 = best, the default).
         user: End-user id; accepted and ignored.
@@ -162,8 +167,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         description='"<width>x<height>" or "auto" (the model\'s default size); both sides '
         "multiples of the model's size multiple, within the server's pixel cap",
     )
-    response_format: Literal["b64_json"] | None = Field(
-        default=None, description='only "b64_json"; "url" is refused (no files are hosted)'
+    response_format: Literal["b64_json", "url"] | None = Field(
+        default=None, description='"b64_json" (the default): the images in the response; '
+        '"url": links to them, valid for an hour',
     )
     output_format: OutputFormat = Field(default="png", description='"jpg" is "jpeg"')
     output_compression: int | None = Field(
@@ -221,15 +227,10 @@ class ImageGenerationRequest(OpenAIBaseModel):
     @field_validator("response_format", mode="before")
     @classmethod
     def _check_response_format(cls, value: Any) -> Any:
-        if value == "url":
+        if value not in (None, "b64_json", "url"):
             raise InvalidRequestError(
-                "`response_format` \"url\" is not supported: this server does not host "
-                "image files; use \"b64_json\" (the images come back base64-encoded)",
+                f"`response_format` must be \"b64_json\" or \"url\", got {value!r}",
                 param="response_format",
-            )
-        if value not in (None, "b64_json"):
-            raise InvalidRequestError(
-                f"`response_format` must be \"b64_json\", got {value!r}", param="response_format"
             )
         return value
 
@@ -290,10 +291,83 @@ class ImageGenerationRequest(OpenAIBaseModel):
         return parse_size(self.size)
 
 
-class ImageObject(BaseModel):
-    """One generated image in the response."""
+# Numbers in a multipart form arrive as text: "2", "0.5", "1e-05" (JSON's spelling).
+_FORM_INT_RE = re.compile(r"^[+-]?[0-9]+$")
+_FORM_FLOAT_RE = re.compile(r"^[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$")
+_FORM_BOOLS = {"true": True, "false": False}  # JSON's spelling, as clients send them
 
-    b64_json: str
+
+def _form_number(value: Any) -> Any:
+    """A form field's text as the number it spells; any other text is left for the
+    field's own (strict) validation to refuse, naming the field."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if _FORM_INT_RE.match(text) and len(text) <= 40:
+        return int(text)
+    if _FORM_FLOAT_RE.match(text):
+        return float(text)
+    return value
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """Text fields of `POST /v1/images/edits` (multipart): the generation fields plus `strength`.
+
+    The files (`image`, and `mask` for inpainting) are parts of the same form, decoded
+    and checked by `uploads.py`. Form fields are text, so numbers are read from their
+    spelling ("2", "0.5") and booleans from "true"/"false"; past that every rule is the
+    generation request's.
+
+    Args:
+        strength: Extension: how far the edit may move away from the image, in (0, 1]
+            (the share of the denoising schedule that runs); None = the model's default.
+        input_fidelity: OpenAI's; only "low" (the default), since diffbatch has no
+            high-fidelity mode.
+    """
+
+    strength: float | None = Field(
+        default=None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False,
+        description="how far the edit may move from the image, in (0, 1] (the share of "
+        "the schedule that runs, at least one step); the model's default when left out",
+    )
+    input_fidelity: Literal["low"] | None = None
+
+    @field_validator("n", "output_compression", "num_inference_steps", "seed", "priority",
+                     "partial_images", "guidance_scale", "lora_scale", "strength",
+                     mode="before")
+    @classmethod
+    def _read_form_number(cls, value: Any) -> Any:
+        return _form_number(value)
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _read_form_bool(cls, value: Any) -> Any:
+        return _FORM_BOOLS.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("input_fidelity", mode="before")
+    @classmethod
+    def _check_input_fidelity(cls, value: Any) -> Any:
+        if value is not None and value != "low":
+            raise InvalidRequestError(
+                f"`input_fidelity` {value!r} is not supported by this server; leave it out "
+                "or use \"low\"", param="input_fidelity",
+            )
+        return value
+
+    @field_validator("strength", mode="before")
+    @classmethod
+    def _check_strength(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"`strength` must be a finite number, got {value}",
+                                      param="strength")
+        return value
+
+
+class ImageObject(BaseModel):
+    """One generated image in the response: `b64_json` or `url`, as the request asked."""
+
+    b64_json: str | None = None  # the encoded image, base64 (response_format "b64_json")
+    url: str | None = None  # a link to it, valid for an hour (response_format "url")
     revised_prompt: str | None = None  # diffbatch never rewrites prompts
 
 
@@ -304,6 +378,38 @@ class ImageGenerationResponse(BaseModel):
     data: list[ImageObject]
     output_format: str
     size: str  # the size actually generated, "WxH"
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body: each image with `b64_json` or `url`, whichever it has."""
+        body = self.model_dump()
+        for item in body["data"]:
+            for name in ("b64_json", "url"):
+                if item[name] is None:
+                    del item[name]
+        return body
+
+
+class WaveInfo(BaseModel):
+    """One finished wave in `GET /v1/waves` (see `diffbatch.engine.wave_log.WaveEvent`)."""
+
+    id: int  # increasing; pass the last one seen as `after`
+    wave_id: int
+    num_requests: int
+    key: str  # the wave's batch key, short form, e.g. "64x64/s15/g5/n1"
+    close_reason: str
+    admission: str
+    max_queue_wait_ms: float
+    forward_ms: float
+    num_errors: int
+    finished_at: float  # Unix time
+
+
+class WaveList(BaseModel):
+    """Body of `GET /v1/waves`: the waves after `after`, oldest first."""
+
+    object: Literal["list"] = "list"
+    data: list[WaveInfo]
+    last_id: int  # the newest wave's id (0 before any); poll with `after=last_id`
 
 
 class ModelCard(BaseModel):

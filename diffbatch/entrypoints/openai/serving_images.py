@@ -1,4 +1,5 @@
-"""The logic of `POST /v1/images/generations`: one HTTP request, one engine request.
+"""The logic of `POST /v1/images/generations` and `/v1/images/edits`: one HTTP request,
+one engine request.
 
 `OpenAIServingImages.create_image` is the whole flow, in stages:
 
@@ -9,9 +10,14 @@
    awaited with it, so concurrent HTTP requests sit in the engine's queue together
    and batch there. Cancelling this coroutine (client disconnect, timeout) aborts
    the request in the engine;
-4. encode the images (PNG/JPEG/WebP + base64) in a worker thread, so encoding one
-   response never blocks the event loop that serves the others;
+4. encode the images (PNG/JPEG/WebP, then base64, or kept in the `ImageStore` for
+   `response_format: "url"`) in a worker thread, so encoding one response never
+   blocks the event loop that serves the others;
 5. build the OpenAI response.
+
+`create_edit` is the same flow for an edit: stage 1 also checks that the model can
+edit, and stage 2 decodes the uploaded image and mask (`uploads.py`, in a worker
+thread) into the request's `SamplingParams`; stages 3-5 are shared.
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.entrypoints.openai.errors import request_error_response
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
 from diffbatch.entrypoints.openai.protocol import (
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ImageObject,
 )
+from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
     DiffbatchError,
     InvalidRequestError,
@@ -114,16 +123,16 @@ class ImageResult:
     headers: dict[str, str]  # server-side timings, for clients and benchmarks
 
 
-def encode_images(
+def encode_image_files(
     images: list[Any], output_format: str, quality: int | None,
     png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
-) -> list[str]:
-    """Encode PIL images to base64 strings of `output_format` (png, jpeg or webp).
+) -> list[bytes]:
+    """Encode PIL images to files of `output_format` (png, jpeg or webp).
 
     Runs in a worker thread; `quality` (0-100) applies to jpeg and webp only,
     `png_compress_level` (zlib, 0-9) to png only.
     """
-    encoded: list[str] = []
+    encoded: list[bytes] = []
     for image in images:
         buffer = io.BytesIO()
         if output_format == "png":
@@ -132,8 +141,17 @@ def encode_images(
             rgb = image.convert("RGB") if image.mode not in ("RGB", "L") else image
             q = DEFAULT_QUALITY if quality is None else quality
             rgb.save(buffer, format=output_format.upper(), quality=q)
-        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+        encoded.append(buffer.getvalue())
     return encoded
+
+
+def encode_images(
+    images: list[Any], output_format: str, quality: int | None,
+    png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
+) -> list[str]:
+    """`encode_image_files`, each file as a base64 string (`response_format: "b64_json"`)."""
+    return [base64.b64encode(data).decode("ascii") for data in
+            encode_image_files(images, output_format, quality, png_compress_level)]
 
 
 class OpenAIServingImages:
@@ -147,6 +165,10 @@ class OpenAIServingImages:
         max_image_pixels: Largest width * height of one image; larger sizes get 400.
         png_compress_level: zlib level of PNG responses, 0-9 (1 fastest, 9 smallest).
         http_metrics: Where to record encoding time (None = not recorded).
+        image_store: Where `response_format: "url"` images are kept (None: "url" is
+            refused with a 400).
+        public_url: Base of the links to stored images, e.g. "https://img.example.com"
+            (None: the base URL each request was sent to).
     """
 
     def __init__(
@@ -158,6 +180,8 @@ class OpenAIServingImages:
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL,
         http_metrics: HTTPMetrics | None = None,
+        image_store: ImageStore | None = None,
+        public_url: str | None = None,
     ) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
@@ -173,6 +197,8 @@ class OpenAIServingImages:
         self.max_image_pixels = max_image_pixels
         self.png_compress_level = png_compress_level
         self.http_metrics = http_metrics
+        self.image_store = image_store
+        self.public_url = public_url.rstrip("/") if public_url else None
         info = engine.info
         model_cap = info.model_max_pixels or max_image_pixels
         self.size_rule = SizeRule(
@@ -189,6 +215,41 @@ class OpenAIServingImages:
 
     def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
         """Stage 1: model-dependent checks; returns the (width, height) to generate."""
+        self._check_model_and_lora(request)
+        size = request.image_size()
+        width, height = size if size is not None else self.size_rule.default_size
+        given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
+        self.size_rule.check(width, height, given)
+        return width, height
+
+    def check_edit_request(
+        self, request: ImageEditRequest, *, has_mask: bool
+    ) -> tuple[int, int] | None:
+        """Stage 1 of an edit: the model can run it; returns the size asked for (None:
+        "auto", the uploaded image's, decided once it is read)."""
+        self._check_model_and_lora(request)
+        info = self.engine.info
+        task = "inpaint" if has_mask else "image-to-image"
+        if not info.supports_task(task):
+            edits = ", ".join(info.default_strengths) or "none"
+            raise InvalidRequestError(
+                f"model {self.served_model_name!r} ({info.name}) cannot run {task} edits: "
+                f"no diffusers {task} pipeline runs it (edits it runs: {edits})",
+                param="mask" if has_mask else "image",
+            )
+        size = request.image_size()
+        if size is not None:
+            self.size_rule.check(*size, " ".join(str(request.size).split())[:40])
+        return size
+
+    def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
+        if request.response_format == "url" and self.image_store is None:
+            raise InvalidRequestError(
+                "`response_format` \"url\" is not available: this server keeps no image "
+                "files (--image-store-mb 0, the default of several Ray Serve replicas); use "
+                "\"b64_json\"",
+                param="response_format",
+            )
         if request.model is not None and request.model != self.served_model_name:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this server serves "
@@ -201,11 +262,6 @@ class OpenAIServingImages:
                 "`lora` is not available: this server was started without `--lora-dir`",
                 param="lora",
             )
-        size = request.image_size()
-        width, height = size if size is not None else self.size_rule.default_size
-        given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
-        self.size_rule.check(width, height, given)
-        return width, height
 
     def sampling_params(
         self, request: ImageGenerationRequest, width: int, height: int
@@ -224,6 +280,13 @@ class OpenAIServingImages:
             lora_scale=request.lora_scale,
         )
 
+    def _store(self, images: list[Any], request: ImageGenerationRequest) -> list[str]:
+        """Encode `images` and keep them in the image store; returns their file ids."""
+        assert self.image_store is not None  # checked in stage 1
+        files = encode_image_files(images, request.output_format, request.output_compression,
+                                   self.png_compress_level)
+        return [self.image_store.put(data, request.output_format) for data in files]
+
     def _redact(self, message: str) -> str:
         """`message` without the server's folder names (a pipeline error may hold them)."""
         for path in self._private_paths:
@@ -233,11 +296,14 @@ class OpenAIServingImages:
     async def create_image(
         self, request: ImageGenerationRequest, request_id: str,
         arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
+        base_url: str = "",
     ) -> ImageResult | JSONResponse:
         """Run stages 1-5 for one request; a failed engine request becomes its error response.
 
         `request_id` is the engine's id, made by the server; `client_request_id` (the
-        client's `x-request-id`, if any) is only logged and echoed back.
+        client's `x-request-id`, if any) is only logged and echoed back. `base_url` (the
+        URL the request was sent to) starts the links of `response_format: "url"`
+        unless the server has a `public_url`.
 
         Raises:
             DiffbatchError: invalid input (400/404/413), a full queue (503), a dead
@@ -251,6 +317,47 @@ class OpenAIServingImages:
         except DiffbatchError:
             self.engine.record_rejected()  # refused before reaching the engine
             raise
+        return await self._generate(request, params, request_id, arrival_notice,
+                                    client_request_id, start, base_url)
+
+    async def create_edit(
+        self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
+        request_id: str, arrival_notice: ArrivalNotice | None = None,
+        client_request_id: str | None = None, base_url: str = "",
+    ) -> ImageResult | JSONResponse:
+        """`create_image` for an edit: `image_data` (and `mask_data`) are the uploads.
+
+        Raises:
+            DiffbatchError: as `create_image`, and 400 for an upload that is no usable
+                image or mask (`uploads.py`).
+        """
+        start = time.perf_counter()
+        # 1-2. Check, decode the uploads off the event loop, build the request.
+        try:
+            size = self.check_edit_request(request, has_mask=mask_data is not None)
+            inputs = await asyncio.to_thread(
+                decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
+                size=size, multiple=self.size_rule.multiple,
+                max_output_pixels=self.size_rule.max_pixels,
+            )
+            height, width = inputs.image.shape[:2]
+            self.size_rule.check(width, height, f"{width}x{height}")
+            params = self.sampling_params(request, width, height).clone(
+                image=inputs.image, mask=inputs.mask, strength=request.strength,
+            )
+        except DiffbatchError:
+            self.engine.record_rejected()
+            raise
+        return await self._generate(request, params, request_id, arrival_notice,
+                                    client_request_id, start, base_url)
+
+    async def _generate(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
+        arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
+        base_url: str,
+    ) -> ImageResult | JSONResponse:
+        """Stages 3-5, shared by generations and edits."""
+        width, height = params.width, params.height
         # 3. Generate; only this request is awaited here.
         try:
             async with asyncio.timeout(self.request_timeout_s):
@@ -269,20 +376,24 @@ class OpenAIServingImages:
                          client_request_id, output.error.message)
             error = dataclasses.replace(output.error, message=self._redact(output.error.message))
             return request_error_response(error)
-        # 4. Encode off the event loop.
+        # 4. Encode off the event loop (and keep the files, for links).
         encode_start = time.perf_counter()
-        b64 = await asyncio.to_thread(
-            encode_images, list(output.images), request.output_format,
-            request.output_compression, self.png_compress_level,
-        )
+        if request.response_format == "url":
+            images = await asyncio.to_thread(self._store, list(output.images), request)
+            links = self.public_url or base_url.rstrip("/")
+            data = [ImageObject(url=f"{links}{FILES_ROUTE}/{file_id}") for file_id in images]
+        else:
+            b64 = await asyncio.to_thread(
+                encode_images, list(output.images), request.output_format,
+                request.output_compression, self.png_compress_level,
+            )
+            data = [ImageObject(b64_json=item) for item in b64]
         encode_s = time.perf_counter() - encode_start
         if self.http_metrics is not None:
             self.http_metrics.encode_s.labels(request.output_format).observe(encode_s)
         # 5. Respond.
         response = ImageGenerationResponse(
-            data=[ImageObject(b64_json=data) for data in b64],
-            output_format=request.output_format,
-            size=f"{width}x{height}",
+            data=data, output_format=request.output_format, size=f"{width}x{height}",
         )
         headers = {
             "x-request-id": client_request_id or request_id,
@@ -291,11 +402,14 @@ class OpenAIServingImages:
             "x-diffbatch-engine-ms": f"{output.total_time_ms:.2f}",  # arrival -> delivered
             "x-diffbatch-encode-ms": f"{encode_s * 1e3:.2f}",
             "x-diffbatch-batch-size": str(output.batch_size),
+            # image i of the response was drawn with seed + i
+            "x-diffbatch-seed": str(params.seed if output.seed is None else output.seed),
         }
         logger.debug(
-            "request %s (client id %.100r): prompt_len=%d n=%d size=%dx%d batch=%d queue=%.1fms "
-            "execute=%.1fms encode=%.1fms total=%.1fms",
-            request_id, client_request_id, len(request.prompt), request.n, width, height,
+            "request %s (client id %.100r): %s prompt_len=%d n=%d size=%dx%d batch=%d "
+            "queue=%.1fms execute=%.1fms encode=%.1fms total=%.1fms",
+            request_id, client_request_id, params.task, len(request.prompt), request.n, width,
+            height,
             output.batch_size,
             output.queue_time_ms, output.execute_time_ms, encode_s * 1e3,
             (time.perf_counter() - start) * 1e3,

@@ -66,6 +66,10 @@ class RayServeArgs(BaseModel):
     max_image_pixels: int | None = Field(None, ge=1)  # None: the server's default
     png_compress_level: int | None = Field(None, ge=0, le=9)  # None: the server's default
     max_body_bytes: int | None = Field(None, ge=1)  # None: the server's default
+    max_upload_mb: int | None = Field(None, ge=1)  # edits' body limit; None: the default
+    image_store_mb: int | None = Field(None, ge=0)  # per replica; None: the default
+    image_url_ttl: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds
+    public_url: str | None = None  # None: the URL each request was sent to
 
     # -- deployment (Ray Serve) ------------------------------------------------------
     name: str = DEFAULT_DEPLOYMENT_NAME  # the deployment's name
@@ -152,6 +156,18 @@ class RayServeArgs(BaseModel):
             kwargs["png_compress_level"] = self.png_compress_level
         if self.max_body_bytes is not None:
             kwargs["max_body_bytes"] = self.max_body_bytes
+        if self.max_upload_mb is not None:
+            kwargs["max_upload_bytes"] = self.max_upload_mb << 20
+        if self.image_store_mb is not None:
+            kwargs["image_store_bytes"] = self.image_store_mb << 20
+        elif self.num_replicas > 1 or (self.max_replicas or 1) > 1:
+            # NOTE: each replica keeps its own images, and the proxy may route a link to
+            # another replica; several replicas answer "url" with a 400 unless told.
+            kwargs["image_store_bytes"] = 0
+        if self.image_url_ttl is not None:
+            kwargs["image_url_ttl_s"] = self.image_url_ttl
+        if self.public_url is not None:
+            kwargs["public_url"] = self.public_url
         return kwargs
 
     def effective_max_ongoing_requests(self) -> int:

@@ -1,8 +1,10 @@
-"""The `openai` client example of docs/serving.md works against a default server.
+"""The `openai` client examples of docs/serving.md work against the servers they name.
 
 The server is what `make serve` starts: no MODEL (the default model), no API key,
-the served model name left to its default. The example's code is read from the
-document and run unchanged but for the port.
+the served model name left to its default; the inpainting example's is `make serve
+MODEL=tiny-sd`. Each example's code is read from the document and run unchanged but
+for the port, in one folder, in the document's order (the edits edit the image the
+generation example wrote).
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
 DOC_URL = "http://127.0.0.1:8000"
 
 
+def python_block_after(phrase: str) -> str:
+    """The first Python block after `phrase` in the document."""
+    text = DOC.read_text()
+    start = text.index(phrase)
+    match = re.compile(r"```python\n(.*?)```", re.S).search(text, start)
+    assert match is not None, f"no Python block after {phrase!r}"
+    return match.group(1)
+
+
 def openai_example() -> str:
     """The Python block that follows "With the official `openai` Python client"."""
-    text = DOC.read_text()
-    start = text.index("With the official `openai` Python client")
-    match = re.compile(r"```python\n(.*?)```", re.S).search(text, start)
-    assert match is not None, "no Python block after the openai client paragraph"
-    return match.group(1)
+    return python_block_after("With the official `openai` Python client")
+
+
+def run_example(code: str, url: str) -> None:
+    assert DOC_URL in code
+    exec(compile(code.replace(DOC_URL, url), str(DOC), "exec"), {})
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +53,41 @@ def default_server() -> Iterator[str]:
             yield url
 
 
+@pytest.fixture(scope="module")
+def tiny_sd_server() -> Iterator[str]:
+    with Engine("tiny-sd", executor="inproc") as engine:
+        app = build_app(engine, served_model_name="tiny-sd")
+        with serve_in_thread(app) as url:
+            yield url
+
+
 def test_the_openai_client_example_runs_against_make_serve(
     default_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = openai_example()
-    assert DOC_URL in code
     monkeypatch.chdir(tmp_path)
-    exec(compile(code.replace(DOC_URL, default_server), str(DOC), "exec"), {})
+    run_example(openai_example(), default_server)
     images = sorted(tmp_path.glob("image-*.png"))
     assert len(images) == 2
     for path in images:
         assert Image.open(path).size == (64, 64)
     assert "shapes" in capsys.readouterr().out
+    # The edits: image-to-image on the default model, inpainting on tiny-sd's server.
+    run_example(python_block_after("With the official `openai` client, image-to-image"),
+                default_server)
+    assert Image.open(tmp_path / "edited.png").size == (64, 64)
+    assert capsys.readouterr().out.strip() == "64x64"
+
+
+def test_the_inpainting_and_link_examples_run(
+    default_server: str, tiny_sd_server: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / "image-0.png")
+    run_example(python_block_after("and inpainting, with an OpenAI-style mask"),
+                tiny_sd_server)
+    assert [Image.open(tmp_path / f"inpainted-{i}.png").size for i in (0, 1)] == [(64, 64)] * 2
+    run_example(python_block_after('answers with links instead of base64 images'),
+                default_server)
+    assert Image.open(tmp_path / "linked.png").size == (64, 64)

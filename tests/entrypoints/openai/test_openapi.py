@@ -21,6 +21,7 @@ import schemathesis
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.openapi import size_pattern
+from diffbatch.entrypoints.openai.protocol import NOT_BLANK_PATTERN
 from diffbatch.entrypoints.openai.serving_images import SizeRule
 from tests.entrypoints.openai.conftest import serve_in_thread
 from tests.entrypoints.openai.test_input_validation import make_lora_dir
@@ -65,12 +66,13 @@ def test_prompts_declare_their_length_and_not_blank(spec) -> None:
     props = request_properties(spec)
     for field in ("prompt", "negative_prompt"):
         text = string_branch(props[field])
-        assert (text["minLength"], text["maxLength"], text["pattern"]) == (1, 10_000, r"\S")
+        assert (text["minLength"], text["maxLength"], text["pattern"]) \
+            == (1, 10_000, NOT_BLANK_PATTERN)
 
 
 @pytest.mark.parametrize(
     ("field", "allowed"),
-    [("output_format", ["png", "jpeg", "webp", "jpg"]), ("response_format", ["b64_json"]),
+    [("output_format", ["png", "jpeg", "webp", "jpg"]), ("response_format", ["b64_json", "url"]),
      ("quality", ["auto", "standard"]), ("background", ["auto", "opaque"]),
      ("moderation", ["auto"]), ("stream", [False]), ("partial_images", [0])],
 )
@@ -154,6 +156,37 @@ def server_url(engine: Engine) -> Iterator[str]:
         yield url
 
 
+def register_image_media_types() -> None:
+    """Tell schemathesis what the edit route's file parts hold: real images.
+
+    The spec says `image` is a PNG, JPEG or WebP and `mask` a PNG (their `encoding`),
+    and in words what a schema cannot: the mask has the image's size and an alpha
+    channel. Every image here is 16x16 with transparent pixels, so any draw makes a
+    valid image and a valid mask for it; without this, schemathesis sends arbitrary
+    bytes as a "valid" image, which the server rightly refuses.
+    """
+    import io
+
+    from hypothesis import strategies as st
+    from PIL import Image
+
+    def encode(alpha: list[int], fmt: str) -> bytes:
+        image = Image.new("RGBA", (16, 16), (200, 30, 30, 255))
+        image.putalpha(Image.frombytes("L", (16, 16), bytes(alpha)))
+        buffer = io.BytesIO()
+        (image if fmt == "PNG" else image.convert("RGB")).save(buffer, format=fmt)
+        return buffer.getvalue()
+
+    alphas = st.lists(st.sampled_from([0, 255]), min_size=256, max_size=256)
+    for media_type, fmt in (("image/png", "PNG"), ("image/jpeg", "JPEG"),
+                            ("image/webp", "WEBP")):
+        schemathesis.openapi.media_type(media_type, alphas.map(lambda a, f=fmt: encode(a, f)))
+    # The edit's `prompt` part (text/plain): what the schema asks, as UTF-8 text.
+    prompts = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=200)
+    schemathesis.openapi.media_type(
+        "text/plain", prompts.filter(lambda text: not text.isspace()).map(str.encode))
+
+
 def run_schemathesis(url: str, *, seed: int, max_examples: int) -> list[str]:
     """What `schemathesis run URL/openapi.json --checks all` finds: one line per failure.
 
@@ -162,6 +195,8 @@ def run_schemathesis(url: str, *, seed: int, max_examples: int) -> list[str]:
     pytest 9 no longer has; the engine also runs the stateful phase the plugin lacks.
     """
     from schemathesis.engine import Status, events, from_schema
+
+    register_image_media_types()
 
     config = schemathesis.Config.from_dict(
         {"seed": seed, "generation": {"max-examples": max_examples}}

@@ -90,8 +90,7 @@ def _error_of(body: dict) -> tuple[str, str]:
         ({"prompt": "p", "guidance_scale": math.inf}, "guidance_scale", "finite"),
         ({"prompt": "p", "guidance_scale": -1}, "guidance_scale", "greater than or equal"),
         ({"prompt": "p", "seed": -1}, "seed", "greater than or equal to 0"),
-        ({"prompt": "p", "response_format": "url"}, "response_format", "does not host"),
-        ({"prompt": "p", "response_format": "gif"}, "response_format", "b64_json"),
+        ({"prompt": "p", "response_format": "gif"}, "response_format", '"b64_json" or "url"'),
         ({"prompt": "p", "output_format": "gif"}, "output_format", "png"),
         ({"prompt": "p", "output_compression": 101}, "output_compression", "less than"),
         ({"prompt": "p", "output_compression": 50}, "output_compression", "PNG is lossless"),
@@ -121,7 +120,10 @@ def test_response_shape() -> None:
     response = ImageGenerationResponse(
         data=[ImageObject(b64_json="AAAA")], output_format="png", size="64x64"
     )
-    body = response.model_dump()
+    body = response.to_json()
     assert set(body) == {"created", "data", "output_format", "size"}
     assert body["data"] == [{"b64_json": "AAAA", "revised_prompt": None}]
     assert isinstance(body["created"], int)
+    linked = ImageGenerationResponse(data=[ImageObject(url="http://x/1.png")],
+                                     output_format="png", size="64x64").to_json()
+    assert linked["data"] == [{"url": "http://x/1.png", "revised_prompt": None}]

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-sd"
 ROUTE = "/v1/images/generations"
+EDITS_ROUTE = "/v1/images/edits"
 # Batch invariance: a request's image in a wave of 4 equals the image it gets alone
 # up to float reordering in batched kernels, far below one 8-bit level on average.
 MAX_PIXEL_DIFF = 3  # out of 255, per channel; measured <= 1
@@ -68,6 +69,26 @@ def test_official_openai_client(server: RunningServer) -> None:
         assert (image.format, image.size) == ("PNG", (64, 64))
     assert np.asarray(images[0]).tolist() != np.asarray(images[1]).tolist()  # own noise each
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_official_openai_client_with_url_links(server: RunningServer) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    result = client.images.generate(model=MODEL, prompt="a red circle", n=2,
+                                    response_format="url",
+                                    extra_body={"seed": 1, "num_inference_steps": STEPS})
+    assert [item.b64_json for item in result.data] == [None, None]
+    linked = []
+    for item in result.data:
+        assert item.url.startswith(f"{server.url}/v1/images/files/")
+        download = httpx.get(item.url)  # a link needs no API key
+        assert download.status_code == 200 and download.headers["content-type"] == "image/png"
+        linked.append(np.asarray(Image.open(io.BytesIO(download.content))))
+    same = client.images.generate(model=MODEL, prompt="a red circle", n=2,
+                                  extra_body={"seed": 1, "num_inference_steps": STEPS})
+    for image, item in zip(linked, same.data, strict=True):
+        assert (image == np.asarray(decode(item.b64_json))).all()
 
 
 async def _generate(client: httpx.AsyncClient, prompt: str, seed: int) -> np.ndarray:
@@ -113,7 +134,7 @@ BAD_INPUTS = [
     ({"prompt": "p", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "p", "lora": "../outside"}, 400, "lora"),
     ({"prompt": "p", "lora": "missing-adapter"}, 404, "lora"),
-    ({"prompt": "p", "response_format": "url"}, 400, "response_format"),
+    ({"prompt": "p", "response_format": "svg"}, 400, "response_format"),
 ]
 
 
@@ -184,8 +205,67 @@ def test_official_client_sees_size_and_route_errors_as_openai_does(server: Runni
         client.images.generate(model=MODEL, prompt="p", size="1024x1024")
     assert too_large.value.param == "size"
     assert "the largest square size is 128x128" in too_large.value.message
-    with pytest.raises(openai.NotFoundError):  # no edits route: 404, not 415
+    with pytest.raises(openai.NotFoundError):  # no variations route: 404, not 415
+        client.images.create_variation(image=("a.png", b"\x89PNG", "image/png"))
+    with pytest.raises(openai.BadRequestError) as not_an_image:
         client.images.edit(image=("a.png", b"\x89PNG", "image/png"), prompt="p")
+    assert not_an_image.value.param == "image"
+
+
+def _png(seed: int, size: int = 64) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _mask_png(size: int = 64) -> bytes:
+    """Transparent (edit here) in the left half, opaque in the right."""
+    alpha = np.full((size, size), 255, dtype=np.uint8)
+    alpha[:, : size // 2] = 0
+    rgba = np.dstack([np.zeros((size, size, 3), dtype=np.uint8), alpha])
+    buffer = io.BytesIO()
+    Image.fromarray(rgba, mode="RGBA").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+async def _edit(client: httpx.AsyncClient, seed: int, mask: bool) -> tuple[np.ndarray, int]:
+    files = {"image": ("in.png", _png(seed), "image/png")}
+    if mask:
+        files["mask"] = ("mask.png", _mask_png(), "image/png")
+    response = await client.post(EDITS_ROUTE, files=files, data={
+        "prompt": f"edit number {seed}", "seed": str(seed), "strength": "0.75",
+        "num_inference_steps": str(STEPS * 2),
+    })
+    assert response.status_code == 200, response.text
+    image = np.asarray(decode(response.json()["data"][0]["b64_json"]), dtype=np.int16)
+    return image, int(response.headers["x-diffbatch-batch-size"])
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["image-to-image", "inpaint"])
+async def test_concurrent_edits_batch_and_match_solo_runs(server: RunningServer,
+                                                          mask: bool) -> None:
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
+                                 timeout=120) as client:
+        batched = await asyncio.gather(*(_edit(client, 200 + i, mask) for i in range(4)))
+        assert max(size for _, size in batched) > 1, "no edit wave had more than one request"
+        for i, (image, _) in enumerate(batched):
+            alone, size = await _edit(client, 200 + i, mask)
+            assert size == 1
+            assert np.abs(image - alone).max() <= MAX_PIXEL_DIFF, i
+
+
+def test_official_openai_client_edits_on_tiny_sd(server: RunningServer, tmp_path: Path) -> None:
+    from openai import OpenAI
+
+    (tmp_path / "in.png").write_bytes(_png(7))
+    (tmp_path / "mask.png").write_bytes(_mask_png())
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    with open(tmp_path / "in.png", "rb") as image, open(tmp_path / "mask.png", "rb") as mask:
+        result = client.images.edit(image=image, mask=mask, prompt="a red circle", n=2,
+                                    extra_body={"seed": 1, "num_inference_steps": STEPS})
+    assert result.size == "64x64" and len(result.data) == 2
+    assert decode(result.data[0].b64_json).size == (64, 64)
 
 
 def test_open_routes_and_engine_state(server: RunningServer) -> None:

@@ -105,6 +105,16 @@ def test_server_args_reach_the_app() -> None:
     assert (kwargs["png_compress_level"], kwargs["max_image_pixels"]) == (9, 4096)
 
 
+def test_several_replicas_keep_no_image_links_unless_told() -> None:
+    one, several = (RayServeArgs.from_dict({"num_replicas": n}).app_kwargs() for n in (1, 2))
+    assert "image_store_bytes" not in one  # the server's default store
+    assert several["image_store_bytes"] == 0  # a link could reach another replica
+    told = RayServeArgs.from_dict({"num_replicas": 2, "image_store_mb": "8",
+                                   "max_upload_mb": "4", "public_url": "https://x"})
+    assert (told.app_kwargs()["image_store_bytes"], told.app_kwargs()["max_upload_bytes"],
+            told.app_kwargs()["public_url"]) == (8 << 20, 4 << 20, "https://x")
+
+
 def test_serve_flags_become_args() -> None:
     from diffbatch.entrypoints.cli import make_arg_parser
 

@@ -1,0 +1,226 @@
+"""The files of `POST /v1/images/edits`: read, check and decode an uploaded image and mask.
+
+The HTTP layer's one place for what an upload must be, checked before anything is
+decoded in full and long before anything reaches the engine:
+
+1. the image is PNG, JPEG or WebP (the mask PNG, as OpenAI asks), told by Pillow
+   from the bytes, whatever the part's declared content type or file name;
+2. its width * height is within the server's pixel cap, read from the header, so a
+   small file that would decode to a huge image is refused without decoding it;
+3. the mask has the image's size and an alpha channel: OpenAI masks are transparent
+   (alpha 0) where the image is to be edited. It becomes diffbatch's mask, 255 where
+   to paint, 0 where to keep;
+4. both are decoded (a truncated file is refused here) and resized to the size to
+   generate, the image with Lanczos, the mask with nearest neighbour (it stays binary).
+
+Every refusal is an `InvalidRequestError` naming the part (`image` or `mask`) and
+what the client sent, never a server path or Pillow's own message (which names a
+Python object). Decoding runs in a worker thread (`asyncio.to_thread`), like encoding.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from diffbatch.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+    from starlette.requests import Request
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what `image` may be (Pillow's format names)
+MASK_FORMATS = ("PNG",)  # what `mask` may be
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+@dataclass
+class EditInputs:
+    """The decoded inputs of one edit, at the size to generate."""
+
+    image: torch.Tensor  # [H, W, 3] uint8 RGB
+    mask: torch.Tensor | None  # [H, W] uint8, 255 = paint, 0 = keep; None: image-to-image
+    upload_size: tuple[int, int]  # (width, height) of the image as uploaded
+
+
+def _open(data: bytes, param: str, formats: tuple[str, ...], max_pixels: int) -> Image.Image:
+    """Stages 1-2: identify the file and check its size from the header alone."""
+    from PIL import Image, UnidentifiedImageError
+
+    names = ", ".join("WebP" if f == "WEBP" else f for f in formats)
+    if not data:
+        raise InvalidRequestError(f"`{param}` is an empty file; upload a {names} image",
+                                  param=param)
+    try:
+        with warnings.catch_warnings():  # our own pixel cap decides, below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=list(formats))
+    except Image.DecompressionBombError:
+        raise _too_large(param, None, max_pixels) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise InvalidRequestError(
+            f"`{param}` must be a {names} image; the uploaded file ({len(data)} bytes) is "
+            "not one", param=param,
+        ) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise _too_large(param, (width, height), max_pixels)
+    return image
+
+
+def _too_large(param: str, size: tuple[int, int] | None, max_pixels: int) -> InvalidRequestError:
+    side = math.isqrt(max_pixels)
+    got = f", got {size[0]}x{size[1]} = {size[0] * size[1]}" if size else ""
+    return InvalidRequestError(
+        f"`{param}` must be at most {max_pixels} pixels (width * height, e.g. {side}x{side})"
+        f"{got}; resize it before uploading", param=param,
+    )
+
+
+def _decode(image: Image.Image, param: str, mode: str) -> Image.Image:
+    try:
+        image.seek(0)  # the first frame of an animated PNG or WebP
+        return image.convert(mode)
+    except (OSError, ValueError, SyntaxError, EOFError):
+        raise InvalidRequestError(
+            f"`{param}` could not be decoded (a truncated or corrupt "
+            f"{image.format or 'image'} file)", param=param,
+        ) from None
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    return image.mode in _ALPHA_MODES or "transparency" in image.info
+
+
+def auto_size(width: int, height: int, *, multiple: int, max_pixels: int) -> tuple[int, int]:
+    """The size `size: "auto"` generates for an image of `width` x `height`: its own,
+    scaled down (keeping its aspect) to fit `max_pixels`, each side rounded down to a
+    multiple of `multiple` (at least one)."""
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+
+    def side(value: int) -> int:
+        return max(multiple, int(value * scale) // multiple * multiple)
+
+    out_w, out_h = side(width), side(height)
+    while out_w * out_h > max_pixels and max(out_w, out_h) > multiple:  # rounding up to one
+        if out_w >= out_h:
+            out_w -= multiple
+        else:
+            out_h -= multiple
+    return out_w, out_h
+
+
+def decode_edit_inputs(
+    image_data: bytes, mask_data: bytes | None, *, max_pixels: int,
+    size: tuple[int, int] | None, multiple: int, max_output_pixels: int,
+) -> EditInputs:
+    """Check and decode one edit's uploads (stages 1-4 of the module docstring).
+
+    Args:
+        image_data: The bytes of the `image` part.
+        mask_data: The bytes of the `mask` part, or None (image-to-image).
+        max_pixels: Largest width * height of an upload (the server's pixel cap).
+        size: (width, height) to generate, or None for "auto" (see `auto_size`).
+        multiple: The model's size multiple (for "auto").
+        max_output_pixels: Largest width * height the server generates (for "auto").
+
+    Raises:
+        InvalidRequestError: with `param` "image" or "mask".
+    """
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    # 1-2. Identify both files and check their sizes before decoding either.
+    image = _open(image_data, "image", IMAGE_FORMATS, max_pixels)
+    mask = None
+    if mask_data is not None:
+        mask = _open(mask_data, "mask", MASK_FORMATS, max_pixels)
+        if mask.size != image.size:
+            raise InvalidRequestError(
+                f"`mask` must have the image's size ({image.size[0]}x{image.size[1]}), got "
+                f"{mask.size[0]}x{mask.size[1]}", param="mask",
+            )
+        if not _has_alpha(mask):
+            raise InvalidRequestError(
+                "`mask` must have an alpha channel: transparent (alpha 0) where the image "
+                f"should be edited, opaque elsewhere; the uploaded PNG is {mask.mode} without "
+                "transparency", param="mask",
+            )
+    upload_size = image.size
+    width, height = size or auto_size(*upload_size, multiple=multiple,
+                                      max_pixels=max_output_pixels)
+    # 3-4. Decode, turn OpenAI's alpha into a paint mask, resize to the output size.
+    rgb = _decode(image, "image", "RGB")
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), Image.Resampling.LANCZOS)
+    paint = None
+    if mask is not None:
+        alpha = np.asarray(_decode(mask, "mask", "RGBA"))[..., 3]
+        painted = Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8))
+        if painted.size != (width, height):
+            painted = painted.resize((width, height), Image.Resampling.NEAREST)
+        paint = torch.from_numpy(np.array(painted))
+    return EditInputs(image=torch.from_numpy(np.array(rgb)), mask=paint,
+                      upload_size=upload_size)
+
+
+@dataclass
+class EditForm:
+    """The parts of an edit's multipart form: its text fields and its two files."""
+
+    fields: dict[str, str]  # text fields by name, for `ImageEditRequest`
+    image: bytes  # the `image` file
+    mask: bytes | None  # the `mask` file, if one was sent
+
+
+_FILE_PARTS = ("image", "mask")
+MAX_FORM_FIELDS = 64  # far more than ImageEditRequest has: a form of thousands is refused
+MAX_FORM_FILES = 4  # image and mask, and room to name a surplus one in the 400
+
+
+async def read_edit_form(request: Request) -> EditForm:
+    """Read the multipart form of `POST /v1/images/edits` into its fields and files.
+
+    Raises:
+        InvalidRequestError: a missing `image`, a file part given as text (or text as
+            a file), more than one image, or a text field given twice.
+    """
+    from starlette.datastructures import UploadFile
+
+    async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
+        fields: dict[str, str] = {}
+        files: dict[str, bytes] = {}
+        for name, value in form.multi_items():
+            base = name.removesuffix("[]")
+            if base in _FILE_PARTS:
+                if not isinstance(value, UploadFile):
+                    raise InvalidRequestError(
+                        f"`{base}` must be a file part of the form (with a filename), got a "
+                        "text field", param=base,
+                    )
+                if base in files:
+                    raise InvalidRequestError(
+                        f"one `{base}` per request: this server edits one image at a time",
+                        param=base,
+                    )
+                files[base] = await value.read()
+            elif isinstance(value, UploadFile):
+                raise InvalidRequestError(
+                    f"`{name}` must be a text field, got a file", param=name
+                )
+            elif name in fields:
+                raise InvalidRequestError(f"`{name}` is given twice; send it once",
+                                          param=name)
+            else:
+                fields[name] = value
+    if "image" not in files:
+        raise InvalidRequestError(
+            "`image` is required: the image to edit, as a file part of the form",
+            param="image",
+        )
+    return EditForm(fields=fields, image=files["image"], mask=files.get("mask"))

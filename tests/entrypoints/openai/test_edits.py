@@ -1,0 +1,213 @@
+"""`POST /v1/images/edits`: the multipart form, its uploads, and what reaches the engine.
+
+Runs the app in-process (httpx's ASGI transport) on a fake-pipeline engine whose
+edits mix noise with the uploaded image only where the mask paints, so a test can
+see that the image, the mask and the size arrived as sent. Every bad upload must be a
+400 in the OpenAI shape naming the part, without anything reaching a forward. The
+official `openai` client's `images.edit` runs against a real server at the end.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffbatch import Engine
+from diffbatch.entrypoints.openai.api_server import build_app
+from diffbatch.entrypoints.openai.uploads import auto_size
+from tests.entrypoints.openai.conftest import serve_in_thread
+from tests.entrypoints.openai.test_input_validation import assert_openai_error
+from tests.fake_pipelines import FakeBatchPipeline, NoEditPipeline
+
+ROUTE = "/v1/images/edits"
+MAX_PIXELS = 32 * 32  # the app's --max-image-pixels; the fake model's multiple is 8
+
+
+def png(size: tuple[int, int] = (16, 16), mode: str = "RGB", color: Any = (200, 30, 30),
+        fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, color).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def mask_png(size: tuple[int, int] = (16, 16), box: tuple[int, int, int, int] = (0, 0, 8, 16),
+             ) -> bytes:
+    """An OpenAI mask: opaque, transparent (alpha 0) inside `box` (where to edit)."""
+    image = Image.new("RGBA", size, (0, 0, 0, 255))
+    image.paste((0, 0, 0, 0), box)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def decode(response: httpx.Response, index: int = 0) -> np.ndarray:
+    data = response.json()["data"][index]["b64_json"]
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
+                request_batch_max_wait_ms=0) as engine:
+        yield engine
+
+
+@pytest.fixture
+async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS,
+                    max_upload_bytes=64 * 1024, close_engine_on_shutdown=False)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        yield client
+
+
+async def edit(client: httpx.AsyncClient, image: bytes | None = None, mask: bytes | None = None,
+               **fields: Any) -> httpx.Response:
+    files = {}
+    if image is not None:
+        files["image"] = ("in.png", image, "image/png")
+    if mask is not None:
+        files["mask"] = ("mask.png", mask, "image/png")
+    data = {"prompt": "a red cat", "seed": "1", **{k: str(v) for k, v in fields.items()}}
+    if not files:  # still a multipart form: text parts without a filename
+        return await client.post(ROUTE, files={k: (None, v) for k, v in data.items()})
+    return await client.post(ROUTE, data=data, files=files)
+
+
+# -- what works ----------------------------------------------------------------------------
+async def test_image_to_image_returns_the_images_size_and_mixes_in_the_image(client) -> None:
+    response = await edit(client, png((16, 24)), n=2, strength="0.5")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["size"] == "16x24" and len(body["data"]) == 2
+    first = decode(response).astype(int)
+    assert first.shape == (24, 16, 3)
+    assert abs(first[..., 0].mean() - (0.5 * 200 + 0.5 * 127)) < 40  # half image, half noise
+    assert response.headers["x-diffbatch-seed"] == "1"
+    assert int(response.headers["x-diffbatch-batch-size"]) >= 1
+
+
+async def test_inpainting_changes_only_the_transparent_part_of_the_mask(client) -> None:
+    response = await edit(client, png(), mask_png(box=(0, 0, 8, 16)))
+    assert response.status_code == 200, response.text
+    out = decode(response).astype(int)
+    assert (out[:, 8:] == [200, 30, 30]).all()  # opaque in the mask: kept as uploaded
+    assert (out[:, :8] != [200, 30, 30]).any()  # transparent: painted
+
+
+async def test_a_size_resizes_the_image_and_mask(client) -> None:
+    response = await edit(client, png((16, 16)), mask_png(box=(0, 0, 8, 16)), size="32x8")
+    assert response.status_code == 200, response.text
+    out = decode(response).astype(int)
+    assert out.shape == (8, 32, 3)
+    assert (out[:, 16:] == [200, 30, 30]).all() and (out[:, :16] != [200, 30, 30]).any()
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "WEBP"])
+async def test_jpeg_and_webp_images_are_taken(client, fmt: str) -> None:
+    response = await edit(client, png(fmt=fmt), output_format="webp")
+    assert response.status_code == 200, response.text
+    assert response.json()["output_format"] == "webp"
+
+
+def test_auto_size_keeps_the_aspect_within_the_cap() -> None:
+    assert auto_size(16, 24, multiple=8, max_pixels=1024) == (16, 24)
+    assert auto_size(20, 13, multiple=8, max_pixels=1024) == (16, 8)
+    assert auto_size(3, 3, multiple=8, max_pixels=1024) == (8, 8)
+    width, height = auto_size(100, 50, multiple=8, max_pixels=1024)
+    assert width * height <= 1024 and (width, height) == (40, 16)
+
+
+# -- what is refused -------------------------------------------------------------------------
+BAD_UPLOADS = [
+    # (image, mask, fields, status, param, words in the message)
+    (None, None, {}, 400, "image", "`image` is required"),
+    (b"not an image at all", None, {}, 400, "image", "PNG, JPEG, WebP"),
+    (png(fmt="GIF"), None, {}, 400, "image", "PNG, JPEG, WebP"),
+    (png((40, 40)), None, {}, 400, "image", "at most 1024 pixels"),
+    (png(), mask_png((16, 8)), {}, 400, "mask", "the image's size (16x16)"),
+    (png(), png(), {}, 400, "mask", "alpha channel"),
+    (png(), png(mode="RGBA", color=(0, 0, 0, 0), fmt="WEBP"), {}, 400, "mask", "PNG"),
+    (png()[:60], None, {}, 400, "image", "could not be decoded"),
+    (png(), None, {"n": "eleven"}, 400, "n", "integer"),
+    (png(), None, {"strength": "0"}, 400, "strength", "> 0"),
+    (png(), None, {"strength": "1.5"}, 400, "strength", "<= 1"),
+    (png(), None, {"size": "12x8"}, 400, "size", "multiples of 8"),
+    (png(), None, {"size": "64x64"}, 400, "size", "larger than this server generates"),
+    (png(), None, {"input_fidelity": "high"}, 400, "input_fidelity", "not supported"),
+    (png(), None, {"colour": "red"}, 400, "colour", "unknown field"),
+    (png(), None, {"model": "other"}, 404, "model", "not served here"),
+]
+
+
+@pytest.mark.parametrize(("image", "mask", "fields", "status", "param", "words"), BAD_UPLOADS)
+async def test_bad_uploads_are_refused_before_the_engine(
+    client, engine: Engine, image, mask, fields, status, param, words,
+) -> None:
+    forwards, rejected = len(FakeBatchPipeline.wave_sizes), engine.metrics.count("rejected")
+    response = await edit(client, image, mask, **fields)
+    error = assert_openai_error(response, status, param,
+                                "model_not_found" if status == 404 else None)
+    assert words in error["message"]
+    assert "/tmp" not in response.text and "BytesIO" not in response.text
+    assert len(FakeBatchPipeline.wave_sizes) == forwards  # nothing reached a forward
+    assert engine.metrics.count("rejected") == rejected + 1
+    assert engine.num_waiting == engine.num_running == 0
+
+
+async def test_form_shape_errors(client) -> None:
+    text_image = await client.post(ROUTE, data={"prompt": "p", "image": "https://x/y.png"},
+                                   files={"other": ("x", b"1")})
+    assert_openai_error(text_image, 400, "image")
+    two = await client.post(ROUTE, data={"prompt": "p"},
+                            files=[("image", ("a.png", png())), ("image", ("b.png", png()))])
+    assert "one `image` per request" in assert_openai_error(two, 400, "image")["message"]
+    json_body = await client.post(ROUTE, json={"prompt": "p"})
+    assert "multipart" in assert_openai_error(json_body, 415, None,
+                                              "unsupported_media_type")["message"]
+    too_big = await client.post(ROUTE, data={"prompt": "p"},
+                                files={"image": ("a.png", b"\0" * 70_000)})
+    assert_openai_error(too_big, 413, None, "payload_too_large")
+
+
+async def test_a_model_without_edit_pipelines_names_itself() -> None:
+    with Engine(pipeline_class=NoEditPipeline, executor="inproc") as engine:
+        app = build_app(engine, served_model_name="no-edits", close_engine_on_shutdown=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://app") as client:
+            plain = await edit(client, png())
+            painted = await edit(client, png(), mask_png())
+    assert "'no-edits'" in assert_openai_error(plain, 400, "image")["message"]
+    assert "inpaint" in assert_openai_error(painted, 400, "mask")["message"]
+
+
+# -- the official client, unmodified -------------------------------------------------------
+def test_official_openai_client_edits(engine: Engine, tmp_path) -> None:
+    import openai
+
+    image_path, mask_path = tmp_path / "cat.png", tmp_path / "mask.png"
+    image_path.write_bytes(png())
+    mask_path.write_bytes(mask_png(box=(0, 0, 8, 16)))
+    app = build_app(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS,
+                    api_key="k", close_engine_on_shutdown=False)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        with open(image_path, "rb") as image, open(mask_path, "rb") as mask:
+            result = client.images.edit(image=image, mask=mask, prompt="a red cat", n=2,
+                                        size="16x16", extra_body={"seed": 3, "strength": 0.9})
+        assert len(result.data) == 2 and result.size == "16x16"
+        out = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))))
+        assert (out[:, 8:, :3] == [200, 30, 30]).all()
+        with open(image_path, "rb") as image:
+            plain = client.images.edit(image=image, prompt="a red cat")
+        assert len(plain.data) == 1 and plain.data[0].b64_json
+        with pytest.raises(openai.BadRequestError) as refused, open(mask_path, "rb") as mask:
+            client.images.edit(image=("a.png", b"\x89PNG", "image/png"), mask=mask, prompt="p")
+        assert refused.value.param == "image"

@@ -1,0 +1,232 @@
+"""The playground page in a real headless Chromium, against a real server.
+
+The browser is the system's Chromium (installed by `make install-dev`), driven by
+playwright through its path: nothing is downloaded. Without one the tests skip, and
+under `make test` (`DIFFBATCH_REQUIRE_BROWSER=1`) they fail instead.
+
+The engine runs `GatedPipeline` in-process with waves of up to 4: a first request
+holds the gate, the page's 4 requests queue behind it, and the test releases the
+gate once all 4 wait, so they run as one wave of 4, a state the test creates rather
+than a timing it hopes for. Edits use the fake pipeline's rule (noise mixed in only
+where the mask paints), so an unpainted pixel must come back as it went in.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffbatch import Engine
+from diffbatch.entrypoints.openai.api_server import build_app
+from tests.entrypoints.openai.conftest import make_gate, serve_in_thread, wait_until
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_MS = 60_000  # bounds a broken test only
+SCREENSHOTS = os.environ.get("DIFFBATCH_SCREENSHOT_DIR")  # also save each state's screenshot
+
+
+def chromium_path() -> str | None:
+    """The system Chromium: `$DIFFBATCH_CHROMIUM`, else the first on PATH."""
+    given = os.environ.get("DIFFBATCH_CHROMIUM")
+    if given:
+        return given
+    return next((path for name in ("chromium", "chromium-browser", "google-chrome")
+                 if (path := shutil.which(name))), None)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    path = chromium_path()
+    if path is None:
+        message = ("no Chromium found: run `make browser` (apt's chromium) or set "
+                   "DIFFBATCH_CHROMIUM")
+        if os.environ.get("DIFFBATCH_REQUIRE_BROWSER"):
+            pytest.fail(message)
+        pytest.skip(message)
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        yield page
+    finally:
+        context.close()
+    assert not errors, f"the page raised: {errors}"
+
+
+def snap(page: Any, name: str, tmp_path: Path) -> None:
+    """Screenshot the page: into the test's folder, and `$DIFFBATCH_SCREENSHOT_DIR`."""
+    page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+    if SCREENSHOTS:
+        page.screenshot(path=os.path.join(SCREENSHOTS, f"{name}.png"), full_page=True)
+
+
+def expect(locator: Any) -> Any:
+    """playwright's `expect` (its waits use selectors: the page's CSP forbids eval)."""
+    from playwright.sync_api import expect as playwright_expect
+
+    playwright_expect.set_options(timeout=TIMEOUT_MS)
+    return playwright_expect(locator)
+
+
+def open_playground(page: Any, url: str) -> None:
+    response = page.goto(f"{url}/")
+    assert response.status == 200 and "default-src 'none'" in response.headers[
+        "content-security-policy"]
+    page.wait_for_selector("body[data-ready=true]")
+
+
+def card_pixels(page: Any, index: int) -> np.ndarray:
+    """The RGB pixels of the `index`-th result card (newest first), from its data URL."""
+    src = page.locator(".card img").nth(index).get_attribute("src")
+    data = base64.b64decode(src.split(",", 1)[1])
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def gated() -> Iterator[tuple[str, Engine, Any]]:
+    gate = make_gate()
+    with Engine(pipeline_class=gate, executor="inproc", max_num_seqs=4,
+                request_batch_max_wait_ms=0) as engine:
+        app = build_app(engine, served_model_name="fake", close_engine_on_shutdown=False)
+        with serve_in_thread(app) as url:
+            try:
+                yield url, engine, gate
+            finally:
+                gate.release.set()
+
+
+def test_generate_shows_each_image_with_its_wave(page: Any, gated, tmp_path: Path) -> None:
+    url, engine, gate = gated
+    open_playground(page, url)
+    assert page.text_content("#model") == "model: fake"
+    snap(page, "playground-empty", tmp_path)
+    # 1. A request from elsewhere holds the (only) forward, so the page's 4 queue.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        blocker = pool.submit(httpx.post, f"{url}/v1/images/generations",
+                              json={"prompt": "hold the gate"}, timeout=120)
+        assert gate.entered.wait(60)
+        page.fill("#prompt", "a red circle")
+        page.fill("#seed", "10")
+        page.fill("#requests", "4")
+        page.click("#submit")
+        wait_until(lambda: engine.num_waiting == 4, what="the page's 4 requests to queue")
+        gate.release.set()
+        assert blocker.result().status_code == 200
+    # 2. Four cards, each with its seed and the wave of 4 it ran in.
+    expect(page.locator(".card")).to_have_count(4)
+    cards = page.locator(".card")
+    assert sorted(int(cards.nth(i).get_attribute("data-seed")) for i in range(4)) \
+        == [10, 11, 12, 13]
+    for i in range(4):
+        assert cards.nth(i).get_attribute("data-wave-size") == "4"
+        assert cards.nth(i).locator("dd.wave").text_content() == "4 requests"
+        assert cards.nth(i).locator("dd.forward").text_content().endswith(" ms")
+    assert page.text_content("#status").startswith("4 of 4 done")
+    # 3. The live strip shows the blocker's wave of 1, then the wave of 4.
+    page.wait_for_selector("#waves li[data-size='4']")
+    sizes = [int(s) for s in page.eval_on_selector_all(
+        "#waves li", "items => items.map(i => i.dataset.size)")]
+    assert sizes[-2:] == [1, 4]
+    assert "16x16/s2/g5/n1" in page.text_content("#waves li[data-size='4']")
+    snap(page, "playground-generate", tmp_path)
+
+
+def test_an_edit_round_trip_paints_only_where_the_mask_is(page: Any, gated,
+                                                          tmp_path: Path) -> None:
+    url, _, gate = gated
+    gate.release.set()
+    open_playground(page, url)
+    page.fill("#n", "1")
+    page.fill("#seed", "5")
+    page.fill("#size", "64x64")
+    page.click("#submit")
+    page.wait_for_selector(".card")
+    source = card_pixels(page, 0)
+    # 1. "Edit" on the result: the edit tab opens on it.
+    page.click(".card .edit-this")
+    page.wait_for_selector("#edit-stage:not([hidden])")
+    assert page.is_visible("#edit-panel") and page.text_content("#submit") == "Edit"
+    # 2. Paint a stroke down the left quarter of the 64x64 image.
+    box = page.locator("#edit-mask").bounding_box()
+    page.fill("#brush", "20")
+    page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + 4)
+    page.mouse.down()
+    for step in range(1, 11):
+        page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * step / 10)
+    page.mouse.up()
+    page.fill("#prompt", "a blue square")
+    snap(page, "playground-edit-mask", tmp_path)
+    with page.expect_response("**/v1/images/edits") as answer:
+        page.click("#submit")
+    response = answer.value
+    assert response.status == 200, response.text()
+    expect(page.locator(".card")).to_have_count(2)
+    # the wave ran as inpainting (its key, in the live strip), at the fake's default strength
+    expect(page.locator("#waves li").last).to_contain_text("64x64/s2/g5/n1/inpaint@1")
+    edited = card_pixels(page, 0)
+    assert edited.shape == source.shape == (64, 64, 3)
+    assert (edited[:, 40:] == source[:, 40:]).all()  # unpainted: as it went in
+    assert (edited[:, :8] != source[:, :8]).any()  # painted: changed
+    snap(page, "playground-edit", tmp_path)
+    # 3. An uploaded image without a mask is image-to-image.
+    upload = tmp_path / "upload.png"
+    Image.new("RGB", (24, 16), (10, 200, 10)).save(upload)
+    page.set_input_files("#edit-file", str(upload))
+    expect(page.locator("#edit-mask")).to_have_attribute("width", "24")
+    page.fill("#size", "")
+    with page.expect_response("**/v1/images/edits") as answer:
+        page.click("#submit")
+    assert answer.value.status == 200
+    expect(page.locator(".card")).to_have_count(3)
+    expect(page.locator("#waves li").last).to_contain_text("24x16/s2/g5/n1/i2i@0.8")
+    assert card_pixels(page, 0).shape == (16, 24, 3)
+    assert page.text_content(".card dd.size") == "24x16"
+
+
+def test_an_api_key_server_refuses_without_the_key_and_works_with_it(page: Any,
+                                                                      tmp_path: Path) -> None:
+    from tests.fake_pipelines import FakeBatchPipeline
+
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=1) as engine:
+        app = build_app(engine, served_model_name="fake", api_key="s3cret",
+                        close_engine_on_shutdown=False)
+        with serve_in_thread(app) as url:
+            open_playground(page, url)
+            assert "enter the API key" in page.text_content("#model")
+            page.click("#submit")
+            page.wait_for_selector("#error:not([hidden])")
+            assert "missing API key" in page.text_content("#error")
+            assert page.locator(".card").count() == 0
+            snap(page, "playground-api-key-refused", tmp_path)
+            page.fill("#api-key", "s3cret")
+            page.dispatch_event("#api-key", "change")
+            expect(page.locator("#model")).to_have_text("model: fake")
+            page.click("#submit")
+            page.wait_for_selector(".card")
+            assert page.is_hidden("#error")
+            page.wait_for_selector("#waves li")  # the strip polls with the key too
