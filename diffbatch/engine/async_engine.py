@@ -215,15 +215,6 @@ class Engine:
         """The checks that depend on the loaded model, run once, at admission."""
         info = self.info
         pixels = params.height * params.width
-        work = pixels * params.num_inference_steps * params.num_outputs_per_prompt
-        if self.max_request_work is not None and work > self.max_request_work:
-            raise InvalidRequestError(
-                f"this request asks for {params.width}x{params.height} x "
-                f"{params.num_inference_steps} steps x {params.num_outputs_per_prompt} "
-                f"image(s) = {work} pixel-steps; this server allows at most "
-                f"{self.max_request_work} per request (--max-request-work): ask for fewer "
-                "steps, fewer images or a smaller size", param="num_inference_steps",
-            )
         if info.model_max_pixels is not None and pixels > info.model_max_pixels:
             multiple = info.size_multiple
             side = math.isqrt(info.model_max_pixels) // multiple * multiple
@@ -239,6 +230,16 @@ class Engine:
                     f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
                     f"got {value}", param=name,
                 )
+        # The work limit comes after the model's own limits, whose messages say more.
+        work = pixels * params.num_inference_steps * params.num_outputs_per_prompt
+        if self.max_request_work is not None and work > self.max_request_work:
+            raise InvalidRequestError(
+                f"this request asks for {params.width}x{params.height} x "
+                f"{params.num_inference_steps} steps x {params.num_outputs_per_prompt} "
+                f"image(s) = {work} pixel-steps; this server allows at most "
+                f"{self.max_request_work} per request (--max-request-work): ask for fewer "
+                "steps, fewer images or a smaller size", param="num_inference_steps",
+            )
         accepted = info.call_arguments
         if accepted is None:
             return
