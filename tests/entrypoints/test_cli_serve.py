@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -17,6 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.process_utils import wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -116,29 +117,9 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = START_
 
 def worker_of(pid: int) -> int:
     """The pid of the `python -m diffbatch.worker` child of process `pid`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"diffbatch.worker" in cmdline:
-            return int(entry.name)
-    raise AssertionError(f"process {pid} has no worker process")
-
-
-def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
-    """Wait on the process's pidfd (no sleep loop) until `pid` has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
+    (worker,) = worker_pids(pid) or (None,)
+    assert worker is not None, f"process {pid} has no worker process"
+    return worker
 
 
 def stop(proc: subprocess.Popen, log: Any) -> None:
@@ -198,7 +179,7 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
             wait_for(marker.exists, "the wave to reach its denoising loop")
             proc.kill()
             proc.wait()
-        assert wait_gone(worker), "the worker outlived its server"
+        assert wait_gone(worker, 60.0), "the worker outlived its server"
         for pid in (proc.pid, worker):
             assert not [p for p in SHM.iterdir() if p.name.startswith(f"diffbatch_{pid}_")]
         new = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")} - semaphores_before

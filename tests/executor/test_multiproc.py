@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
 from diffbatch.sched.output import SchedulerOutput
 from diffbatch.worker.worker import worker_main
+from tests.process_utils import wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -167,31 +167,7 @@ def wait_for_file(path: Path, timeout_s: float = DEADLINE_S) -> None:
 
 def worker_children() -> set[int]:
     """Pids of this process's live worker processes (`python -m diffbatch.worker`)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"diffbatch.worker" in cmdline and " Z " not in stat:
-            found.add(int(entry.name))
-    return found
-
-
-def wait_gone(pid: int, timeout_s: float = DEADLINE_S) -> bool:
-    """Wait (on the process's pidfd, not a sleep loop) until `pid` has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
+    return worker_pids(os.getpid())
 
 
 def recv_reply(conn) -> WorkerReply:
