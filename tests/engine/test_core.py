@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from diffbatch import Engine, SamplingParams
 from tests.fake_pipelines import GatedPipeline
-
-
-@pytest.fixture
-def gate():
-    GatedPipeline.entered.clear()
-    GatedPipeline.release.clear()
-    yield GatedPipeline
-    GatedPipeline.release.set()
 
 
 def submit(engine: Engine, prompt: str, request_id: str):

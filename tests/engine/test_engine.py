@@ -21,14 +21,6 @@ from tests.fake_pipelines import FakeBatchPipeline, FakeSinglePipeline, GatedPip
 FAKE = "tests.fake_pipelines.FakeBatchPipeline"
 
 
-@pytest.fixture
-def gate():
-    GatedPipeline.entered.clear()
-    GatedPipeline.release.clear()
-    yield GatedPipeline
-    GatedPipeline.release.set()
-
-
 def gated_engine(**kwargs) -> Engine:
     kwargs.setdefault("max_num_seqs", 4)
     kwargs.setdefault("request_batch_max_wait_ms", 0)  # fixed: these tests hold waves
