@@ -123,9 +123,16 @@ class EngineConfig:
         "fifo", rule=OneOf(SCHEDULING_POLICIES),
         help="fifo: waves from the queue head, an incompatible head blocks; grouped: waves "
         "from the best compatible group, by priority and age (see sched/grouped.py)")
+    step_execution: bool = option(
+        False, rule=Flag(),
+        help="step mode: requests join and leave the running batch between denoising "
+        "steps (mixed step counts share a forward, a cancelled request stops at the next "
+        "step); --max-num-seqs is the most requests in the running batch")
     max_head_wait_ms: float = option(
         2000.0, rule=FloatRange(0.0),
-        help="grouped: once the oldest request waited this long, its group goes next")
+        help="grouped: once the oldest request waited this long, its group goes next; "
+        "step mode (fifo and grouped): the running batch stops taking requests of its "
+        "key once a request of another key waited this long")
     max_wave_pixels: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="grouped: most output pixels (B*n*H*W) in one wave", default_help="no cap")
