@@ -31,6 +31,7 @@ from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
+from diffbatch.engine.step_core import StepEngineCore
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
     ConfigError,
@@ -112,11 +113,19 @@ class Engine:
         # 2. The executor loads the pipeline (in a worker process for "mp").
         self.executor = Executor.get_class(config.executor)(config)
         self.info: PipelineInfo = self.executor.info
+        if config.step_execution and not self.info.supports_step_execution:
+            self.executor.shutdown()
+            raise ConfigError(
+                f"step execution needs a pipeline that implements the step contract, but "
+                f"{self.info.name} does not (supports_step_execution=False); serve it "
+                "without --step-execution"
+            )
         # 3. The loop, then a warm-up request through the whole path.
         self.max_request_work = self._request_work_limit()
         self.policy = BatchPolicy(config, self.info,
                                   supports_request_batch=self.supports_request_batch)
-        self.core = EngineCore(config, self.executor, policy=self.policy,
+        core_class = StepEngineCore if config.step_execution else EngineCore
+        self.core = core_class(config, self.executor, policy=self.policy,
                                deliver=self._deliver)
         self.core.start()
         if config.warmup:
@@ -322,6 +331,8 @@ class Engine:
             per_request_guidance=self.info.supports_per_request_guidance
             and resolved.task == "text-to-image",
         )
+        if self.config.step_execution:  # each request runs its own schedule
+            request.key = request.key.for_step_execution()
         return request
 
     def _add(

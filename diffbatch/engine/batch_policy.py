@@ -189,6 +189,17 @@ class BatchPolicy:
                 return min(trial, num_waiting)
         return capacity
 
+    def step_capacity(self, key: SamplingParamsKey | None) -> int:
+        """Step mode: most requests in the running batch of `key`. A tick is one step
+        of the batch, so the wave cost curve's capacity rule holds for it; "auto"
+        takes the capacity learned for the key's shape (the calibration's curve, as
+        step mode feeds no waves back)."""
+        if not self.batching:
+            return 1
+        if not self.config.auto_capacity or key is None:
+            return self.config.capacity_limit if not self.config.auto_capacity else self.limit
+        return self.cost.capacity(Shape.of(key))
+
     # -- admission wait --------------------------------------------------------------
     def plan_wait(
         self, key: SamplingParamsKey | None, num_waiting: int, num_incoming: int = 0

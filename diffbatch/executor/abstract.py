@@ -69,6 +69,11 @@ class Executor(ABC):
             future.set_exception(exc)
         return future
 
+    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+        """Step mode: add the wave's requests to the running batch (at most `capacity`
+        requests run at once); one future per request, done when it leaves the batch."""
+        raise ConfigError(f"the {type(self).__name__} executor does not run step mode")
+
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:  # noqa: B027 - optional
         """Nobody waits for the wave behind `future` any more: stop it at its next
         denoising step, or drop it if it has not started; its requests then come back

@@ -70,6 +70,7 @@ from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
+    StepJoin,
     WorkerCall,
     WorkerCancel,
     WorkerError,
@@ -484,36 +485,70 @@ class MultiprocExecutor(Executor):
         worker.start_reader(self._read_replies)
         return worker, ready
 
+    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+        """Step mode: add the wave's requests to the worker's running batch; one future
+        per request, done when that request leaves the batch."""
+        def converter(request_id: str) -> Callable[[WorkerReply], BatchRunnerOutput]:
+            def convert(reply: WorkerReply) -> BatchRunnerOutput:
+                if reply.error is None:
+                    return reply.result
+                return BatchRunnerOutput.failed([request_id], reply.error.error)
+            return convert
+
+        pendings = [_PendingCall(f"request {r.request_id}", converter(r.request_id), Future())
+                    for r in wave.requests]
+        self._submit_calls("join", lambda ids: StepJoin(wave, ids, capacity), pendings)
+        return [p.future for p in pendings]
+
     def _submit(
         self, method: WorkerMethod, arg: Any, what: str, convert: Callable[[WorkerReply], Any]
     ) -> Future[Any]:
         """Send one call; its future gets `convert(reply)`, or the error that stopped it."""
-        future: Future[Any] = Future()
+        pending = _PendingCall(what, convert, Future())
+        self._submit_calls(method, lambda _ids: arg, [pending])
+        return pending.future
+
+    def _submit_calls(
+        self, method: WorkerMethod, make_arg: Callable[[list[int]], Any],
+        pendings: list[_PendingCall],
+    ) -> None:
+        """Send one call answered by one reply per pending (each with a call id of its
+        own; the call carries the first); each future gets its converted reply, or the
+        error that stopped it."""
+        what = pendings[0].what if len(pendings) == 1 else f"{len(pendings)} requests"
         with self._lock:
             closed, worker = self._closed, self._worker
             dead_message = self._dead_message() if worker is None else ""
             restarting = self._restart_thread is not None
         if closed:
-            future.set_exception(
-                EngineClosedError(f"the executor is shut down; cannot run {what}"))
-            return future
-        call_id = next(self._call_ids)
-        pending = _PendingCall(what, convert, future)
+            for p in pendings:
+                p.future.set_exception(
+                    EngineClosedError(f"the executor is shut down; cannot run {p.what}"))
+            return
+        call_ids = [next(self._call_ids) for _ in pendings]
         if worker is None and not restarting:  # dead for good
-            future.set_exception(EngineDeadError(f"cannot run {what}: {dead_message}"))
-            return future
-        if worker is None or not worker.add_pending(call_id, pending):
-            reason = dead_message if worker is None else f"worker process {worker.pid} died"
-            future.set_exception(WorkerDiedError(f"cannot run {what}: {reason}", started=False))
-            return future
+            for p in pendings:
+                p.future.set_exception(EngineDeadError(f"cannot run {p.what}: {dead_message}"))
+            return
+        registered = []
+        for call_id, pending in zip(call_ids, pendings, strict=True):
+            if worker is None or not worker.add_pending(call_id, pending):
+                reason = dead_message if worker is None else f"worker process {worker.pid} died"
+                pending.future.set_exception(
+                    WorkerDiedError(f"cannot run {pending.what}: {reason}", started=False))
+            else:
+                registered.append((call_id, pending))
+        if worker is None or not registered:
+            return
         try:
-            worker.send(WorkerCall(call_id, method, arg))
+            worker.send(WorkerCall(call_ids[0], method, make_arg(call_ids)))
         except (BrokenPipeError, EOFError, OSError):
-            pass  # the worker is gone; its reader fails this call with the reason
+            pass  # the worker is gone; its reader fails these calls with the reason
         except Exception as exc:  # the argument does not pickle; nothing was sent
-            if worker.pop_pending(call_id) is pending:
-                pending.resolve(WorkerReply(call_id, error=WorkerError.from_exception(exc)))
-        return future
+            logger.error("could not send %s to the worker: %s", what, exc)
+            for call_id, pending in registered:
+                if worker.pop_pending(call_id) is pending:
+                    pending.resolve(WorkerReply(call_id, error=WorkerError.from_exception(exc)))
 
     def _read_replies(self, worker: _Worker) -> None:
         """A worker's reader thread: answer pending calls until the worker is gone, and
@@ -604,13 +639,15 @@ class MultiprocExecutor(Executor):
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
         # The worker runs calls in order: the oldest was running, the others waited.
+        # In step mode every request sent may be in the running batch.
+        step_mode = self.config.step_execution
         for i, call in enumerate(pending):
             call.future.set_exception(
                 EngineClosedError(f"the executor was shut down while running {call.what}")
                 if closed else
                 WorkerDiedError(f"worker process died ({exit_text}) while running {call.what}",
                                 started=True)
-                if i == 0 else
+                if i == 0 or step_mode else
                 WorkerDiedError(f"worker process died ({exit_text}) before it started "
                                 f"{call.what}", started=False)
             )

@@ -31,42 +31,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffbatch.errors import ConfigError, WaveInterrupted
-from diffbatch.outputs import DiffusionOutput
+from diffbatch.outputs import DiffusionOutput, TickStats
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
 from diffbatch.worker.model_runner import check_outputs, make_generators, to_output_type
 
 if TYPE_CHECKING:
+    from diffbatch.ipc.messages import StepJoin
     from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import SamplingParamsKey
-    from diffbatch.sched.output import SchedulerOutput
     from diffbatch.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepJoin:
-    """The argument of a "join" call: requests to add to the running batch.
-
-    Each request has a call id of its own: its reply comes when it finishes, not when
-    its batch mates do.
-    """
-
-    wave: SchedulerOutput  # the joining requests, all of one key
-    call_ids: list[int]  # one per request, in order
-    capacity: int  # most requests in the running batch for this key
-
-
-@dataclass
-class TickStats:
-    """One tick of the running batch (crosses to the engine for metrics)."""
-
-    batch_size: int  # requests in the fused denoiser call
-    step_ms: float  # the tick's wall time (boundaries included)
-    forward_ms: float  # the fused denoiser call(s) alone
-    joins: int  # requests that entered the batch this tick
-    leaves: int  # requests that left it (finished, failed or cancelled)
 
 
 @dataclass

@@ -59,6 +59,7 @@ from diffbatch.ipc.messages import (
 )
 from diffbatch.outputs import BatchRunnerOutput
 from diffbatch.worker.malloc import tune_malloc
+from diffbatch.worker.step_runner import StepRunner
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -140,6 +141,7 @@ def worker_main(
             _pin(config.worker_cpus)
         runner = _load_runner(config, runner_factory or DEFAULT_RUNNER_FACTORY)
         info = runner.info()
+        steps = StepRunner(runner) if config.step_execution else None
     except BaseException as exc:  # a load failure is reported, then the worker exits
         logger.error("worker %d failed to load the pipeline: %s", os.getpid(), exc)
         _send_quietly(conn, WorkerReady(os.getpid(), error=WorkerError.from_exception(exc)))
@@ -150,7 +152,7 @@ def worker_main(
     if not _send_quietly(conn, WorkerReady(os.getpid(), info=info)):
         return
     _serve(runner, conn, config.shm_threshold_bytes,
-           heartbeat_interval_s(config.worker_stall_timeout_s))
+           heartbeat_interval_s(config.worker_stall_timeout_s), steps)
     conn.close()
     logger.info("worker %d exiting", os.getpid())
 
@@ -192,7 +194,7 @@ class _Unreadable:
         self.exc = exc
 
 
-class _Inbox:
+class Inbox:
     """Calls received and not yet run, in order, and the ids of cancelled calls.
 
     The receive thread puts and cancels; the main thread takes calls in order and
@@ -222,6 +224,25 @@ class _Inbox:
             self._cond.wait_for(lambda: self._calls or self._closed)
             return None if self._closed else self._calls.popleft()
 
+    def drain(self) -> list[WorkerCall | _Unreadable]:
+        """Every call received so far, without waiting (step mode, between ticks)."""
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+            return calls
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def cancelled_among(self, call_ids: set[int]) -> set[int]:
+        """Which of `call_ids` were cancelled (step mode: each request is a call)."""
+        return call_ids & self._cancelled
+
+    def forget(self, call_id: int) -> None:
+        """Forget a cancel of this call only (step mode: calls end out of order)."""
+        self._cancelled.discard(call_id)
+
     def cancel(self, call_id: int) -> None:
         self._cancelled.add(call_id)
 
@@ -233,7 +254,7 @@ class _Inbox:
         self._cancelled = {c for c in self._cancelled if c > call_id}
 
 
-def _receive(conn: Connection, inbox: _Inbox) -> None:
+def _receive(conn: Connection, inbox: Inbox) -> None:
     """The receive thread: calls into the inbox, cancels flagged at once."""
     while True:
         try:
@@ -262,10 +283,10 @@ def _beat(channel: _Channel, interval_s: float, stop: threading.Event) -> None:
 
 
 def _serve(runner: Any, conn: Connection, threshold_bytes: int,
-           heartbeat_s: float = 0.0) -> None:
+           heartbeat_s: float = 0.0, steps: StepRunner | None = None) -> None:
     """Serve calls until a shutdown call or a closed pipe; see the module docstring."""
     channel = _Channel(conn)
-    inbox = _Inbox()
+    inbox = Inbox()
     threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
                      name="diffbatch-worker-receive").start()
     stop_beating = threading.Event()
@@ -274,6 +295,10 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                          daemon=True, name="diffbatch-worker-heartbeat").start()
     takes_should_stop = _takes_should_stop(runner)
     try:
+        if steps is not None:
+            serve_steps(steps, runner, inbox,
+                        lambda reply: _send_reply(channel, reply), threshold_bytes)
+            return
         while True:
             call = inbox.get()
             if call is None:
@@ -290,6 +315,63 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                 return
     finally:
         stop_beating.set()
+
+
+def serve_steps(
+    steps: StepRunner, runner: Any, inbox: Inbox, send: Callable[[WorkerReply], bool],
+    threshold_bytes: int | None,
+) -> None:
+    """Step mode's loop: run ticks back to back while requests run, taking joins and
+    cancels between ticks; each request is answered the tick it leaves the batch.
+
+    Other calls (the engine's start-up calibration waves) run as in request mode,
+    between ticks. `threshold_bytes` None: replies are not packed into shared memory
+    (an in-process caller).
+    """
+    while True:
+        calls = [] if not steps.idle else [inbox.get()]
+        calls += inbox.drain()
+        if inbox.closed:
+            return
+        for call in calls:
+            if call is None:
+                return
+            if isinstance(call, _Unreadable):
+                reply = WorkerReply(UNREADABLE_CALL_ID,
+                                    error=WorkerError.from_exception(call.exc))
+            elif call.method == "shutdown":
+                return
+            elif call.method == "join":
+                steps.join(call.arg)
+                continue
+            else:
+                reply = _handle(runner, call, threshold_bytes) \
+                    if threshold_bytes is not None else _run_call(runner, call)
+            if not send(reply):
+                return
+        for call_id in inbox.cancelled_among(steps.call_ids()):
+            output = steps.cancel(call_id)
+            inbox.forget(call_id)
+            if output is not None and not send(WorkerReply(call_id, result=BatchRunnerOutput(
+                    outputs={output.request_id: output}, num_forwards=0))):
+                return
+        finished = steps.tick()
+        ticks = steps.take_ticks() if finished else []
+        for i, (call_id, output) in enumerate(finished):
+            result = BatchRunnerOutput(outputs={output.request_id: output},
+                                       forward_time_ms=output.execute_time_ms,
+                                       ticks=ticks if i == 0 else [])
+            reply = _pack_reply(call_id, result, threshold_bytes)
+            if not send(reply):
+                return
+
+
+def _run_call(runner: Any, call: WorkerCall) -> WorkerReply:
+    """Run a call in process (no shared memory); an exception becomes an error reply."""
+    try:
+        return WorkerReply(call.call_id, result=getattr(runner, call.method)(call.arg))
+    except Exception as exc:
+        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
 
 
 def _takes_should_stop(runner: Any) -> bool:
@@ -320,12 +402,20 @@ def _handle(
     except Exception as exc:
         logger.error("worker %d: %s raised %s", os.getpid(), call.method, type(exc).__name__)
         return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
+    return _pack_reply(call.call_id, result, threshold_bytes)
+
+
+def _pack_reply(call_id: int, result: Any, threshold_bytes: int | None) -> WorkerReply:
+    """The reply carrying `result`, its large tensors moved to shared memory (None:
+    left in place, for an in-process caller)."""
+    if threshold_bytes is None:
+        return WorkerReply(call_id, result=result)
     try:
         packed = shm.pack(result, threshold_bytes)
     except Exception as exc:  # e.g. /dev/shm is full; pack() already cleaned up
-        logger.error("worker %d: packing the %s result failed: %s", os.getpid(), call.method, exc)
-        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
-    return WorkerReply(call.call_id, result=packed)
+        logger.error("worker %d: packing a result failed: %s", os.getpid(), exc)
+        return WorkerReply(call_id, error=WorkerError.from_exception(exc))
+    return WorkerReply(call_id, result=packed)
 
 
 def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
