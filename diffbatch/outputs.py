@@ -74,7 +74,7 @@ class TickStats:
 
     batch_size: int  # requests in the fused denoiser call
     step_ms: float  # the tick's wall time (boundaries included)
-    forward_ms: float  # the fused denoiser call(s) alone
+    forward_ms: float  # the fused denoiser module call(s) alone (no fusing, no resuming)
     joins: int  # requests that entered the batch this tick
     leaves: int  # requests that left it (finished, failed or cancelled)
 

@@ -30,6 +30,7 @@ request mode already does): a request's image in step mode equals its solo run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -198,24 +199,37 @@ def _rebuild(template: dict[str, Any], values: dict[str, Any]) -> Any:
         return rebuilt
 
 
-def run_fused(calls: Sequence[ModuleCall]) -> list[tuple[bool, Any]]:
+def run_fused(calls: Sequence[ModuleCall],
+              module_ms: list[float] | None = None) -> list[tuple[bool, Any]]:
     """Run calls of one point as few module calls as possible; one (ok, value) each.
 
     Fusable calls run as one; a group that cannot be fused is split in halves until
     it can (one call always can). A fused call that raises is bisected the same way
     (error isolation): the calls whose own run raises get (False, exception), the
     others their result, exactly as if they had run without the failing ones.
+    `module_ms`, if given, gets the wall time of each module call made.
     """
     if len(calls) == 1:
         call = calls[0]
         try:
-            return [(True, call.run(*call.args, **call.kwargs))]
+            return [(True, _timed(call.run, call.args, call.kwargs, module_ms))]
         except Exception as exc:
             return [(False, exc)]
     try:
         args, kwargs = fuse_arguments(calls)
-        result = calls[0].run(*args, **kwargs)
+        result = _timed(calls[0].run, args, kwargs, module_ms)
         return [(True, part) for part in split_result(result, [c.batch_size for c in calls])]
     except Exception:
         mid = len(calls) // 2
-        return run_fused(calls[:mid]) + run_fused(calls[mid:])
+        return run_fused(calls[:mid], module_ms) + run_fused(calls[mid:], module_ms)
+
+
+def _timed(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           module_ms: list[float] | None) -> Any:
+    if module_ms is None:
+        return run(*args, **kwargs)
+    start = time.perf_counter()
+    try:
+        return run(*args, **kwargs)
+    finally:
+        module_ms.append((time.perf_counter() - start) * 1000.0)

@@ -119,14 +119,12 @@ class StepRunner:
             joins = self._admit()
             self._run_boundaries()
             batch = [t for t in self.running if t.pending is not None]
-            forward_ms = 0.0
+            module_ms: list[float] = []
             if batch:
                 size = len(batch)
                 for task in batch:
                     task.max_batch = max(task.max_batch, size)
-                forward_start = time.perf_counter()
-                self._resolve(batch)
-                forward_ms = (time.perf_counter() - forward_start) * 1000.0
+                self._resolve(batch, module_ms)
                 self._run_boundaries()
         left = [t for t in self.running if t.done]
         self.running = [t for t in self.running if not t.done]
@@ -141,7 +139,7 @@ class StepRunner:
             finished.append((task.call_id, output))
         if batch or left or joins:
             self.ticks.append(TickStats(len(batch), (time.perf_counter() - start) * 1000.0,
-                                        forward_ms, joins, len(left)))
+                                        sum(module_ms), joins, len(left)))
         return finished
 
     def _admit(self) -> int:
@@ -211,14 +209,15 @@ class StepRunner:
                 return
             self._resolve(calls)
 
-    def _resolve(self, tasks: list[_Task]) -> None:
-        """Run the tasks' pending calls, fused per fusion point, and resume each."""
+    def _resolve(self, tasks: list[_Task], module_ms: list[float] | None = None) -> None:
+        """Run the tasks' pending calls, fused per fusion point, and resume each
+        (`module_ms` gets the module calls' wall times)."""
         groups: dict[int, list[_Task]] = {}
         for task in tasks:
             assert task.pending is not None
             groups.setdefault(id(task.pending.point), []).append(task)
         for group in groups.values():
-            results = run_fused([t.pending for t in group])  # type: ignore[misc]
+            results = run_fused([t.pending for t in group], module_ms)  # type: ignore[misc]
             for task, (ok, value) in zip(group, results, strict=True):
                 assert task.greenlet is not None
                 if ok:
