@@ -165,3 +165,27 @@ def test_a_pipeline_without_the_step_contract_is_refused_by_name() -> None:
                          pipeline=FakeBatchPipeline.from_pretrained("fake"))
     with pytest.raises(ConfigError, match="FakeBatchPipeline.*cannot run in step mode"):
         StepRunner(runner)
+
+
+@pytest.mark.parametrize("task", ["image-to-image", "inpaint"])
+def test_edits_with_different_strengths_and_n_share_the_batch_and_equal_their_solo_runs(
+        task: str, load_tiny: Any) -> None:
+    from tests.pipelines.test_diffusers_edit import _image, _mask
+
+    pipeline = load_tiny("tiny-sd")
+    runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    made = [step_request(pipeline, i, 8, image=_image(i), strength=strength, n=2,
+                         **({"mask": _mask(4 * i)} if task == "inpaint" else {}))
+            for i, strength in enumerate([0.5, 0.75, 1.0])]
+    requests = [r for r, _ in made]
+    assert len({r.key for r in requests}) == 1  # strength is not in the step key
+    join(steps, requests, 0, capacity=4)
+    left = run_until_idle(steps)
+    for request, key in made:
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        assert output.images.shape[0] == 2
+        diff = (output.images - solo_image(runner, request, key)).abs().max().item()
+        assert diff <= TOLERANCE, f"{task} {request.request_id}: {diff}"
+    assert left["r0"][0] < left["r2"][0]  # strength 0.5 runs 4 steps, 1.0 all 8
