@@ -134,3 +134,55 @@ def test_a_worker_killed_mid_tick_fails_the_running_requests_clearly_then_serves
     assert step_engine.executor.wait_healthy(120)
     after = step_engine.generate(["after the crash"], [pt(5, 3)], use_tqdm=False)[0]
     assert after.ok, after.error
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_diffbatch_serve_step_execution_shares_steps_across_step_counts(tmp_path):
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.entrypoints.test_cli_serve import free_port, wait_ready
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", "tiny-sd", "--port",
+         str(port), "--step-execution", "--max-num-seqs", "4", "--max-request-work", "0"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, url)
+        joins_before = metric(url, "diffbatch_step_joins_total")
+
+        def generate(steps: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/images/generations", timeout=300, json={
+                "prompt": f"a circle in {steps} steps", "num_inference_steps": steps,
+                "seed": steps})
+
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(generate, 400)
+            wait_until(lambda: metric(url, "diffbatch_num_requests_running") == 1)
+            short = generate(4)
+            assert short.status_code == 200, short.text
+            assert short.headers["x-diffbatch-batch-size"] == "2"
+            assert not long.done()  # the 4-step request left while the 400-step one ran
+            assert long.result().status_code == 200
+            assert long.result().headers["x-diffbatch-batch-size"] == "2"
+        assert metric(url, "diffbatch_step_joins_total") - joins_before == 2
+        assert metric(url, "diffbatch_step_leaves_total") - joins_before == 2
+        assert metric(url, "diffbatch_step_batch_size_requests_count") >= 400
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
