@@ -97,7 +97,6 @@ class Engine:
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
         self._rng = random.Random(config.seed)
-        self.metrics: EngineMetrics | None = None
         # 1. Capability, from the class attribute, before anything is loaded.
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
@@ -112,12 +111,20 @@ class Engine:
         # 2. The executor loads the pipeline (in a worker process for "mp").
         self.executor = Executor.get_class(config.executor)(config)
         self.info: PipelineInfo = self.executor.info
-        # 3. The loop, then a warm-up request through the whole path.
+        # 3. The loop with its metrics and wave log, then a warm-up request through the
+        # whole path. The gauges read the core when scraped.
         self.max_request_work = self._request_work_limit()
         self.policy = BatchPolicy(config, self.info,
                                   supports_request_batch=self.supports_request_batch)
+        self.metrics = EngineMetrics(
+            lambda: self.core.num_waiting, lambda: self.core.num_running,
+            lambda: self.core.num_waiting_by_key(), self.policy.snapshot,
+            worker_health=self.executor.health_stats,
+        )
+        self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
         self.core = EngineCore(config, self.executor, policy=self.policy,
-                               deliver=self._deliver)
+                               deliver=self._deliver, metrics=self.metrics,
+                               wave_log=self.wave_log)
         self.core.start()
         if config.warmup:
             self._warmup()
@@ -132,15 +139,8 @@ class Engine:
             logger.info("calibration: %s; capacity at %s: %d", report.describe(),
                         self.policy.default_shape.label(),
                         self.policy.cost.capacity(self.policy.default_shape))
-        self.policy.serving = True
-        self.metrics = EngineMetrics(
-            lambda: self.core.num_waiting, lambda: self.core.num_running,
-            self.core.num_waiting_by_key, self.policy.snapshot,
-            worker_health=self.executor.health_stats,
-        )
-        self.core.metrics = self.metrics
-        self.wave_log = WaveLog()  # the waves run since start-up, for `GET /v1/waves`
-        self.core.wave_log = self.wave_log
+        # 5. Start-up is over: what runs from here on is counted (see `start_serving`).
+        self.core.start_serving()
         logger.info(
             "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%s (limit %d) wait=%s "
             "executor=%s",
@@ -375,7 +375,7 @@ class Engine:
                 output.images = _finalize_images(output.images, output_type)
             except Exception as exc:  # a malformed result fails only this request
                 output.images, output.error = None, RequestError.from_exception(exc)
-        if self.metrics is not None:
+        if self.core.serving:  # the warm-up request is not served traffic
             outcome = "aborted" if output.aborted else ("error" if output.error else "completed")
             queue_s = output.queue_time_ms / 1000.0 if output.batch_size else None
             self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
@@ -394,8 +394,7 @@ class Engine:
 
     def record_rejected(self, count: int = 1) -> None:
         """Count requests rejected before they reached the queue (outcome "rejected")."""
-        if self.metrics is not None:
-            self.metrics.requests.labels(outcome="rejected").inc(count)
+        self.metrics.requests.labels(outcome="rejected").inc(count)
 
     # -- public API ------------------------------------------------------------------
     def generate(

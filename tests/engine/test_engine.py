@@ -292,6 +292,27 @@ def test_every_refusal_at_admission_is_counted_once():
         assert engine.metrics.count("rejected") == 3
 
 
+@pytest.mark.parametrize("options", [
+    {"max_num_seqs": 2},
+    {"max_num_seqs": "auto", "max_num_seqs_limit": 2, "calibration_budget_s": 5.0},
+], ids=["warm-up", "warm-up-and-calibration"])
+def test_start_up_waves_are_not_counted_and_served_waves_are(options):
+    before = len(FakeBatchPipeline.wave_sizes)
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", warmup=True,
+                request_batch_max_wait_ms=0, **options) as engine:
+        num_start_up = len(FakeBatchPipeline.wave_sizes) - before
+        assert num_start_up >= (1 if options["max_num_seqs"] == 2 else 2)  # they ran
+        assert engine.metrics.wave_sizes_sum_count() == (0, 0)
+        assert engine.metrics.count("completed") == 0
+        assert engine.wave_log.since() == []
+        outputs = engine.generate(["a", "b"])
+        assert all(o.ok for o in outputs)
+        served = FakeBatchPipeline.wave_sizes[before + num_start_up:]
+        assert engine.metrics.wave_sizes_sum_count() == (2, len(served))
+        assert engine.metrics.count("completed") == 2
+        assert [e.num_requests for e in engine.wave_log.since()] == served
+
+
 def test_close_hands_out_outputs_that_finished_just_before_it():
     """A request whose wave finished is answered with its images, even when close()
     comes while its output is still on the way to its caller."""
