@@ -1,11 +1,16 @@
 """The logic of `POST /v1/images/generations` and `/v1/images/edits`: one HTTP request,
 one engine request.
 
-`OpenAIServingImages.create_image` is the whole flow, in stages:
+A request runs in stages: `prepare_image` (`prepare_edit` for an edit) runs 1-2,
+`generate` runs 3-5, and the route calls one after the other:
 
-1. check what depends on the served model and the server's options (model name,
-   the size rule: multiple, pixel cap, side cap);
-2. build `SamplingParams`;
+1. check what this server decides alone: the model name, `response_format`, `lora`
+   without `--lora-dir`, whether the model can run an edit at all (before its
+   uploads are decoded), and the size against the server's own limits (see
+   `SizeRule`); what depends on the model (its size multiple and pixel cap, the call
+   arguments it takes) is the engine's, checked once, when the request is added;
+2. build `SamplingParams` (an edit first decodes its uploaded image and mask,
+   `uploads.py`, in a worker thread);
 3. await `Engine.generate_async` alone, under the request timeout. Nothing else is
    awaited with it, so concurrent HTTP requests sit in the engine's queue together
    and batch there. Cancelling this coroutine (client disconnect, timeout) aborts
@@ -15,9 +20,9 @@ one engine request.
    blocks the event loop that serves the others;
 5. build the OpenAI response.
 
-`create_edit` is the same flow for an edit: stage 1 also checks that the model can
-edit, and stage 2 decodes the uploaded image and mask (`uploads.py`, in a worker
-thread) into the request's `SamplingParams`; stages 3-5 are shared.
+Nothing here counts refused requests: a refusal in stages 1-2 is counted with every
+other refusal the server answers, once, by the metrics middleware's hook
+(`api_server._rejection_counter`); one in stage 3 is the engine's own to count.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from diffbatch.entrypoints.openai.protocol import (
 )
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
-    DiffbatchError,
     InvalidRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
@@ -293,12 +297,44 @@ class OpenAIServingImages:
             message = message.replace(path, "<lora-dir>")
         return message
 
-    async def create_image(
-        self, request: ImageGenerationRequest, request_id: str,
+    def prepare_image(self, request: ImageGenerationRequest) -> SamplingParams:
+        """Stages 1-2 of a generation: the server's checks, then the engine-side params.
+
+        Raises:
+            DiffbatchError: a request this server refuses (400/404).
+        """
+        width, height = self.check_request(request)
+        return self.sampling_params(request, width, height)
+
+    async def prepare_edit(
+        self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
+    ) -> SamplingParams:
+        """Stages 1-2 of an edit: the server's checks, the uploads decoded off the event
+        loop (`image_data`, and `mask_data` if sent), then the engine-side params.
+
+        Raises:
+            DiffbatchError: as `prepare_image`, and 400 for an upload that is no usable
+                image or mask (`uploads.py`).
+        """
+        size = self.check_edit_request(request, has_mask=mask_data is not None)
+        inputs = await asyncio.to_thread(
+            decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
+            size=size, multiple=self.size_rule.multiple,
+            max_output_pixels=self.size_rule.max_pixels,
+        )
+        height, width = inputs.image.shape[:2]
+        self.size_rule.check(width, height, f"{width}x{height}")
+        return self.sampling_params(request, width, height).clone(
+            image=inputs.image, mask=inputs.mask, strength=request.strength,
+        )
+
+    async def generate(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
         arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
         base_url: str = "",
     ) -> ImageResult | JSONResponse:
-        """Run stages 1-5 for one request; a failed engine request becomes its error response.
+        """Stages 3-5 for a prepared request; a failed engine request becomes its error
+        response.
 
         `request_id` is the engine's id, made by the server; `client_request_id` (the
         client's `x-request-id`, if any) is only logged and echoed back. `base_url` (the
@@ -306,57 +342,10 @@ class OpenAIServingImages:
         unless the server has a `public_url`.
 
         Raises:
-            DiffbatchError: invalid input (400/404/413), a full queue (503), a dead
+            DiffbatchError: the engine's refusal (400/404, a full queue: 503), a dead
                 engine (503) or the request timeout (504); the app maps them.
         """
         start = time.perf_counter()
-        # 1-2. Check and build the engine-side request.
-        try:
-            width, height = self.check_request(request)
-            params = self.sampling_params(request, width, height)
-        except DiffbatchError:
-            self.engine.record_rejected()  # refused before reaching the engine
-            raise
-        return await self._generate(request, params, request_id, arrival_notice,
-                                    client_request_id, start, base_url)
-
-    async def create_edit(
-        self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
-        request_id: str, arrival_notice: ArrivalNotice | None = None,
-        client_request_id: str | None = None, base_url: str = "",
-    ) -> ImageResult | JSONResponse:
-        """`create_image` for an edit: `image_data` (and `mask_data`) are the uploads.
-
-        Raises:
-            DiffbatchError: as `create_image`, and 400 for an upload that is no usable
-                image or mask (`uploads.py`).
-        """
-        start = time.perf_counter()
-        # 1-2. Check, decode the uploads off the event loop, build the request.
-        try:
-            size = self.check_edit_request(request, has_mask=mask_data is not None)
-            inputs = await asyncio.to_thread(
-                decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
-                size=size, multiple=self.size_rule.multiple,
-                max_output_pixels=self.size_rule.max_pixels,
-            )
-            height, width = inputs.image.shape[:2]
-            self.size_rule.check(width, height, f"{width}x{height}")
-            params = self.sampling_params(request, width, height).clone(
-                image=inputs.image, mask=inputs.mask, strength=request.strength,
-            )
-        except DiffbatchError:
-            self.engine.record_rejected()
-            raise
-        return await self._generate(request, params, request_id, arrival_notice,
-                                    client_request_id, start, base_url)
-
-    async def _generate(
-        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
-        arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
-        base_url: str,
-    ) -> ImageResult | JSONResponse:
-        """Stages 3-5, shared by generations and edits."""
         width, height = params.width, params.height
         # 3. Generate; only this request is awaited here.
         try:

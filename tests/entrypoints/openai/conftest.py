@@ -84,6 +84,11 @@ def serve_in_thread(app: Any, *, ready_timeout_s: float = READY_TIMEOUT_S,
         assert not thread.is_alive(), "uvicorn did not shut down"
 
 
+def asgi_client(app: Any) -> httpx.AsyncClient:
+    """A client of `app` in this process (httpx's ASGI transport), no socket."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+
+
 def make_gate() -> type[GatedPipeline]:
     """A `GatedPipeline` subclass with fresh `entered`/`release` events."""
     return type(

@@ -206,16 +206,9 @@ async def test_models(client) -> None:
     assert_openai_error(await client.get("/v1/models/other"), 404, "model")
 
 
-async def test_rejections_are_counted_and_metrics_cover_both_layers(client, engine) -> None:
-    def rejected() -> float:
-        return engine.metrics.count("rejected")
-
-    before = rejected()
-    await client.post(ROUTE, json={"prompt": "p", "n": 0})  # protocol
-    await client.post(ROUTE, json={"prompt": "p", "size": "12x16"})  # serving check
-    await client.post(ROUTE, json={"prompt": "p", "lora": "missing"})  # engine check
-    await client.post(ROUTE, content=b"x", headers={"content-type": "text/plain"})  # guard
-    assert rejected() == before + 4
+async def test_metrics_cover_both_layers(client) -> None:
+    # Refusals and how they are counted: test_rejections.py.
+    assert (await client.post(ROUTE, json={"prompt": "p"})).status_code == 200
     text = (await client.get("/metrics")).text
     for name in ("diffbatch_requests_total", "diffbatch_wave_size_requests_bucket",
                  "diffbatch_num_requests_waiting", "diffbatch_http_requests_total",
