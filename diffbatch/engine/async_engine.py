@@ -18,7 +18,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import random
 import threading
@@ -41,6 +40,7 @@ from diffbatch.errors import (
     QueueFullError,
 )
 from diffbatch.executor.abstract import Executor
+from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.metrics import EngineMetrics
 from diffbatch.outputs import DiffusionOutput, RequestError
 from diffbatch.pipelines.interface import PipelineInfo
@@ -212,23 +212,21 @@ class Engine:
         )
 
     def _check_against_model(self, params: SamplingParams) -> None:
-        """The checks that depend on the loaded model, run once, at admission."""
+        """The checks that depend on the loaded model, run once, at admission (the HTTP
+        server checks only its own limits: see `diffbatch.image_size`)."""
         info = self.info
         pixels = params.height * params.width
-        if info.model_max_pixels is not None and pixels > info.model_max_pixels:
-            multiple = info.size_multiple
-            side = math.isqrt(info.model_max_pixels) // multiple * multiple
-            raise InvalidRequestError(
-                f"`size` must be at most {info.model_max_pixels} pixels (width * height) for "
-                f"{self.config.model}, e.g. {side}x{side}; got {params.width}x{params.height}",
-                param="size",
-            )
+        size = f"{params.width}x{params.height}"
+        cap, multiple = info.model_max_pixels, info.size_multiple
+        if cap is not None and pixels > cap:  # first: "99999x99999" is told it is too large
+            raise size_too_large(size, info.name, cap, largest_square(cap, multiple))
         for name in ("height", "width"):
             value = getattr(params, name)
-            if value % info.size_multiple:
+            if value % multiple:
                 raise InvalidRequestError(
-                    f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
-                    f"got {value}", param=name,
+                    f"`{name}` must be a multiple of {multiple} for {info.name}, got {value} "
+                    f"(size {size}: both sides must be multiples of {multiple}, e.g. "
+                    f"{info.default_width}x{info.default_height})", param=name,
                 )
         # The work limit comes after the model's own limits, whose messages say more.
         work = pixels * params.num_inference_steps * params.num_outputs_per_prompt

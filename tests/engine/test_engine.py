@@ -236,8 +236,9 @@ def test_sizes_above_the_models_own_limit_are_refused_naming_the_largest():
     """As OpenAI answers an unsupported size: 400 on `size`, naming a size that works."""
     with Engine(pipeline_class="tests.fake_pipelines.SmallModelPipeline",
                 executor="inproc") as engine:
-        with pytest.raises(InvalidRequestError, match=r"at most 1024 pixels .* e\.g\. 32x32") \
-                as info:
+        with pytest.raises(InvalidRequestError, match=r"`size` 32x64 is larger than "
+                           r"SmallModelPipeline generates: at most 1024 pixels .*; the "
+                           r"largest square size is 32x32") as info:
             engine.generate(["a"], SamplingParams(height=64, width=32))
         assert info.value.status_code == 400 and info.value.param == "size"
         assert engine.generate(["a"], SamplingParams(height=32, width=32))[0].ok

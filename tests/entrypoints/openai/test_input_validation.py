@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from diffbatch import Engine
+from diffbatch import Engine, InvalidRequestError, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
+from diffbatch.entrypoints.openai.serving_images import OpenAIServingImages
 from tests.entrypoints.openai.conftest import make_gate, wait_until
 from tests.fake_pipelines import FakeBatchPipeline, SmallModelPipeline
 
@@ -194,8 +195,21 @@ async def test_a_size_over_the_models_own_cap_is_a_400_naming_it() -> None:
             response = await client.post(ROUTE, json={"prompt": "p", "size": "64x64"})
             ok = await client.post(ROUTE, json={"prompt": "p", "size": "32x32"})
     error = assert_openai_error(response, 400, "size")
+    assert "larger than SmallModelPipeline generates" in error["message"]  # the engine's
     assert "the largest square size is 32x32" in error["message"]
     assert ok.status_code == 200, ok.text
+
+
+def test_the_server_checks_only_its_own_size_limit(engine: Engine) -> None:
+    """The model's limits (multiple, own cap) are the engine's, checked when the request is
+    added; the server checks only what holds for any model it could serve."""
+    serving = OpenAIServingImages(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS)
+    serving.check_size(12, 16, "12x16")  # not multiples of 8: the engine refuses it
+    with pytest.raises(InvalidRequestError, match="larger than this server generates"):
+        serving.check_size(64, 64, "64x64")
+    with pytest.raises(InvalidRequestError, match="multiples of 8") as info:
+        engine.generate(["p"], SamplingParams(width=12, height=16))
+    assert info.value.param == "width"  # over HTTP: `size` (the request's one field)
 
 
 @pytest.mark.parametrize(("size", "fragment"), [("12x16", "multiples of 8"),
