@@ -10,8 +10,7 @@ what it refuses; a request is never counted by both. In-process (ASGI transport)
 from __future__ import annotations
 
 import io
-import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -19,9 +18,8 @@ import pytest
 from PIL import Image
 
 from diffbatch import Engine, SamplingParams
-from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import asgi_client, make_gate
-from tests.fake_pipelines import POISON, FakeBatchPipeline
+from tests.entrypoints.openai.conftest import app_client, make_gate
+from tests.fake_pipelines import POISON
 
 KEY = "k"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -37,21 +35,10 @@ def png(size: tuple[int, int] = (16, 16)) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    lora_dir = tmp_path_factory.mktemp("loras")
-    os.makedirs(lora_dir / "notes")  # a folder without weights: no adapter
-    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
-                lora_dir=str(lora_dir), batch_error_isolation="none") as engine:
-        yield engine
-
-
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(engine, served_model_name="fake", api_key=KEY, max_image_pixels=32 * 32,
-                    max_body_bytes=4096, max_upload_bytes=64 * 1024,
-                    close_engine_on_shutdown=False)
-    async with asgi_client(app) as client:
+    async with app_client(engine, api_key=KEY, max_image_pixels=32 * 32, max_body_bytes=4096,
+                          max_upload_bytes=64 * 1024) as client:
         yield client
 
 
@@ -116,13 +103,12 @@ async def test_a_full_queue_is_counted_once() -> None:
     gate = make_gate()
     with Engine(pipeline_class=gate, executor="inproc", max_num_seqs=1, max_queue_size=1,
                 request_batch_max_wait_ms=0) as engine:
-        app = build_app(engine, served_model_name="gated", close_engine_on_shutdown=False)
         running = engine._submit("runs", SamplingParams(), "running", 0)[1]
         assert gate.entered.wait(GATE_TIMEOUT_S)
         waiting = engine._submit("waits", SamplingParams(), "waiting", 0)[1]
         try:
             before = counts(engine)
-            async with asgi_client(app) as client:
+            async with app_client(engine, served_model_name="gated") as client:
                 response = await client.post(ROUTE, json={"prompt": "one too many"})
             assert response.status_code == 503, response.text
             assert response.json()["error"]["code"] == "queue_full"
