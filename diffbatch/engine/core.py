@@ -28,8 +28,8 @@ Those start-up waves are not served traffic (a cold first forward, a request
 nobody sent), so the core records waves in the metrics and the wave log, and lets
 them teach the batch policy, only after `start_serving()`, which the engine calls
 once start-up (warm-up, then calibration, which drives the executor directly) is
-over. One phase switch, set in one place, instead of attaching the metrics late:
-whatever the core records, it records from the same moment on.
+over. One switch, in one place: whatever the core records, it records from the same
+moment on.
 
 Failures of the worker, not of the pipeline:
 
