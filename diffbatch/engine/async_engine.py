@@ -18,7 +18,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import random
 import threading
@@ -42,6 +41,7 @@ from diffbatch.errors import (
     QueueFullError,
 )
 from diffbatch.executor.abstract import Executor
+from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.metrics import EngineMetrics
 from diffbatch.outputs import DiffusionOutput, RequestError
 from diffbatch.pipelines.interface import PipelineInfo
@@ -98,7 +98,6 @@ class Engine:
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
         self._rng = random.Random(config.seed)
-        self.metrics: EngineMetrics | None = None
         # 1. Capability, from the class attribute, before anything is loaded.
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
@@ -120,13 +119,21 @@ class Engine:
                 f"{self.info.name} does not (supports_step_execution=False); serve it "
                 "without --step-execution"
             )
-        # 3. The loop, then a warm-up request through the whole path.
+        # 3. The loop with its metrics and wave log, then a warm-up request through the
+        # whole path. The gauges read the core when scraped.
         self.max_request_work = self._request_work_limit()
         self.policy = BatchPolicy(config, self.info,
                                   supports_request_batch=self.supports_request_batch)
+        self.metrics = EngineMetrics(
+            lambda: self.core.num_waiting, lambda: self.core.num_running,
+            lambda: self.core.num_waiting_by_key(), self.policy.snapshot,
+            worker_health=self.executor.health_stats,
+        )
+        self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
         core_class = StepEngineCore if config.step_execution else EngineCore
         self.core = core_class(config, self.executor, policy=self.policy,
-                               deliver=self._deliver)
+                               deliver=self._deliver, metrics=self.metrics,
+                               wave_log=self.wave_log)
         self.core.start()
         if config.warmup:
             self._warmup()
@@ -141,15 +148,8 @@ class Engine:
             logger.info("calibration: %s; capacity at %s: %d", report.describe(),
                         self.policy.default_shape.label(),
                         self.policy.cost.capacity(self.policy.default_shape))
-        self.policy.serving = True
-        self.metrics = EngineMetrics(
-            lambda: self.core.num_waiting, lambda: self.core.num_running,
-            self.core.num_waiting_by_key, self.policy.snapshot,
-            worker_health=self.executor.health_stats,
-        )
-        self.core.metrics = self.metrics
-        self.wave_log = WaveLog()  # the waves run since start-up, for `GET /v1/waves`
-        self.core.wave_log = self.wave_log
+        # 5. Start-up is over: what runs from here on is counted (see `start_serving`).
+        self.core.start_serving()
         logger.info(
             "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%s (limit %d) wait=%s "
             "executor=%s",
@@ -221,23 +221,21 @@ class Engine:
         )
 
     def _check_against_model(self, params: SamplingParams) -> None:
-        """The checks that depend on the loaded model, run once, at admission."""
+        """The checks that depend on the loaded model, run once, at admission (the HTTP
+        server checks only its own limits: see `diffbatch.image_size`)."""
         info = self.info
         pixels = params.height * params.width
-        if info.model_max_pixels is not None and pixels > info.model_max_pixels:
-            multiple = info.size_multiple
-            side = math.isqrt(info.model_max_pixels) // multiple * multiple
-            raise InvalidRequestError(
-                f"`size` must be at most {info.model_max_pixels} pixels (width * height) for "
-                f"{self.config.model}, e.g. {side}x{side}; got {params.width}x{params.height}",
-                param="size",
-            )
+        size = f"{params.width}x{params.height}"
+        cap, multiple = info.model_max_pixels, info.size_multiple
+        if cap is not None and pixels > cap:  # first: "99999x99999" is told it is too large
+            raise size_too_large(size, info.name, cap, largest_square(cap, multiple))
         for name in ("height", "width"):
             value = getattr(params, name)
-            if value % info.size_multiple:
+            if value % multiple:
                 raise InvalidRequestError(
-                    f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
-                    f"got {value}", param=name,
+                    f"`{name}` must be a multiple of {multiple} for {info.name}, got {value} "
+                    f"(size {size}: both sides must be multiples of {multiple}, e.g. "
+                    f"{info.default_width}x{info.default_height})", param=name,
                 )
         # The work limit comes after the model's own limits, whose messages say more.
         work = pixels * params.num_inference_steps * params.num_outputs_per_prompt
@@ -386,7 +384,7 @@ class Engine:
                 output.images = _finalize_images(output.images, output_type)
             except Exception as exc:  # a malformed result fails only this request
                 output.images, output.error = None, RequestError.from_exception(exc)
-        if self.metrics is not None:
+        if self.core.serving:  # the warm-up request is not served traffic
             outcome = "aborted" if output.aborted else ("error" if output.error else "completed")
             queue_s = output.queue_time_ms / 1000.0 if output.batch_size else None
             self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
@@ -405,8 +403,7 @@ class Engine:
 
     def record_rejected(self, count: int = 1) -> None:
         """Count requests rejected before they reached the queue (outcome "rejected")."""
-        if self.metrics is not None:
-            self.metrics.requests.labels(outcome="rejected").inc(count)
+        self.metrics.requests.labels(outcome="rejected").inc(count)
 
     # -- public API ------------------------------------------------------------------
     def generate(

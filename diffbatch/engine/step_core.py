@@ -132,6 +132,6 @@ class StepEngineCore(EngineCore):
             self._outbox.put((request, output))
 
     def _observe_ticks(self, runner_output: BatchRunnerOutput) -> None:
-        if self.metrics is not None:
+        if self.metrics is not None and self.serving:
             for tick in runner_output.ticks:
                 self.metrics.observe_tick(tick)

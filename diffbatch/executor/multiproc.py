@@ -122,8 +122,7 @@ class _PendingCall:
 class _Worker:
     """One worker process, the engine's end of its pipe and the calls it owes."""
 
-    def __init__(self, config: EngineConfig, runner_factory: str | None,
-                 env: dict[str, str]) -> None:
+    def __init__(self, config: EngineConfig, env: dict[str, str]) -> None:
         parent_sock, child_sock = socket.socketpair()
         life_read, self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
         child_fd = child_sock.detach()
@@ -158,7 +157,7 @@ class _Worker:
         self.frozen_for: float | None = None  # heartbeat silence when it was killed as frozen
         log_level = logging.getLogger("diffbatch").getEffectiveLevel()
         with contextlib.suppress(OSError):  # it died already: wait_ready reports why
-            self.send(WorkerStart(config, runner_factory, log_level))
+            self.send(WorkerStart(config, log_level))
 
     @property
     def waitables(self) -> list[Any]:
@@ -311,17 +310,12 @@ def _check_pipeline_class_importable(config: EngineConfig) -> None:
 
 
 class MultiprocExecutor(Executor):
-    """Runs the `ModelRunner` in a worker process; see the module docstring.
-
-    `runner_factory` ("module:attr") replaces `ModelRunner` in the worker; tests use
-    it to inject a fake runner.
-    """
+    """Runs the `ModelRunner` in a worker process; see the module docstring."""
 
     def __init__(
         self,
         config: EngineConfig,
         *,
-        runner_factory: str | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         restart_on_death: bool = True,
@@ -329,7 +323,6 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         _check_pipeline_class_importable(config)
         self._env = _worker_env(config)
-        self._runner_factory = runner_factory
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
         self._restart_on_death = restart_on_death
@@ -465,7 +458,7 @@ class MultiprocExecutor(Executor):
 
     def _start_worker(self, *, replacement: bool = False) -> tuple[_Worker, WorkerReady]:
         start = time.monotonic()
-        worker = _Worker(self.config, self._runner_factory, self._env)
+        worker = _Worker(self.config, self._env)
         with self._lock:
             closed = self._closed
             if replacement and not closed:

@@ -83,7 +83,6 @@ class WorkerStart:
     """Engine -> worker, the first message on the pipe: what to load and how to log."""
 
     config: EngineConfig  # the engine's config (model, pipeline class, threads, ...)
-    runner_factory: str | None = None  # "module:attr" replacing ModelRunner (tests)
     log_level: int | None = None  # the engine process's diffbatch log level
 
 

@@ -318,7 +318,7 @@ class DiffusersT2IPipeline(BasePipeline):
             cfg_threshold=cfg_threshold,
             supports_per_request_guidance=self._per_sample_guidance_ok(cfg_threshold),
             supports_step_execution=self.supports_step_execution,
-            model_max_pixels=int(d["max_image_pixels"]) if "max_image_pixels" in d else None,
+            model_max_pixels=int(d["model_max_pixels"]) if "model_max_pixels" in d else None,
             call_arguments=frozenset(
                 name for name in self._call_params
                 if name not in _RESERVED or name in ("sigmas", "timesteps")

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list, pin_to_cpus
 from diffbatch.errors import ConfigError
-from diffbatch.imports import import_by_name
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RUNNER_FACTORY = "diffbatch.worker.model_runner:ModelRunner"
 _LOG_FORMAT = "%(asctime)s %(levelname)s [worker %(process)d] %(name)s: %(message)s"
 
 
@@ -94,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0  # the engine went away before it said what to load
     if not isinstance(start, WorkerStart):
         return 2
-    worker_main(start.config, conn, start.runner_factory, start.log_level)
+    worker_main(start.config, conn, start.log_level)
     return 0
 
 
@@ -118,14 +116,12 @@ def _watch_lifeline(fd: int) -> None:
 def worker_main(
     config: EngineConfig,
     conn: Connection,
-    runner_factory: str | None = None,
     log_level: int | None = None,
 ) -> None:
     """Run the worker: load, report ready, serve calls until shutdown or pipe close.
 
-    `runner_factory` names a callable `factory(config)` returning a runner (default:
-    `ModelRunner`); tests pass a fake here. It may also run in a process started by
-    `multiprocessing` (tests do), with the engine's end of a `Pipe` as `conn`.
+    It may also run in a process started by `multiprocessing` (tests do), with the
+    engine's end of a `Pipe` as `conn`.
     `log_level` is the engine process's diffbatch log level; a new process starts
     with logging unconfigured.
     """
@@ -139,7 +135,7 @@ def worker_main(
     try:
         if config.worker_cpus is not None:  # before torch starts threads: they inherit it
             _pin(config.worker_cpus)
-        runner = _load_runner(config, runner_factory or DEFAULT_RUNNER_FACTORY)
+        runner = _load_runner(config)
         info = runner.info()
         steps = StepRunner(runner) if config.step_execution else None
     except BaseException as exc:  # a load failure is reported, then the worker exits
@@ -165,13 +161,15 @@ def _pin(worker_cpus: str) -> None:
     logger.info("worker %d pinned to CPUs %s", os.getpid(), worker_cpus)
 
 
-def _load_runner(config: EngineConfig, runner_factory: str) -> Any:
+def _load_runner(config: EngineConfig) -> Any:
     """Set torch's threads, then build the runner (which loads the pipeline)."""
     import torch
 
+    from diffbatch.worker.model_runner import ModelRunner
+
     if config.torch_num_threads is not None:
         torch.set_num_threads(config.torch_num_threads)
-    return import_by_name(runner_factory, what="runner_factory")(config)
+    return ModelRunner(config)
 
 
 class _Channel:

@@ -163,7 +163,7 @@ def test_a_pipeline_without_the_step_contract_is_refused_by_name() -> None:
 
     runner = ModelRunner(EngineConfig(model="tiny-sd"),
                          pipeline=FakeBatchPipeline.from_pretrained("fake"))
-    with pytest.raises(ConfigError, match="FakeBatchPipeline.*cannot run in step mode"):
+    with pytest.raises(ConfigError, match=r"FakeBatchPipeline.*cannot run in step mode"):
         StepRunner(runner)
 
 

@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RunningServer, gated_server, wait_until
+from tests.entrypoints.openai.conftest import RunningServer, gated_server
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 

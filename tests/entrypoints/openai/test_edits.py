@@ -22,7 +22,7 @@ from PIL import Image
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.uploads import auto_size
-from tests.entrypoints.openai.conftest import serve_in_thread
+from tests.entrypoints.openai.conftest import app_client, serve_in_thread
 from tests.entrypoints.openai.test_input_validation import assert_openai_error
 from tests.fake_pipelines import FakeBatchPipeline, NoEditPipeline
 
@@ -61,10 +61,8 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS,
-                    max_upload_bytes=64 * 1024, close_engine_on_shutdown=False)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+    async with app_client(engine, max_image_pixels=MAX_PIXELS,
+                          max_upload_bytes=64 * 1024) as client:
         yield client
 
 
@@ -179,9 +177,7 @@ async def test_form_shape_errors(client) -> None:
 
 async def test_a_model_without_edit_pipelines_names_itself() -> None:
     with Engine(pipeline_class=NoEditPipeline, executor="inproc") as engine:
-        app = build_app(engine, served_model_name="no-edits", close_engine_on_shutdown=False)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://app") as client:
+        async with app_client(engine, served_model_name="no-edits") as client:
             plain = await edit(client, png())
             painted = await edit(client, png(), mask_png())
     assert "'no-edits'" in assert_openai_error(plain, 400, "image")["message"]

@@ -24,15 +24,9 @@ from diffbatch.entrypoints.openai.openapi import size_pattern
 from diffbatch.entrypoints.openai.protocol import NOT_BLANK_PATTERN
 from diffbatch.entrypoints.openai.serving_images import SizeRule
 from tests.entrypoints.openai.conftest import serve_in_thread
-from tests.entrypoints.openai.test_input_validation import make_lora_dir
 from tests.fake_pipelines import FakeBatchPipeline
 
 MAX_PIXELS = 32 * 32
-
-
-@pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_lora_dir(tmp_path_factory.mktemp("loras"))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import RunningServer, serve_in_thread, wait_until
+from tests.entrypoints.openai.conftest import RunningServer, serve_in_thread
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 
