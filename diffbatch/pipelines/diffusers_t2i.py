@@ -384,7 +384,9 @@ class DiffusersT2IPipeline(BasePipeline):
         if self._copy_per_call:
             pipe = copy.copy(pipe)
             pipe.scheduler = copy.deepcopy(pipe.scheduler)
-        kwargs = {**self.call_kwargs(batch), **self._interrupt_kwargs(batch, pipe)}
+        kwargs = self.call_kwargs(batch)
+        if not self._copy_per_call:  # step mode takes a cancelled request out itself
+            kwargs.update(self._interrupt_kwargs(batch, pipe))
         images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
             raise ValueError(
