@@ -81,10 +81,8 @@ class StepEngineCore(EngineCore):
         room = PREFETCH_FACTOR * capacity - len(self.in_flight)
         if room <= 0:
             return None
-        if key is None:
+        if key is None:  # a new batch: the scheduler's next wave starts it
             wave = self.scheduler.schedule()
-            if wave.num_requests > room:  # cannot happen: a wave holds <= capacity
-                raise RuntimeError(f"a new batch of {wave.num_requests} > room {room}")
         else:
             wave = self.scheduler.schedule_joiners(key, room)
         return None if wave.is_empty else wave
