@@ -204,13 +204,14 @@ def test_a_queued_wave_nobody_waits_for_is_dropped_before_it_starts(
 
 
 def test_a_request_over_the_work_limit_is_refused_with_400(faulty: Faulty) -> None:
-    # "auto": 100x the fake model's default request (16x16, 2 steps, one image).
+    # "auto": 100x the fake model's default image (16x16, 2 steps), per image.
     limit = 100 * 16 * 16 * 2
     assert faulty.server.engine.max_request_work == limit
     response = httpx.post(f"{faulty.server.url}{ROUTE}", timeout=DEADLINE_S, json={
-        "prompt": "a cat", "size": "64x64", "num_inference_steps": 10, "n": 2})
+        "prompt": "a cat", "size": "64x64", "num_inference_steps": 20})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "num_inference_steps"
-    assert f"at most {limit}" in error["message"] and "--max-request-work" in error["message"]
-    assert "64x64 x 10 steps x 2 image(s) = 81920" in error["message"]
+    assert f"at most {limit} per image" in error["message"]
+    assert "--max-request-work" in error["message"]
+    assert "64x64 x 20 steps = 81920 pixel-steps" in error["message"]
