@@ -106,9 +106,16 @@ class EngineConfig:
         "steps)")
     worker_stall_timeout_s: float = option(
         10.0, rule=FloatRange(0.0), flag="--worker-stall-timeout", metavar="SECONDS",
-        help="mp: a worker whose heartbeat is silent this long (frozen, e.g. stopped) is "
-        "reported on /health and /metrics, killed and replaced; its wave is re-run "
-        "(0 = never)")
+        help="mp: a worker whose heartbeat is silent this long (frozen, e.g. stopped), or "
+        "whose wave runs past --wave-stall-factor, is reported on /health and /metrics, "
+        "killed and replaced; its wave is re-run (0 = never)")
+    wave_stall_factor: float = option(
+        10.0, rule=FloatRange(0.0), metavar="K",
+        help="mp: a wave still running after K times its expected time (the learned cost "
+        "curve of its shape and size) and at least --worker-stall-timeout means the "
+        "worker is stuck though its heartbeat lives (a hung forward): it is handled as a "
+        "silent one; a shape with no wave measured yet has no expected time (0 = "
+        "heartbeat only)")
     max_queue_size: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="most waiting requests; more are refused (HTTP 503 with Retry-After)",

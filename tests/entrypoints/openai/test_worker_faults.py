@@ -59,9 +59,12 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
     markers = tmp_path_factory.mktemp("markers")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(markers))  # the worker inherits it
+        # Its waves hang on purpose for as long as a test needs: no stuck-wave bound
+        # (that has a server of its own below).
         engine = Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="mp",
                         max_num_seqs=4, request_batch_max_wait_ms=0, max_waves_in_flight=2,
-                        worker_stall_timeout_s=STALL_TIMEOUT_S, torch_num_threads=1)
+                        worker_stall_timeout_s=STALL_TIMEOUT_S, wave_stall_factor=0,
+                        torch_num_threads=1)
     try:
         app = build_app(engine, served_model_name="faulty")
         timeout_app = build_app(engine, served_model_name="faulty", request_timeout_s=1.0,
@@ -147,6 +150,39 @@ def test_a_frozen_worker_is_reported_then_replaced_and_its_wave_re_run(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_forward_that_hangs_while_the_heartbeat_lives_is_a_stuck_worker(
+    tmp_path: Path, pool: ThreadPoolExecutor,
+) -> None:
+    """The worker's heartbeat thread beats on while its forward hangs: once the wave has
+    run past its stall bound (10x its learned time, at least the 1 s stall timeout)
+    the worker is reported, counted, killed and replaced, and the wave re-run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(tmp_path))
+        engine = Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="mp",
+                        max_num_seqs=1, request_batch_max_wait_ms=0,
+                        worker_stall_timeout_s=1.0, torch_num_threads=1)
+    try:
+        with serve_in_thread(build_app(engine, served_model_name="faulty")) as url:
+            server = RunningServer(url, engine, None)
+            # A wave of the shape teaches its expected time (before one, no bound).
+            assert post(pool, url, "fine").result().status_code == 200
+            running = post(pool, url, "hang-once stuck")
+            wait_until((tmp_path / "stuck").exists, timeout_s=DEADLINE_S, what="the hang")
+            health: list[httpx.Response] = []
+            wait_until(lambda: health.append(httpx.get(f"{url}/health")) or
+                       health[-1].status_code == 503, timeout_s=DEADLINE_S,
+                       what="/health to report the stuck worker")
+            assert_503_with_retry_after(health[-1])
+            assert "stuck: wave" in health[-1].json()["error"]["message"]  # not "frozen"
+            assert server.metric("diffbatch_worker_stuck_waves_total") == 1
+            assert server.metric("diffbatch_worker_frozen_total") == 1
+            response = running.result()
+            assert response.status_code == 200, response.text  # re-run on the replacement
+            assert server.metric("diffbatch_waves_rerun_total") == 1
+    finally:
+        engine.close()
 
 
 def test_a_disconnect_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
