@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.process_utils import wait_gone, worker_pids
 
@@ -98,10 +99,13 @@ def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     return proc, f"http://127.0.0.1:{port}", log
 
 
-def metric_value(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """One sample of the server's `/metrics`, by name and labels (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
     return 0.0
 
 
