@@ -11,10 +11,8 @@ every test starts from a healthy worker.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +24,13 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import RunningServer, serve_in_thread, wait_until
+from tests.entrypoints.openai.conftest import (
+    RunningServer,
+    disconnect,
+    open_raw_request,
+    serve_in_thread,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -189,12 +193,9 @@ def test_a_disconnect_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
     server = faulty.server
     faulty.healthy_worker()
     cancelled = faulty.metric("diffbatch_waves_cancelled_total")
-    body = json.dumps({"prompt": "steps disconnected"}).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(f"POST {ROUTE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        faulty.wait_for_marker("disconnected")  # its wave runs (for ten minutes, unless...)
-        sock.shutdown(socket.SHUT_RDWR)
+    sock = open_raw_request(server.port, {"prompt": "steps disconnected"})
+    faulty.wait_for_marker("disconnected")  # its wave runs (for ten minutes, unless...)
+    disconnect(sock)
     faulty.wait_for_marker("disconnected.interrupted")  # ...stopped at its next step
     wait_until(lambda: server.engine.num_running == 0, what="the running gauge to drop")
     assert faulty.metric("diffbatch_waves_cancelled_total") == cancelled + 1
