@@ -89,8 +89,11 @@ class _WorkerHealth(Collector):
         for name, key, text in (
             ("diffbatch_worker_deaths", "deaths", "Worker processes that died while serving "
              "(killed as frozen included)."),
-            ("diffbatch_worker_frozen", "frozen", "Worker processes killed because their "
-             "heartbeat was silent for --worker-stall-timeout."),
+            ("diffbatch_worker_frozen", "frozen", "Worker processes killed because they "
+             "stopped making progress: heartbeat silent for --worker-stall-timeout, or a wave "
+             "running past its stall bound (--wave-stall-factor)."),
+            ("diffbatch_worker_stuck_waves", "stuck_waves", "Of those, workers killed because "
+             "a wave ran past its stall bound while the heartbeat lived (a hung forward)."),
             ("diffbatch_worker_restarts", "restarts", "Replacement worker processes started."),
         ):
             yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))

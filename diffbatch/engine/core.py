@@ -35,6 +35,9 @@ Failures of the worker, not of the pipeline:
 
 - while the executor restarts a dead worker (`executor.is_restarting`), nothing is
   dispatched: the queue waits for the replacement (its ready listener wakes the loop);
+- each wave is handed over with its stall bound (`BatchPolicy.stall_bound_s`: a
+  multiple of its learned expected time); an executor that watches a worker treats
+  a wave running past it like a silent heartbeat: the worker is killed and replaced;
 - a wave whose worker died under it (`WorkerDiedError`, `started`) is re-run on the
   replacement split in halves, as bisect isolation does, so only a request that
   kills the worker again on its own fails (naming the crash); a wave that was only
@@ -436,7 +439,8 @@ class EngineCore:
     def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
         """Hand the wave to the executor (outside the lock) and track it."""
         dispatched = time.monotonic()
-        future = self.executor.submit_batch(wave)
+        stall_after_s = self.policy.stall_bound_s(wave.key, wave.num_requests)
+        future = self.executor.submit_batch(wave, stall_after_s=stall_after_s)
         record = InFlightWave(wave, future, dispatched, self.last_admission_reason,
                               crashed_before=crashed_before)
         with self.cond:

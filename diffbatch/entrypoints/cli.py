@@ -101,7 +101,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
         help="on SIGTERM or Ctrl-C: refuse new requests and answer waiting ones 503 at once, "
         "let running waves finish for this long, then interrupt them (503), stop the "
-        "worker and exit",
+        "worker and exit. With --ray it is each replica's graceful shutdown timeout in Ray "
+        "Serve: a stopping replica gets no new requests, finishes those it holds (queued "
+        "ones too) until then, then is killed and the rest are answered 503 "
+        "(docs/scaling.md)",
     )
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,

@@ -60,8 +60,16 @@ class Executor(ABC):
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Run one wave with one fused pipeline forward."""
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
-        """Start `execute_batch`; the future holds its output or its exception."""
+    def submit_batch(
+        self, scheduler_output: SchedulerOutput, *, stall_after_s: float | None = None,
+    ) -> Future[BatchRunnerOutput]:
+        """Start `execute_batch`; the future holds its output or its exception.
+
+        `stall_after_s`: once the wave has run this long, its runner counts as stuck
+        (an executor that can replace its runner does so, as for a silent heartbeat);
+        None = no bound. An executor that runs the wave in the caller's thread cannot
+        watch it and ignores the bound.
+        """
         future: Future[BatchRunnerOutput] = Future()
         try:
             future.set_result(self.execute_batch(scheduler_output))
@@ -96,7 +104,8 @@ class Executor(ABC):
 
     def health_stats(self) -> dict[str, float]:
         """Numbers for /metrics: `up` (1 or 0), `heartbeat_age_s`, and the counts
-        `deaths`, `frozen` and `restarts`; an executor reports what it has."""
+        `deaths`, `frozen` (killed as stalled), `stuck_waves` (of those, for a wave past
+        its stall bound) and `restarts`; an executor reports what it has."""
         return {}
 
     @abstractmethod

@@ -6,9 +6,9 @@ worker's life, as the serving worker of one executor:
 
     starting --WorkerReady--> serving --exit/kill--> dead --replacement ready--> serving
        |  load error, timeout    |                    ^  |  restart fails
-       v                         | no heartbeat for   |  v
-    (start-up raises)            v the stall timeout  |  dead for good (unhealthy)
-                               frozen ---SIGKILL------+
+       v                         | no heartbeat, or   |  v
+    (start-up raises)            v a wave past bound  |  dead for good (unhealthy)
+                               stalled --SIGKILL------+
     any state --shutdown()--> closed
 
 - start-up runs `python -m diffbatch.worker` as its own program (never a re-import of
@@ -27,9 +27,13 @@ worker's life, as the serving worker of one executor:
   with aborted outputs;
 - one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
-  the call it answers. The worker sends a heartbeat every second or so; when none
-  came for `worker_stall_timeout_s` (the process is stopped, or starved), the
-  reader declares it frozen, kills it (SIGKILL) and handles the death below;
+  the call it answers. It also watches for a worker that stopped making progress
+  (stalled): the worker sends a heartbeat every second or so from a thread of its
+  own, so when none came for `worker_stall_timeout_s` the process is stopped or
+  starved ("frozen"); when the heartbeat lives but the running wave is past the
+  stall bound it was submitted with (`submit_batch(stall_after_s=...)`, a multiple
+  of its expected time), its forward hangs ("stuck"). Either way the reader kills
+  it (SIGKILL) and handles the death below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
   oldest with `started=True`: it was running; the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor
@@ -60,7 +64,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +113,8 @@ class _PendingCall:
     what: str  # "wave 3 (8 requests)", for errors and logs
     convert: Callable[[WorkerReply], Any]  # the unpacked reply -> the future's result
     future: Future[Any]
+    stall_after_s: float | None = None  # running longer than this: the worker is stuck
+    sent: float = field(default_factory=time.monotonic)  # when it was sent
 
     def resolve(self, reply: WorkerReply) -> None:
         try:
@@ -154,7 +160,9 @@ class _Worker:
         self.accepting = True  # False once the reader has failed what was pending
         self.reader: threading.Thread | None = None
         self.last_heard = time.monotonic()  # the last message from it (reader thread)
-        self.frozen_for: float | None = None  # heartbeat silence when it was killed as frozen
+        self.last_reply = 0.0  # when the last reply came: the next call started then
+        self.resumed = 0.0  # when this process last woke from a suspension of its own
+        self.stalled: str | None = None  # why it was killed as stalled ("frozen: ...")
         log_level = logging.getLogger("diffbatch").getEffectiveLevel()
         with contextlib.suppress(OSError):  # it died already: wait_ready reports why
             self.send(WorkerStart(config, log_level))
@@ -183,6 +191,16 @@ class _Worker:
         """The id of the unanswered call whose future is `future`, if any."""
         with self.pending_lock:
             return next((cid for cid, p in self.pending.items() if p.future is future), None)
+
+    def running_call(self) -> tuple[_PendingCall, float] | None:
+        """The call the worker runs now (the oldest unanswered: it runs them in order)
+        and since when: its sending, the previous reply, or a resume of this process,
+        whichever came last."""
+        with self.pending_lock:
+            call = next(iter(self.pending.values()), None)
+        if call is None:
+            return None
+        return call, max(call.sent, self.last_reply, self.resumed)
 
     def close_pending(self) -> list[_PendingCall]:
         """Stop accepting calls; return the unanswered ones (for the caller to fail)."""
@@ -338,7 +356,8 @@ class MultiprocExecutor(Executor):
         self._stall_timeout_s = config.worker_stall_timeout_s  # 0: never declared frozen
         self.num_restarts = 0  # replacement workers started after a death
         self.num_deaths = 0  # serving workers that died (killed as frozen included)
-        self.num_frozen = 0  # workers killed because their heartbeat fell silent
+        self.num_frozen = 0  # workers killed as stalled (silent heartbeat or stuck wave)
+        self.num_stuck_waves = 0  # of those, killed because a wave ran past its bound
 
         worker, ready = self._start_worker()
         assert ready.info is not None
@@ -357,7 +376,7 @@ class MultiprocExecutor(Executor):
         """Whether a live worker is serving (never blocks on a running call)."""
         with self._lock:
             worker = None if self._closed else self._worker
-        return worker is not None and not worker.exited() and worker.frozen_for is None
+        return worker is not None and not worker.exited() and worker.stalled is None
 
     @property
     def is_restarting(self) -> bool:
@@ -368,12 +387,13 @@ class MultiprocExecutor(Executor):
     def health_stats(self) -> dict[str, float]:
         with self._lock:
             worker = None if self._closed else self._worker
-        up = worker is not None and not worker.exited() and worker.frozen_for is None
+        up = worker is not None and not worker.exited() and worker.stalled is None
         return {
             "up": float(up),
             "heartbeat_age_s": time.monotonic() - worker.last_heard if worker else 0.0,
             "deaths": float(self.num_deaths),
             "frozen": float(self.num_frozen),
+            "stuck_waves": float(self.num_stuck_waves),
             "restarts": float(self.num_restarts),
         }
 
@@ -386,7 +406,9 @@ class MultiprocExecutor(Executor):
         with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
             worker.send(WorkerCancel(call_id))
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
+    def submit_batch(
+        self, scheduler_output: SchedulerOutput, *, stall_after_s: float | None = None,
+    ) -> Future[BatchRunnerOutput]:
         n = scheduler_output.num_requests
         what = f"wave {scheduler_output.wave_id} ({n} request{'s' if n != 1 else ''})"
 
@@ -395,7 +417,7 @@ class MultiprocExecutor(Executor):
                 return reply.result
             return BatchRunnerOutput.failed(scheduler_output.req_ids, reply.error.error)
 
-        return self._submit("execute_batch", scheduler_output, what, convert)
+        return self._submit("execute_batch", scheduler_output, what, convert, stall_after_s)
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self.submit_batch(scheduler_output).result()
@@ -407,9 +429,9 @@ class MultiprocExecutor(Executor):
             worker = self._worker
             if worker is None:
                 raise EngineDeadError(self._dead_message())
-        if worker.frozen_for is not None:
-            raise EngineDeadError(f"worker process {worker.pid} froze (no heartbeat for "
-                                  f"{worker.frozen_for:.1f} s) and is being replaced")
+        if worker.stalled is not None:
+            raise EngineDeadError(f"worker process {worker.pid} stopped making progress "
+                                  f"({worker.stalled}) and is being replaced")
         if worker.exited():
             # Its reader notices the exit, fails what was pending and starts the
             # replacement; wait for that, so the reason below is the real one.
@@ -494,10 +516,11 @@ class MultiprocExecutor(Executor):
         return [p.future for p in pendings]
 
     def _submit(
-        self, method: WorkerMethod, arg: Any, what: str, convert: Callable[[WorkerReply], Any]
+        self, method: WorkerMethod, arg: Any, what: str, convert: Callable[[WorkerReply], Any],
+        stall_after_s: float | None = None,
     ) -> Future[Any]:
         """Send one call; its future gets `convert(reply)`, or the error that stopped it."""
-        pending = _PendingCall(what, convert, Future())
+        pending = _PendingCall(what, convert, Future(), stall_after_s)
         self._submit_calls(method, lambda _ids: arg, [pending])
         return pending.future
 
@@ -545,24 +568,26 @@ class MultiprocExecutor(Executor):
 
     def _read_replies(self, worker: _Worker) -> None:
         """A worker's reader thread: answer pending calls until the worker is gone, and
-        kill it once its heartbeat has been silent for the stall timeout."""
+        kill it once it stalls: its heartbeat silent for the stall timeout, or its
+        running wave past its stall bound."""
         check_s = heartbeat_interval_s(self._stall_timeout_s) if self._stall_timeout_s else None
         worker.last_heard = last_wake = time.monotonic()
         while True:
             ready = wait(worker.waitables, timeout=check_s)
             now = time.monotonic()
-            if not ready:  # nothing for a heartbeat interval
-                assert check_s is not None
-                if now - last_wake > 3 * check_s:
-                    # NOTE: this process itself was not running (suspended, e.g. a
-                    # laptop's sleep): the silence says nothing about the worker.
-                    worker.last_heard = now
-                elif now - worker.last_heard > self._stall_timeout_s \
-                        and worker.frozen_for is None:
-                    self._kill_frozen(worker, now - worker.last_heard)
-                last_wake = now
-                continue
+            if check_s is not None and now - last_wake > 3 * check_s:
+                # NOTE: this process itself was not running (suspended, e.g. a
+                # laptop's sleep): the silence, or the wave's time, says nothing about
+                # the worker.
+                worker.last_heard = worker.resumed = now
+            elif not ready and now - worker.last_heard > self._stall_timeout_s:
+                self._kill_stalled(worker, f"frozen: no heartbeat for "
+                                           f"{now - worker.last_heard:.1f} s "
+                                           f"(--worker-stall-timeout {self._stall_timeout_s:g} s)")
             last_wake = now
+            if not ready:  # nothing for a heartbeat interval
+                self._check_running_call(worker, now)
+                continue
             if worker.conn not in ready:
                 break
             try:
@@ -573,7 +598,9 @@ class MultiprocExecutor(Executor):
                 reply = WorkerReply(UNREADABLE_CALL_ID, error=WorkerError.from_exception(exc))
             worker.last_heard = now
             if isinstance(reply, WorkerHeartbeat):
+                self._check_running_call(worker, now)
                 continue
+            worker.last_reply = now
             call_id = getattr(reply, "call_id", None)
             pending = worker.pop_pending(call_id)
             if pending is None:
@@ -591,13 +618,28 @@ class MultiprocExecutor(Executor):
             pending.resolve(reply)
         self._on_death(worker)
 
-    def _kill_frozen(self, worker: _Worker, silent_s: float) -> None:
-        """(Reader thread.) The worker sent nothing for the stall timeout: kill it; its
-        death is then handled like any other (pending calls fail, a replacement starts)."""
-        worker.frozen_for = silent_s
+    def _check_running_call(self, worker: _Worker, now: float) -> None:
+        """(Reader thread.) Kill the worker if the call it runs is past its stall bound."""
+        running = worker.running_call()
+        if running is None:
+            return
+        call, since = running
+        if call.stall_after_s is not None and now - since > call.stall_after_s:
+            self._kill_stalled(
+                worker, f"stuck: {call.what} ran {now - since:.1f} s, past its bound of "
+                f"{call.stall_after_s:.1f} s (--wave-stall-factor x its expected time, at "
+                "least --worker-stall-timeout) while its heartbeat lived", stuck_wave=True)
+
+    def _kill_stalled(self, worker: _Worker, reason: str, *, stuck_wave: bool = False) -> None:
+        """(Reader thread.) The worker stopped making progress (`reason`): kill it, once;
+        its death is then handled like any other (pending calls fail, a replacement
+        starts)."""
+        if worker.stalled is not None:
+            return
+        worker.stalled = reason
         self.num_frozen += 1
-        logger.error("worker process %d froze: no heartbeat for %.1f s (--worker-stall-timeout "
-                     "%g s); killing it", worker.pid, silent_s, self._stall_timeout_s)
+        self.num_stuck_waves += stuck_wave
+        logger.error("worker process %d stalled, %s; killing it", worker.pid, reason)
         with worker._proc_lock, contextlib.suppress(ProcessLookupError):
             worker.process.kill()
 
@@ -607,8 +649,8 @@ class MultiprocExecutor(Executor):
         if not worker.exited():  # EOF but still running: make sure it is gone
             worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
         exit_text = _describe_exit(worker.exitcode())
-        if worker.frozen_for is not None:
-            exit_text = f"frozen: no heartbeat for {worker.frozen_for:.1f} s, killed"
+        if worker.stalled is not None:
+            exit_text = f"{worker.stalled}, killed"
         worker.cleanup()
         thread = None
         with self._lock:

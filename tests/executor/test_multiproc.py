@@ -557,6 +557,18 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_wave_fails_as_started(tm
         ex.shutdown()
 
 
+def wait_for_heartbeats(ex: MultiprocExecutor, span_s: float, running) -> None:
+    """Wait until the worker's heartbeats have spanned `span_s` seconds, counted as they
+    arrive (no sleep), while `running` stays unanswered."""
+    idle = threading.Semaphore(0)
+    worker = ex._worker
+    seen = worker.last_heard
+    deadline = time.monotonic() + DEADLINE_S
+    while worker.last_heard - seen < span_s:
+        assert time.monotonic() < deadline and not running.done()
+        idle.acquire(timeout=0.05)
+
+
 def test_a_busy_worker_keeps_its_heartbeat(tmp_path):
     """A long wave is not a frozen worker: the heartbeat comes from a thread of its own."""
     ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
@@ -564,16 +576,41 @@ def test_a_busy_worker_keeps_its_heartbeat(tmp_path):
         marker = tmp_path / "running"
         running = ex.submit_batch(wave(70, request("s", "steps", marker=str(marker))))
         wait_for_file(marker)
-        # A few stall timeouts' worth of heartbeats, counted as they arrive (no sleep).
-        beats = threading.Semaphore(0)
-        worker = ex._worker
-        seen = worker.last_heard
-        deadline = time.monotonic() + DEADLINE_S
-        while worker.last_heard - seen < 3.0:
-            assert time.monotonic() < deadline and not running.done()
-            beats.acquire(timeout=0.05)
+        wait_for_heartbeats(ex, 3.0, running)  # a few stall timeouts' worth
         assert ex.health_stats()["frozen"] == 0 and ex.is_healthy
         ex.cancel(running)
         assert running.result(60).outputs["s"].aborted
     finally:
+        ex.shutdown()
+
+
+def test_a_wave_past_its_stall_bound_is_stuck_and_its_worker_replaced(tmp_path):
+    """A forward that hangs while the heartbeat thread lives: once the wave has run past
+    the bound it was submitted with, counted from its own start (not while it waited
+    behind another wave), the worker is killed and replaced like a frozen one."""
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
+    pid = ex.worker_pid
+    try:
+        ahead, hung = tmp_path / "ahead", tmp_path / "hung"
+        running = ex.submit_batch(wave(80, request("s", "steps", marker=str(ahead))))
+        queued = ex.submit_batch(wave(81, request("b", "block", marker=str(hung))),
+                                 stall_after_s=1.0)
+        wait_for_file(ahead)
+        wait_for_heartbeats(ex, 2.0, running)  # longer than the bound of the queued wave
+        assert ex.is_healthy and ex.health_stats()["stuck_waves"] == 0
+        ex.cancel(running)
+        assert running.result(60).outputs["s"].aborted
+        wait_for_file(hung)  # the queued wave now runs, and hangs
+        with pytest.raises(WorkerDiedError, match=r"stuck: wave 81 \(1 request\) ran .* past "
+                           r"its bound of 1\.0 s .* killed\) while running wave 81") as died:
+            queued.result(DEADLINE_S)
+        assert died.value.started
+        stats = ex.health_stats()
+        assert (stats["stuck_waves"], stats["frozen"], stats["deaths"]) == (1, 1, 1)
+        assert wait_gone(pid)
+        assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, pid)
+        assert run_one(ex, request("after")).ok
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         ex.shutdown()

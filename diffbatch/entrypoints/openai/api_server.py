@@ -193,6 +193,7 @@ def build_app(
         app, size_rule=app.state.serving_images.size_rule,
         lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
         max_request_work=getattr(engine, "max_request_work", None),
+        default_steps=engine.info.default_num_inference_steps,
         max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
     )
     # Added last = outermost: metrics see every answer, including the guard's.

@@ -236,6 +236,16 @@ class OpenAIServingImages:
             self.check_size(*size, " ".join(str(request.size).split())[:40])
         return size
 
+    def _auto_edit_pixels(self, request: ImageEditRequest) -> int:
+        """The most pixels "auto" may give an edit: the pixel cap, and what the work limit
+        leaves for its steps (below one size multiple squared, the engine refuses the
+        request with the work limit's 400)."""
+        limit = getattr(self.engine, "max_request_work", None)
+        if limit is None:
+            return self.size_rule.max_pixels
+        steps = request.num_inference_steps or self.engine.info.default_num_inference_steps
+        return min(self.size_rule.max_pixels, limit // steps)
+
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
         if request.response_format == "url" and self.image_store is None:
             raise InvalidRequestError(
@@ -310,7 +320,7 @@ class OpenAIServingImages:
         inputs = await asyncio.to_thread(
             decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
             size=size, multiple=self.size_rule.multiple,
-            max_output_pixels=self.size_rule.max_pixels,
+            max_output_pixels=self._auto_edit_pixels(request),
         )
         height, width = inputs.image.shape[:2]
         self.check_size(width, height, f"{width}x{height}")

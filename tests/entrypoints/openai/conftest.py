@@ -13,6 +13,7 @@ a forward blocks until the test sets `release`, so tests control timing exactly.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -163,3 +164,20 @@ def engine(lora_dir: str) -> Iterator[Engine]:
     with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
                 lora_dir=lora_dir, batch_error_isolation="none") as engine:
         yield engine
+
+
+def open_raw_request(port: int, body: dict[str, Any],
+                     route: str = "/v1/images/generations") -> socket.socket:
+    """Send one JSON request to the server on `port` on a raw socket and return the
+    socket unread: `disconnect` it to leave as a client that gave up."""
+    data = json.dumps(body).encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(head + data)
+    return sock
+
+
+def disconnect(sock: socket.socket) -> None:
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()

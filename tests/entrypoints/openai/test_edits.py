@@ -115,6 +115,20 @@ async def test_jpeg_and_webp_images_are_taken(client, fmt: str) -> None:
     assert response.json()["output_format"] == "webp"
 
 
+async def test_auto_size_fits_the_work_limit_too(client, engine: Engine) -> None:
+    """With no `size`, an edit is scaled down until its work fits the limit (51,200
+    pixel-steps per image here), and refused only when even 8x8 would not fit."""
+    assert engine.max_request_work == 100 * 16 * 16 * 2
+    scaled = await edit(client, png((32, 32)), num_inference_steps=100)  # 32x32 would be 102,400
+    assert scaled.status_code == 200, scaled.text
+    assert scaled.json()["size"] == "16x16" and decode(scaled).shape == (16, 16, 3)
+    smallest = await edit(client, png((32, 32)), num_inference_steps=800)  # 8x8: 51,200
+    assert smallest.json()["size"] == "8x8", smallest.text
+    refused = await edit(client, png((32, 32)), num_inference_steps=801)
+    message = assert_openai_error(refused, 400, "num_inference_steps")["message"]
+    assert "8x8 x 801 steps = 51264 pixel-steps per image" in message
+
+
 def test_auto_size_keeps_the_aspect_within_the_cap() -> None:
     assert auto_size(16, 24, multiple=8, max_pixels=1024) == (16, 24)
     assert auto_size(20, 13, multiple=8, max_pixels=1024) == (16, 8)
