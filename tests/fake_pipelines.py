@@ -7,6 +7,9 @@ real batch-invariant pipeline.
 Edits (an input image, a mask) are supported: the output mixes the request's noise
 with its image, only where its mask paints.
 
+Partial images: a request that asks for them gets, after step s of its S steps, its
+final images scaled by s / S (`send_partial_images`).
+
 A prompt containing `POISON` makes `FakeBatchPipeline` and `PoisonTinySD` (the real
 diffusers adapter, for end-to-end tests with model "tiny-sd") fail the whole wave
 that holds it, the way a request with bad input breaks a fused forward.
@@ -35,6 +38,17 @@ def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) 
     offset = (zlib.crc32(prompt.encode()) % 1000) / 1000.0
     images = [torch.rand(3, h, w, generator=g) * 0.5 + offset * 0.5 for g in generators]
     return torch.stack(images)
+
+
+def send_partial_images(batch: DiffusionRequestBatch, images: torch.Tensor,
+                        num_steps: int) -> None:
+    """Send the previews the wave owes: after step s, rows of `images` [B*n, 3, H, W]
+    (the final images) times s / num_steps."""
+    plan = batch.partial_image_plan(num_steps)
+    if plan is None:
+        return
+    for step in sorted(plan.rows):
+        plan.send(step, images[plan.rows_at(step)] * (step / num_steps))
 
 
 class FakeBatchPipeline(BasePipeline):
@@ -90,6 +104,8 @@ class FakeBatchPipeline(BasePipeline):
                 paint = None if params.mask is None else params.mask.bool()
                 images = edited if paint is None else torch.where(paint, edited, source)
             outputs.append(DiffusionOutput(request.request_id, images=images))
+        steps = batch.requests[0].sampling_params.num_inference_steps or 1
+        send_partial_images(batch, torch.cat([o.images for o in outputs]), steps)
         return outputs
 
 
@@ -187,9 +203,10 @@ class FaultyPipeline(FakeBatchPipeline):
     """Faults on demand, chosen by a wave's prompts. Marker files go to
     $DIFFBATCH_FAKE_MARKER_DIR, named by the prompt's last word (NAME):
 
-    - "steps NAME": touch NAME, then run "denoising steps" (10 ms each, up to ten
-      minutes), checking `batch.check_interrupt()` between them; touch
-      NAME.interrupted when the wave was stopped that way;
+    - "steps NAME": touch NAME, send a gray partial image to each request of the wave
+      that asked for one, then run "denoising steps" (10 ms each, up to ten minutes),
+      checking `batch.check_interrupt()` between them; touch NAME.interrupted when the
+      wave was stopped that way;
     - "hang-once NAME": if NAME does not exist, touch it and hang (a wave for a test
       to kill or freeze the worker in); once it exists, run normally (the re-run);
     - "crash ...": kill the worker process (SIGKILL), every time, alone or batched, as
@@ -213,6 +230,12 @@ class FaultyPipeline(FakeBatchPipeline):
 
     @staticmethod
     def _step(batch: DiffusionRequestBatch, marker: str) -> None:
+        params = batch.requests[0].sampling_params
+        gray = torch.full((len(batch) * batch.num_outputs_per_prompt, 3, params.height,
+                           params.width), 0.5)
+        plan = batch.partial_image_plan(2)  # one preview (after step 1 of 2), sent now
+        if plan is not None:
+            plan.send(1, gray[plan.rows_at(1)])
         idle = threading.Event()
         try:
             for _ in range(60_000):

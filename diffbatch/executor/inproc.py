@@ -37,7 +37,8 @@ class InprocExecutor(Executor):
         return self.runner
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return self._runner().execute_batch(scheduler_output)
+        return self._runner().execute_batch(scheduler_output,
+                                            on_partial_image=self._notify_partial_image)
 
     def check_health(self) -> None:
         self._runner()

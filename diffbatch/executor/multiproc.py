@@ -27,7 +27,8 @@ worker's life, as the serving worker of one executor:
   with aborted outputs;
 - one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
-  the call it answers. The worker sends a heartbeat every second or so; when none
+  the call it answers; a `WorkerPartialImage` (sent while a wave runs, before its
+  reply) is unpacked the same way and handed to the partial-image listener. The worker sends a heartbeat every second or so; when none
   came for `worker_stall_timeout_s` (the process is stopped, or starved), the
   reader declares it frozen, kills it (SIGKILL) and handles the death below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
@@ -75,6 +76,7 @@ from diffbatch.ipc.messages import (
     WorkerError,
     WorkerHeartbeat,
     WorkerMethod,
+    WorkerPartialImage,
     WorkerReady,
     WorkerReply,
     WorkerStart,
@@ -546,6 +548,9 @@ class MultiprocExecutor(Executor):
             worker.last_heard = now
             if isinstance(reply, WorkerHeartbeat):
                 continue
+            if isinstance(reply, WorkerPartialImage):
+                self._partial_image(reply)
+                continue
             call_id = getattr(reply, "call_id", None)
             pending = worker.pop_pending(call_id)
             if pending is None:
@@ -562,6 +567,18 @@ class MultiprocExecutor(Executor):
                 logger.debug("worker traceback:\n%s", reply.error.traceback)
             pending.resolve(reply)
         self._on_death(worker)
+
+    def _partial_image(self, message: WorkerPartialImage) -> None:
+        """(Reader thread.) Unpack a partial image and hand it to the listener."""
+        try:
+            partial = shm.unpack(message.partial)
+        except Exception as exc:  # e.g. a segment that is gone: only a preview is lost
+            logger.warning("dropping a partial image of call %d: %s", message.call_id, exc)
+            return
+        try:
+            self._notify_partial_image(partial)
+        except Exception:  # a listener's bug must not stop the reader
+            logger.exception("the partial-image listener failed")
 
     def _kill_frozen(self, worker: _Worker, silent_s: float) -> None:
         """(Reader thread.) The worker sent nothing for the stall timeout: kill it; its

@@ -1,6 +1,6 @@
 """What crosses the pipe between the executor (engine process) and its worker process.
 
-Six messages, one plain dataclass each:
+Seven messages, one plain dataclass each:
 
 - `WorkerStart` engine -> worker, once: what to load (the engine's config);
 - `WorkerCall`  engine -> worker: run one method of the runner;
@@ -8,6 +8,9 @@ Six messages, one plain dataclass each:
   next denoising step, or drop it before it starts;
 - `WorkerReady` worker -> engine, once: the pipeline is loaded (its `PipelineInfo`),
   or why it could not be;
+- `WorkerPartialImage` worker -> engine, while a call runs: one preview a request
+  asked for (`SamplingParams.partial_images`), packed like results, sent before the
+  call's reply;
 - `WorkerReply` worker -> engine, one per call: the packed result or the error;
 - `WorkerHeartbeat` worker -> engine, every `heartbeat_interval_s(config)` once
   ready: the worker's process is alive and scheduled (a frozen one stops sending).
@@ -126,6 +129,14 @@ class WorkerReady:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass
+class WorkerPartialImage:
+    """Worker -> engine, from the forward's thread while call `call_id` runs."""
+
+    call_id: int  # the call whose wave made it
+    partial: Any  # a shm-packed `PartialImage` (a large image travels in shared memory)
 
 
 @dataclass
