@@ -12,7 +12,8 @@ final images scaled by s / S (`send_partial_images`).
 
 A prompt containing `POISON` makes `FakeBatchPipeline` and `PoisonTinySD` (the real
 diffusers adapter, for end-to-end tests with model "tiny-sd") fail the whole wave
-that holds it, the way a request with bad input breaks a fused forward.
+that holds it, the way a request with bad input breaks a fused forward; one with
+`LATE_POISON` fails `FakeBatchPipeline`'s wave once its partial images are sent.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 POISON = "poison"  # a prompt containing it fails its wave
+LATE_POISON = "fails late"  # ...after the wave sent its partial images
 
 
 def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) -> torch.Tensor:
@@ -92,6 +94,15 @@ class FakeBatchPipeline(BasePipeline):
             "DIFFBATCH_FAKE_FAIL_WARMUP"
         ):
             raise RuntimeError("warm-up refused")
+        outputs = self.make_outputs(batch)
+        send_partial_images(batch, torch.cat([o.images for o in outputs]),
+                            batch.requests[0].sampling_params.num_inference_steps or 1)
+        if any(LATE_POISON in p for p in batch.prompts):
+            raise RuntimeError("poisoned prompt in this wave, found late")
+        return outputs
+
+    def make_outputs(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        """The wave's outputs, one per request (the rule of the module docstring)."""
         n = batch.num_outputs_per_prompt
         outputs = []
         for i, request in enumerate(batch.requests):
@@ -104,8 +115,6 @@ class FakeBatchPipeline(BasePipeline):
                 paint = None if params.mask is None else params.mask.bool()
                 images = edited if paint is None else torch.where(paint, edited, source)
             outputs.append(DiffusionOutput(request.request_id, images=images))
-        steps = batch.requests[0].sampling_params.num_inference_steps or 1
-        send_partial_images(batch, torch.cat([o.images for o in outputs]), steps)
         return outputs
 
 
@@ -134,6 +143,38 @@ class GatedPipeline(FakeBatchPipeline):
         type(self).entered.set()
         type(self).release.wait(timeout=60)
         return super().forward(batch)
+
+
+class PreviewGatedPipeline(GatedPipeline):
+    """A `GatedPipeline` that, once released, sends its wave's partial images, sets
+    `previewed` and holds the wave until `finish` is set: a stream stays at its
+    partial images for as long as a test needs."""
+
+    previewed = threading.Event()
+    finish = threading.Event()
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        gate = type(self)
+        if batch.prompts == ["warm-up"]:
+            return self.make_outputs(batch)
+        gate.entered.set()
+        gate.release.wait(timeout=60)
+        outputs = self.make_outputs(batch)
+        send_partial_images(batch, torch.cat([o.images for o in outputs]),
+                            batch.requests[0].sampling_params.num_inference_steps or 1)
+        gate.previewed.set()
+        gate.finish.wait(timeout=60)
+        return outputs
+
+
+def make_gate(base: type[GatedPipeline] = GatedPipeline,
+              module: str = __name__) -> type[GatedPipeline]:
+    """A subclass of `base` with fresh events (`entered`, `release`, and the others
+    `base` declares), so tests do not share a gate's state."""
+    events = {name for cls in base.__mro__ for name, value in vars(cls).items()
+              if isinstance(value, threading.Event)}
+    return type("TestGate", (base,), {**{name: threading.Event() for name in events},
+                                      "__module__": module})
 
 
 class WrongCountPipeline(FakeBatchPipeline):

@@ -28,9 +28,10 @@ worker's life, as the serving worker of one executor:
 - one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
   the call it answers; a `WorkerPartialImage` (sent while a wave runs, before its
-  reply) is unpacked the same way and handed to the partial-image listener. The worker sends a heartbeat every second or so; when none
-  came for `worker_stall_timeout_s` (the process is stopped, or starved), the
-  reader declares it frozen, kills it (SIGKILL) and handles the death below;
+  reply) is unpacked the same way and handed to the partial-image listener. The
+  worker sends a heartbeat every second or so; when none came for
+  `worker_stall_timeout_s` (the process is stopped, or starved), the reader
+  declares it frozen, kills it (SIGKILL) and handles the death below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
   oldest with `started=True`: it was running; the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor

@@ -41,7 +41,7 @@ from diffbatch.ipc.messages import (
     send_message,
 )
 from diffbatch.ipc.shm import ShmTensorHandle
-from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
@@ -61,7 +61,8 @@ DEADLINE_S = 120.0  # upper bound for waits on worker start-up (imports torch)
 
 class FakeRunner:
     """Behaviour per prompt: "fail" -> error output, "raise" -> the call raises,
-    "block" -> touch the marker file in `extra["marker"]` and hang, else a 3 MiB image."""
+    "block" -> touch the marker file in `extra["marker"]` and hang, else a 3 MiB image;
+    "preview" first sends two 3 MiB partial images (k + 1 in every pixel)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -72,7 +73,13 @@ class FakeRunner:
             default_num_inference_steps=2, default_guidance_scale=5.0, size_multiple=8,
         )
 
-    def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+    def execute_batch(self, scheduler_output: SchedulerOutput, *,
+                      on_partial_image=None) -> BatchRunnerOutput:
+        for r in scheduler_output.requests:
+            if r.prompt == "preview" and on_partial_image is not None:
+                for k in range(2):
+                    on_partial_image(PartialImage(r.request_id, k, 0, k + 1, 3,
+                                                  torch.full(IMAGE_SHAPE[1:], k + 1.0)))
         outputs = [self._one(r, i) for i, r in enumerate(scheduler_output.requests)]
         return BatchRunnerOutput(outputs={o.request_id: o for o in outputs})
 
@@ -221,6 +228,28 @@ def test_execute_batch_returns_per_request_outputs_through_shm(executor, monkeyp
         assert torch.equal(out.images, torch.full(IMAGE_SHAPE, float(i)))
     assert seen == [[(3 * 512 * 512 * 4, True)] * 3]  # three images crossed in shm
     assert segments_of(executor.worker_pid) == []  # and were unlinked on arrival
+
+
+def test_partial_images_cross_through_shm_before_the_wave_returns(executor):
+    got: list[tuple[PartialImage, bool, list[str]]] = []
+    future = None
+
+    def listener(partial: PartialImage) -> None:  # on the executor's reader thread
+        got.append((partial, future is not None and future.done(),
+                    segments_of(executor.worker_pid)))
+
+    executor.set_partial_image_listener(listener)
+    try:
+        future = executor.submit_batch(wave(5, request("p", "preview"), request("q")))
+        result = future.result(DEADLINE_S)
+    finally:
+        executor.set_partial_image_listener(lambda partial: None)
+    assert result.outputs["p"].ok and result.outputs["q"].ok
+    assert [(p.request_id, p.index, p.step) for p, _, _ in got] == [("p", 0, 1), ("p", 1, 2)]
+    for partial, wave_done, _ in got:
+        assert not wave_done  # handed out while the call was still open
+        assert torch.equal(partial.image, torch.full(IMAGE_SHAPE[1:], partial.index + 1.0))
+    assert segments_of(executor.worker_pid) == []  # each unlinked on arrival
 
 
 def test_a_wave_of_one(executor):
@@ -490,21 +519,33 @@ def test_real_model_runner_on_tiny_sd_matches_inproc():
     config = EngineConfig(model="tiny-sd", warmup=False, torch_num_threads=1)
     params = SamplingParams(height=64, width=64, num_inference_steps=2, guidance_scale=5.0,
                             seed=3, num_outputs_per_prompt=2, output_type="pt")
-    requests = [DiffusionRequest(f"r{i}", prompt, params.clone(seed=10 + i))
+    requests = [DiffusionRequest(f"r{i}", prompt, params.clone(seed=10 + i,
+                                                               partial_images=1 - i))
                 for i, prompt in enumerate(["a red circle", "a blue square"])]
     ex = MultiprocExecutor(config)
+    got_partials: list[PartialImage] = []
     try:
         assert ex.info.size_multiple >= 1
+        ex.set_partial_image_listener(got_partials.append)
         got = ex.execute_batch(wave(1, *requests))
     finally:
         ex.shutdown()
-    want = InprocExecutor(config).execute_batch(wave(1, *requests))
+    inproc = InprocExecutor(config)
+    want_partials: list[PartialImage] = []
+    inproc.set_partial_image_listener(want_partials.append)
+    want = inproc.execute_batch(wave(1, *requests))
     assert got.req_ids == want.req_ids == ["r0", "r1"]
     for rid in got.req_ids:
         assert got.outputs[rid].ok, got.outputs[rid].error
         assert got.outputs[rid].images.shape == (2, 3, 64, 64)
         torch.testing.assert_close(got.outputs[rid].images, want.outputs[rid].images,
                                    atol=1e-5, rtol=1e-4)
+    # r0's one preview (after step 1 of 2) of each of its two images, from either executor
+    assert [(p.request_id, p.step, p.image_index) for p in got_partials] \
+        == [(p.request_id, p.step, p.image_index) for p in want_partials] \
+        == [("r0", 1, 0), ("r0", 1, 1)]
+    for mine, theirs in zip(got_partials, want_partials, strict=True):
+        torch.testing.assert_close(mine.image, theirs.image, atol=1e-5, rtol=1e-4)
 
 
 def test_cancel_stops_a_running_wave_and_drops_the_queued_one(tmp_path):

@@ -2,7 +2,9 @@
 
 Each route lists the error statuses it can answer (and only those: `/openapi.json`
 must say what the server does), and the image routes are wrapped in
-`with_cancellation` so a client disconnect aborts their engine request. The edits
+`with_cancellation` so a client disconnect aborts their engine request. A streamed
+answer (`stream: true`) leaves the route as a `StreamingResponse`, which ends its
+events when the client disconnects, and ending them aborts the request. The edits
 route reads its multipart form itself (`uploads.read_edit_form`) before the
 cancellable part starts: the disconnect listener reads the same ASGI channel.
 """
@@ -16,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -36,6 +44,8 @@ from diffbatch.entrypoints.openai.protocol import (
     WaveList,
 )
 from diffbatch.entrypoints.openai.serving_images import ImageResult
+from diffbatch.entrypoints.openai.serving_stream import MEDIA_TYPE as EVENT_STREAM
+from diffbatch.entrypoints.openai.serving_stream import ImageStream
 from diffbatch.entrypoints.openai.uploads import EditForm, read_edit_form
 from diffbatch.entrypoints.utils import with_cancellation
 from diffbatch.errors import DiffbatchError, EngineDeadError
@@ -70,6 +80,23 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse} for status in sorted({*statuses, 503})}
 
 
+def _image_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`_errors(*statuses)`, and the image routes' 200: JSON, or events with `stream`."""
+    return {200: {"content": {EVENT_STREAM: {"schema": {"type": "string"}}},
+                  "description": "the images (JSON), or with `stream: true` server-sent "
+                  "events: partial images, then the image"}, **_errors(*statuses)}
+
+
+def _answer(result: ImageResult | ImageStream | Response) -> Response:
+    """The HTTP answer of an image route's result."""
+    if isinstance(result, ImageStream):
+        return StreamingResponse(result.events, media_type=EVENT_STREAM,
+                                 headers=result.headers)
+    if isinstance(result, ImageResult):
+        return JSONResponse(result.response.to_json(), headers=result.headers)
+    return result
+
+
 def _serving(raw_request: Request) -> OpenAIServingImages:
     return raw_request.app.state.serving_images
 
@@ -79,7 +106,7 @@ def _engine(raw_request: Request) -> Engine:
 
 
 @router.post(IMAGES_ROUTE, response_model=ImageGenerationResponse,
-             responses=_errors(400, 401, 404, 413, 415, 500, 504))
+             responses=_image_responses(400, 401, 404, 413, 415, 500, 504))
 @with_cancellation
 async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
     """Generate `n` images for one prompt (OpenAI `images.generate`)."""
@@ -94,13 +121,11 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
         request, request_id, notice, client_request_id=client_request_id,
         base_url=str(raw_request.base_url),
     )
-    if not isinstance(result, ImageResult):
-        return result
-    return JSONResponse(result.response.to_json(), headers=result.headers)
+    return _answer(result)
 
 
 @router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
-             responses=_errors(400, 401, 404, 413, 415, 500, 504))
+             responses=_image_responses(400, 401, 404, 413, 415, 500, 504))
 async def edit_image(raw_request: Request) -> Response:
     """Edit one uploaded image (OpenAI `images.edit`): image-to-image, or inpainting with
     a mask. The multipart request body is declared by `openapi.py`."""
@@ -125,9 +150,7 @@ async def _run_edit(*, request: ImageEditRequest, form: EditForm,
         client_request_id=raw_request.headers.get("x-request-id"),
         base_url=str(raw_request.base_url),
     )
-    if not isinstance(result, ImageResult):
-        return result
-    return JSONResponse(result.response.to_json(), headers=result.headers)
+    return _answer(result)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_errors(401))

@@ -18,6 +18,10 @@ one engine request.
 `create_edit` is the same flow for an edit: stage 1 also checks that the model can
 edit, and stage 2 decodes the uploaded image and mask (`uploads.py`, in a worker
 thread) into the request's `SamplingParams`; stages 3-5 are shared.
+
+A request with `stream: true` runs stages 3-5 as server-sent events instead
+(`serving_stream.py`): each partial image is encoded and sent as its wave makes it,
+then the image.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import io
 import logging
 import math
@@ -41,6 +46,7 @@ from diffbatch.entrypoints.openai.protocol import (
     ImageGenerationResponse,
     ImageObject,
 )
+from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, StreamedImages
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
     DiffbatchError,
@@ -278,6 +284,7 @@ class OpenAIServingImages:
             output_type="pil",
             lora=request.lora,
             lora_scale=request.lora_scale,
+            partial_images=request.partial_images or 0,
         )
 
     def _store(self, images: list[Any], request: ImageGenerationRequest) -> list[str]:
@@ -286,6 +293,16 @@ class OpenAIServingImages:
         files = encode_image_files(images, request.output_format, request.output_compression,
                                    self.png_compress_level)
         return [self.image_store.put(data, request.output_format) for data in files]
+
+    def _encode_one(self, request: ImageGenerationRequest, image: Any) -> str:
+        """One image as base64 in the request's format (blocking), its time recorded."""
+        start = time.perf_counter()
+        [b64] = encode_images([image], request.output_format, request.output_compression,
+                              self.png_compress_level)
+        if self.http_metrics is not None:
+            self.http_metrics.encode_s.labels(request.output_format).observe(
+                time.perf_counter() - start)
+        return b64
 
     def _redact(self, message: str) -> str:
         """`message` without the server's folder names (a pipeline error may hold them)."""
@@ -297,7 +314,7 @@ class OpenAIServingImages:
         self, request: ImageGenerationRequest, request_id: str,
         arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
         base_url: str = "",
-    ) -> ImageResult | JSONResponse:
+    ) -> ImageResult | ImageStream | JSONResponse:
         """Run stages 1-5 for one request; a failed engine request becomes its error response.
 
         `request_id` is the engine's id, made by the server; `client_request_id` (the
@@ -317,6 +334,9 @@ class OpenAIServingImages:
         except DiffbatchError:
             self.engine.record_rejected()  # refused before reaching the engine
             raise
+        if request.stream:
+            return await self._stream(request, params, request_id, arrival_notice,
+                                      client_request_id, "image_generation")
         return await self._generate(request, params, request_id, arrival_notice,
                                     client_request_id, start, base_url)
 
@@ -324,7 +344,7 @@ class OpenAIServingImages:
         self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
         request_id: str, arrival_notice: ArrivalNotice | None = None,
         client_request_id: str | None = None, base_url: str = "",
-    ) -> ImageResult | JSONResponse:
+    ) -> ImageResult | ImageStream | JSONResponse:
         """`create_image` for an edit: `image_data` (and `mask_data`) are the uploads.
 
         Raises:
@@ -348,8 +368,28 @@ class OpenAIServingImages:
         except DiffbatchError:
             self.engine.record_rejected()
             raise
+        if request.stream:
+            return await self._stream(request, params, request_id, arrival_notice,
+                                      client_request_id, "image_edit")
         return await self._generate(request, params, request_id, arrival_notice,
                                     client_request_id, start, base_url)
+
+    async def _stream(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
+        arrival_notice: ArrivalNotice | None, client_request_id: str | None, kind: EventKind,
+    ) -> ImageStream | JSONResponse:
+        """Stages 3-5 of a streamed request (`serving_stream.py`): the stream, once its
+        first event is there, or the JSON error of a request that failed before it."""
+        items = self.engine.generate_stream(
+            request.prompt, params, request_id=request_id, priority=request.priority,
+            arrival_notice=arrival_notice,
+        )
+        stream = StreamedImages(
+            items, request, kind=kind, size=f"{params.width}x{params.height}",
+            encode=functools.partial(self._encode_one, request), redact=self._redact,
+            timeout_s=self.request_timeout_s,
+        )
+        return await stream.start({"x-request-id": client_request_id or request_id})
 
     async def _generate(
         self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
