@@ -45,7 +45,7 @@ from diffbatch.entrypoints.openai.protocol import (
 )
 from diffbatch.entrypoints.openai.serving_images import ImageResult
 from diffbatch.entrypoints.openai.serving_stream import MEDIA_TYPE as EVENT_STREAM
-from diffbatch.entrypoints.openai.serving_stream import ImageStream
+from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, event_schema
 from diffbatch.entrypoints.openai.uploads import EditForm, read_edit_form
 from diffbatch.entrypoints.utils import with_cancellation
 from diffbatch.errors import DiffbatchError, EngineDeadError
@@ -80,9 +80,9 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse} for status in sorted({*statuses, 503})}
 
 
-def _image_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def _image_responses(kind: EventKind, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """`_errors(*statuses)`, and the image routes' 200: JSON, or events with `stream`."""
-    return {200: {"content": {EVENT_STREAM: {"schema": {"type": "string"}}},
+    return {200: {"content": {EVENT_STREAM: {"schema": event_schema(kind)}},
                   "description": "the images (JSON), or with `stream: true` server-sent "
                   "events: partial images, then the image"}, **_errors(*statuses)}
 
@@ -106,7 +106,7 @@ def _engine(raw_request: Request) -> Engine:
 
 
 @router.post(IMAGES_ROUTE, response_model=ImageGenerationResponse,
-             responses=_image_responses(400, 401, 404, 413, 415, 500, 504))
+             responses=_image_responses("image_generation", 400, 401, 404, 413, 415, 500, 504))
 @with_cancellation
 async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
     """Generate `n` images for one prompt (OpenAI `images.generate`)."""
@@ -125,7 +125,7 @@ async def create_image(request: ImageGenerationRequest, raw_request: Request) ->
 
 
 @router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
-             responses=_image_responses(400, 401, 404, 413, 415, 500, 504))
+             responses=_image_responses("image_edit", 400, 401, 404, 413, 415, 500, 504))
 async def edit_image(raw_request: Request) -> Response:
     """Edit one uploaded image (OpenAI `images.edit`): image-to-image, or inpainting with
     a mask. The multipart request body is declared by `openapi.py`."""

@@ -63,21 +63,25 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "background": get_args(Background),
     "moderation": get_args(Moderation),
 }
-# The JSON Schema of the rules between fields (`_check_combinations` enforces them).
-_COMBINATION_RULES: list[dict[str, Any]] = [
+# The JSON Schema of the rules between fields that `_check_combinations` enforces.
+# NOTE: the stream rules are implications written as `anyOf` (either the premise is
+# false or the conclusion holds), not `if`/`then`: schemathesis takes an `if` for a
+# constraint of its own and "violates" it in requests it expects refused.
+_OUTPUT_COMPRESSION_RULE: dict[str, Any] = {
     # `output_compression` (a number) needs a lossy `output_format`.
-    {"if": {"properties": {"output_compression": {"type": "integer"}},
-            "required": ["output_compression"]},
-     "then": {"properties": {"output_format": {"enum": ["jpeg", "webp", "jpg"]}},
-              "required": ["output_format"]}},
+    "if": {"properties": {"output_compression": {"type": "integer"}},
+           "required": ["output_compression"]},
+    "then": {"properties": {"output_format": {"enum": ["jpeg", "webp", "jpg"]}},
+             "required": ["output_format"]},
+}
+_STREAM_RULES: list[dict[str, Any]] = [
     # A stream is one image, base64 in its events.
-    {"if": {"properties": {"stream": {"enum": [True]}}, "required": ["stream"]},
-     "then": {"properties": {"n": {"enum": [1]},
-                             "response_format": {"enum": ["b64_json", None]}}}},
+    {"anyOf": [{"properties": {"stream": {"enum": [False, None]}}},
+               {"properties": {"n": {"enum": [1]},
+                               "response_format": {"enum": ["b64_json", None]}}}]},
     # Partial images are streamed.
-    {"if": {"properties": {"partial_images": {"type": "integer", "minimum": 1}},
-            "required": ["partial_images"]},
-     "then": {"properties": {"stream": {"enum": [True]}}, "required": ["stream"]}},
+    {"anyOf": [{"properties": {"partial_images": {"enum": [0, None]}}},
+               {"properties": {"stream": {"enum": [True]}}, "required": ["stream"]}]},
 ]
 
 
@@ -162,8 +166,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         partial_images: Previews to stream before the image, 0-3 (with `stream`).
     """
 
-    model_config = ConfigDict(extra="forbid",
-                              json_schema_extra={"allOf": _COMBINATION_RULES})
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={**_OUTPUT_COMPRESSION_RULE, "allOf": _STREAM_RULES},
+    )
 
     prompt: str = Field(
         min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,

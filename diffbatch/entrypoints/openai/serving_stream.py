@@ -62,6 +62,35 @@ _NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "tex
              "output_tokens": 0, "total_tokens": 0}
 
 
+def event_schema(kind: EventKind) -> dict[str, Any]:
+    """The OpenAPI schema of each event of a `kind` stream (OpenAPI 3.1: the schema of a
+    `text/event-stream` describes one event); `contentSchema` documents the payloads."""
+    common = {"b64_json": {"type": "string"}, "created_at": {"type": "integer"},
+              "size": {"type": "string"}, "quality": {"type": "string"},
+              "background": {"type": "string"}, "output_format": {"type": "string"}}
+    payloads = [
+        {"type": "object", "properties": {
+            "type": {"enum": [f"{kind}.partial_image"]}, **common,
+            "partial_image_index": {"type": "integer"}}},
+        {"type": "object", "properties": {
+            "type": {"enum": [f"{kind}.completed"]}, **common,
+            "usage": {"type": "object"}, "diffbatch": {
+                "type": "object", "description": "extension: seed, batch_size, queue_ms, "
+                "execute_ms, engine_ms (the x-diffbatch-* headers of a non-streamed answer)"}}},
+        {"type": "object", "properties": {
+            "type": {"enum": ["error"]},
+            "error": {"$ref": "#/components/schemas/ErrorInfo"}}},
+    ]
+    return {
+        "type": "object", "required": ["event", "data"],
+        "properties": {
+            "event": {"enum": [f"{kind}.partial_image", f"{kind}.completed", "error"]},
+            "data": {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"oneOf": payloads}},
+        },
+    }
+
+
 def sse(event: str, payload: dict[str, Any]) -> bytes:
     """One server-sent event: its name, and its JSON payload on one `data:` line."""
     return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
