@@ -43,14 +43,15 @@ def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) 
 
 
 def send_partial_images(batch: DiffusionRequestBatch, images: torch.Tensor,
-                        num_steps: int) -> None:
+                        num_steps: int) -> bool:
     """Send the previews the wave owes: after step s, rows of `images` [B*n, 3, H, W]
-    (the final images) times s / num_steps."""
+    (the final images) times s / num_steps. False when it owes none."""
     plan = batch.partial_image_plan(num_steps)
     if plan is None:
-        return
+        return False
     for step in sorted(plan.rows):
         plan.send(step, images[plan.rows_at(step)] * (step / num_steps))
+    return True
 
 
 class FakeBatchPipeline(BasePipeline):
@@ -146,9 +147,9 @@ class GatedPipeline(FakeBatchPipeline):
 
 
 class PreviewGatedPipeline(GatedPipeline):
-    """A `GatedPipeline` that, once released, sends its wave's partial images, sets
-    `previewed` and holds the wave until `finish` is set: a stream stays at its
-    partial images for as long as a test needs."""
+    """A `GatedPipeline` that, once released, sends its wave's partial images and, if
+    it owed any, sets `previewed` and holds the wave until `finish` is set: a stream
+    stays at its partial images for as long as a test needs."""
 
     previewed = threading.Event()
     finish = threading.Event()
@@ -160,10 +161,10 @@ class PreviewGatedPipeline(GatedPipeline):
         gate.entered.set()
         gate.release.wait(timeout=60)
         outputs = self.make_outputs(batch)
-        send_partial_images(batch, torch.cat([o.images for o in outputs]),
-                            batch.requests[0].sampling_params.num_inference_steps or 1)
-        gate.previewed.set()
-        gate.finish.wait(timeout=60)
+        if send_partial_images(batch, torch.cat([o.images for o in outputs]),
+                               batch.requests[0].sampling_params.num_inference_steps or 1):
+            gate.previewed.set()
+            gate.finish.wait(timeout=60)
         return outputs
 
 
