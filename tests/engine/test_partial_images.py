@@ -45,12 +45,23 @@ async def test_previews_follow_the_output_type() -> None:
     assert array[0].image.shape == (16, 16, 3)
 
 
-async def test_a_streamed_request_shares_its_wave_with_plain_ones() -> None:
+def gated_engine(max_num_seqs: int) -> tuple[Engine, type]:
     gate = make_gate()
-    with Engine(pipeline_class=gate, executor="inproc", max_num_seqs=4,
-                request_batch_max_wait_ms=0) as engine:
-        blocker = asyncio.ensure_future(engine.generate_async("hold the gate"))
-        assert await asyncio.to_thread(gate.entered.wait, 30)
+    return Engine(pipeline_class=gate, executor="inproc", max_num_seqs=max_num_seqs,
+                  request_batch_max_wait_ms=0), gate
+
+
+async def hold(engine: Engine, gate: type) -> asyncio.Future:
+    """A request that holds the gate's forward (so others queue); its future."""
+    blocker = asyncio.ensure_future(engine.generate_async("hold the gate"))
+    assert await asyncio.to_thread(gate.entered.wait, 30)
+    return blocker
+
+
+async def test_a_streamed_request_shares_its_wave_with_plain_ones() -> None:
+    engine, gate = gated_engine(4)
+    with engine:
+        blocker = await hold(engine, gate)
         streamed = asyncio.ensure_future(collect(engine, "streamed", partial_images=1))
         plain = asyncio.ensure_future(engine.generate_async("plain"))
         while engine.num_waiting < 2:
@@ -63,11 +74,9 @@ async def test_a_streamed_request_shares_its_wave_with_plain_ones() -> None:
 
 
 async def test_leaving_the_stream_aborts_the_request() -> None:
-    gate = make_gate()
-    with Engine(pipeline_class=gate, executor="inproc", max_num_seqs=1,
-                request_batch_max_wait_ms=0) as engine:
-        blocker = asyncio.ensure_future(engine.generate_async("hold the gate"))
-        assert await asyncio.to_thread(gate.entered.wait, 30)
+    engine, gate = gated_engine(1)
+    with engine:
+        blocker = await hold(engine, gate)
         stream = engine.generate_stream("left", SamplingParams(partial_images=1))
         first = asyncio.ensure_future(anext(stream))
         while engine.num_waiting < 1:

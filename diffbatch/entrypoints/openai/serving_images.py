@@ -334,11 +334,8 @@ class OpenAIServingImages:
         except DiffbatchError:
             self.engine.record_rejected()  # refused before reaching the engine
             raise
-        if request.stream:
-            return await self._stream(request, params, request_id, arrival_notice,
-                                      client_request_id, "image_generation")
-        return await self._generate(request, params, request_id, arrival_notice,
-                                    client_request_id, start, base_url)
+        return await self._run(request, params, request_id, arrival_notice,
+                               client_request_id, start, base_url, "image_generation")
 
     async def create_edit(
         self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
@@ -368,9 +365,18 @@ class OpenAIServingImages:
         except DiffbatchError:
             self.engine.record_rejected()
             raise
+        return await self._run(request, params, request_id, arrival_notice,
+                               client_request_id, start, base_url, "image_edit")
+
+    async def _run(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
+        arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
+        base_url: str, kind: EventKind,
+    ) -> ImageResult | ImageStream | JSONResponse:
+        """Stages 3-5, streamed (as `kind` events) or not, as the request asks."""
         if request.stream:
             return await self._stream(request, params, request_id, arrival_notice,
-                                      client_request_id, "image_edit")
+                                      client_request_id, kind)
         return await self._generate(request, params, request_id, arrival_notice,
                                     client_request_id, start, base_url)
 
