@@ -401,11 +401,8 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(measure_size(servers, settings, model, size, args))
     report["results"] = results
     report["pass"] = all(r["pass"] for r in results)
-    report["elapsed_s"] = time.perf_counter() - start
     print(format_table(report))
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 if __name__ == "__main__":

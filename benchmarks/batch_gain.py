@@ -197,10 +197,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["tiny-sd", "tiny-sd3"])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=4)
+    harness.add_batch_grid_args(parser)
     parser.add_argument("--num-images", type=int, default=48,
                         help="images per round (at least --min-waves waves of B)")
     parser.add_argument("--min-waves", type=int, default=12,
@@ -230,13 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         rows += measure_model(args, model)
     add_figures(rows)
     report["results"] = rows
-    report["elapsed_s"] = time.perf_counter() - start
     for row in rows:
         print(f"{row['model']:9s} {row['size']:4d}px B={row['batch']}: P1 {row['P1']:.3f} "
               f"P2 {row['P2']:.3f} (CPU-time P2 {row['P2_cpu']:.3f})")
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 if __name__ == "__main__":

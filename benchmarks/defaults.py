@@ -243,11 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     report["results"] = rows
     report["verdicts"] = {row["model"]: "PASS" if row["pass"] else "FAIL" for row in rows}
     report["pass"] = all(row["pass"] for row in rows)
-    report["elapsed_s"] = time.perf_counter() - start
     print(format_table(rows))
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 if __name__ == "__main__":

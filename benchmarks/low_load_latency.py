@@ -38,9 +38,7 @@ def sequential_round(server: harness.Server, args: argparse.Namespace, seed: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-sd")
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    harness.add_request_args(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the workers")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--wait-ms", type=float, default=50.0)
@@ -92,13 +90,10 @@ def main(argv: list[str] | None = None) -> None:
                                      - statistics.median(round_p50["wait_0"]))
     if base["server_queue_ms_p50"] is not None:
         report["P4_server_queue_ms"] = waited["server_queue_ms_p50"] - base["server_queue_ms_p50"]
-    report["elapsed_s"] = time.perf_counter() - start
     print(f"P4 = p50 {waited['p50_ms']:.1f} ms - {base['p50_ms']:.1f} ms = "
           f"{report['P4_ms']:.1f} ms (server queue time: "
           f"{report.get('P4_server_queue_ms', float('nan')):.1f} ms)")
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 def plot(report: dict[str, Any], path: str) -> None:

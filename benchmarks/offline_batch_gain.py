@@ -124,10 +124,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["tiny-sd", "tiny-sd3"])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=4)
+    harness.add_batch_grid_args(parser)
     parser.add_argument("--num-images", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -138,9 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     report = run(args)
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot)
 
 
 if __name__ == "__main__":

@@ -223,9 +223,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-sd")
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    harness.add_request_args(parser)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=30, help="per round")
     parser.add_argument("--repeats", type=int, default=3, help="HTTP and raw rounds")
@@ -273,7 +271,6 @@ def main(argv: list[str] | None = None) -> None:
     inproc, http = report["in_process"], report["http"]
     report["P5_inproc_ms"] = inproc["overhead_ms"]["median"]
     report["P5_http_ms"] = http["overhead_ms"]["median"]
-    report["elapsed_s"] = time.perf_counter() - start
     print(f"in-process: forward {inproc['pipe_ms']['median']:.1f} ms, overhead "
           f"{report['P5_inproc_ms']:.2f} ms (runner {inproc['runner_overhead_ms']['median']:.2f},"
           f" engine {inproc['engine_overhead_ms']['median']:.2f}), PNG "
@@ -282,9 +279,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{http['worker_execute_ms']['median']:.1f} ms, overhead {report['P5_http_ms']:.2f} ms,"
           f" PNG {http['png_encode_ms']['median']:.2f} ms; cross-check e2e - raw forward = "
           f"{http['crosscheck_e2e_minus_raw_ms']:.1f} ms")
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 if __name__ == "__main__":

@@ -161,9 +161,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-sd")
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    harness.add_request_args(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every server")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--max-batch-size", type=int, default=8)
@@ -211,16 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(samples)
     report["verdicts"] = add_ratios(rows, samples)
     report["results"] = rows
-    report["elapsed_s"] = time.perf_counter() - start
     for row in rows:
         ratio = row.get("throughput_rps_vs_diffbatch")
         print(f"{row['load']:14s} {row['server']:9s} {row['throughput_rps']:6.2f} req/s "
               f"p50 {row['p50_ms']:8.1f} p99 {row['p99_ms']:8.1f} ms"
               + (f"  (throughput x{ratio:.2f}, p99 x{row['p99_ms_vs_diffbatch']:.2f} "
                  "of diffbatch)" if ratio else ""))
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 if __name__ == "__main__":

@@ -545,9 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.perf_counter() - start
     print(format_table(rows))
     print(f"{'PASS' if report['pass'] else 'FAIL'} in {report['elapsed_s']:.0f} s")
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot)
     return 0  # the verdicts are in the table and the report, as in the other benchmarks
 
 

@@ -31,9 +31,9 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "grouped")
 BatchErrorIsolation = Literal["bisect", "none"]
 DEFAULT_SHM_THRESHOLD_BYTES = 1 << 20  # 1 MiB: larger tensors cross processes via shm
 DEFAULT_MAX_NUM_SEQS_LIMIT = 32  # max_num_seqs="auto" never goes beyond this by default
-# max_request_work="auto": this many times the model's default request (its default size
-# and step count, one image). On SD-class models that allows ten 512x512 images at 500
-# steps, or ten 1024x1024 ones at 125; a request beyond it is a mistake or an attack.
+# max_request_work="auto": this many times the model's default image (its default size
+# and step count). On SD-class models (512x512, 50 steps) that allows 1024x1024 at up to
+# 1000 steps, or 2048x2048 at 312; an image beyond it is a mistake or an attack.
 AUTO_REQUEST_WORK_FACTOR = 100
 
 
@@ -100,14 +100,22 @@ class EngineConfig:
         default_help="random")
     max_request_work: int | Literal["auto"] = option(
         AUTO, rule=OrAuto(IntRange(0)), metavar="PIXEL_STEPS",
-        help="most work one request may ask for, as width x height x steps x images "
-        f"(400 beyond it; 0 = no limit); auto: {AUTO_REQUEST_WORK_FACTOR} times the model's "
-        "default request (default size and steps, one image)")
+        help="most work each image of a request may ask for, as width x height x steps "
+        "(400 beyond it; 0 = no limit; a request's n, at most 10, multiplies it); auto: "
+        f"{AUTO_REQUEST_WORK_FACTOR} times the model's default image (default size and "
+        "steps)")
     worker_stall_timeout_s: float = option(
         10.0, rule=FloatRange(0.0), flag="--worker-stall-timeout", metavar="SECONDS",
-        help="mp: a worker whose heartbeat is silent this long (frozen, e.g. stopped) is "
-        "reported on /health and /metrics, killed and replaced; its wave is re-run "
-        "(0 = never)")
+        help="mp: a worker whose heartbeat is silent this long (frozen, e.g. stopped), or "
+        "whose wave runs past --wave-stall-factor, is reported on /health and /metrics, "
+        "killed and replaced; its wave is re-run (0 = never)")
+    wave_stall_factor: float = option(
+        10.0, rule=FloatRange(0.0), metavar="K",
+        help="mp: a wave still running after K times its expected time (the learned cost "
+        "curve of its shape and size) and at least --worker-stall-timeout means the "
+        "worker is stuck though its heartbeat lives (a hung forward): it is handled as a "
+        "silent one; a shape with no wave measured yet has no expected time (0 = "
+        "heartbeat only)")
     max_queue_size: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="most waiting requests; more are refused (HTTP 503 with Retry-After)",
@@ -123,9 +131,16 @@ class EngineConfig:
         "fifo", rule=OneOf(SCHEDULING_POLICIES),
         help="fifo: waves from the queue head, an incompatible head blocks; grouped: waves "
         "from the best compatible group, by priority and age (see sched/grouped.py)")
+    step_execution: bool = option(
+        False, rule=Flag(),
+        help="step mode: requests join and leave the running batch between denoising "
+        "steps (mixed step counts share a forward, a cancelled request stops at the next "
+        "step); --max-num-seqs is the most requests in the running batch")
     max_head_wait_ms: float = option(
         2000.0, rule=FloatRange(0.0),
-        help="grouped: once the oldest request waited this long, its group goes next")
+        help="grouped: once the oldest request waited this long, its group goes next; "
+        "step mode (fifo and grouped): the running batch stops taking requests of its "
+        "key once a request of another key waited this long")
     max_wave_pixels: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="grouped: most output pixels (B*n*H*W) in one wave", default_help="no cap")

@@ -8,11 +8,14 @@ unit: `diffbatch_<thing>_<unit>`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from diffbatch.outputs import TickStats
 
 OUTCOMES = ("completed", "error", "aborted", "rejected")
 _WAVE_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -86,8 +89,11 @@ class _WorkerHealth(Collector):
         for name, key, text in (
             ("diffbatch_worker_deaths", "deaths", "Worker processes that died while serving "
              "(killed as frozen included)."),
-            ("diffbatch_worker_frozen", "frozen", "Worker processes killed because their "
-             "heartbeat was silent for --worker-stall-timeout."),
+            ("diffbatch_worker_frozen", "frozen", "Worker processes killed because they "
+             "stopped making progress: heartbeat silent for --worker-stall-timeout, or a wave "
+             "running past its stall bound (--wave-stall-factor)."),
+            ("diffbatch_worker_stuck_waves", "stuck_waves", "Of those, workers killed because "
+             "a wave ran past its stall bound while the heartbeat lived (a hung forward)."),
             ("diffbatch_worker_restarts", "restarts", "Replacement worker processes started."),
         ):
             yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
@@ -126,6 +132,21 @@ class EngineMetrics:
             "wait before it ended (admission: capacity, stable, deadline, stopped, none).",
             ["close_reason", "admission"], registry=r,
         )
+        self.step_batch_size = Histogram(
+            "diffbatch_step_batch_size_requests", "Step mode: requests in one tick's fused "
+            "denoiser call.", buckets=_WAVE_SIZE_BUCKETS, registry=r,
+        )
+        self.step_time = Histogram(
+            "diffbatch_step_time_seconds", "Step mode: wall time of one tick (the fused "
+            "denoiser call, and the joiners' encoding and leavers' decoding around it).",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.step_joins = Counter(
+            "diffbatch_step_joins", "Step mode: requests that joined the running batch.",
+            registry=r)
+        self.step_leaves = Counter(
+            "diffbatch_step_leaves", "Step mode: requests that left the running batch "
+            "(finished, failed or cancelled).", registry=r)
         self.queue_time = Histogram(
             "diffbatch_request_queue_time_seconds", "Arrival to start of the request's wave.",
             buckets=_LATENCY_BUCKETS_S, registry=r,
@@ -165,6 +186,13 @@ class EngineMetrics:
         self.waves.labels(close_reason=close_reason or "unknown",
                           admission=admission or "none").inc()
         self.forward_time.observe(forward_s)
+
+    def observe_tick(self, tick: TickStats) -> None:
+        """Step mode: one tick of the worker's running batch."""
+        self.step_batch_size.observe(tick.batch_size)
+        self.step_time.observe(tick.step_ms / 1000.0)
+        self.step_joins.inc(tick.joins)
+        self.step_leaves.inc(tick.leaves)
 
     def observe_finished(self, outcome: str, queue_s: float | None, e2e_s: float) -> None:
         self.requests.labels(outcome=outcome).inc()

@@ -90,6 +90,17 @@ class PartialImage:
 
 
 @dataclass
+class TickStats:
+    """One tick of the running batch (crosses to the engine for metrics)."""
+
+    batch_size: int  # requests in the fused denoiser call
+    step_ms: float  # the tick's wall time (boundaries included)
+    forward_ms: float  # the fused denoiser module call(s) alone (no fusing, no resuming)
+    joins: int  # requests that entered the batch this tick
+    leaves: int  # requests that left it (finished, failed or cancelled)
+
+
+@dataclass
 class BatchRunnerOutput:
     """The outputs of one wave, keyed by request id, in the wave's order."""
 
@@ -101,6 +112,8 @@ class BatchRunnerOutput:
     # in bytes; 0 when unknown. The start-up calibration bounds wave sizes with them.
     peak_memory_bytes: int = 0
     free_memory_bytes: int = 0
+    # Step mode: the running batch's ticks since the worker last replied (`TickStats`).
+    ticks: list[TickStats] = field(default_factory=list)
 
     @classmethod
     def failed(cls, request_ids: list[str], error: RequestError) -> BatchRunnerOutput:

@@ -363,6 +363,14 @@ class SamplingParamsKey:
             extra=_freeze(extra),
         )
 
+    def for_step_execution(self) -> SamplingParamsKey:
+        """The key of step mode, where each request runs its own schedule: what only
+        sets the schedule (steps, strength, sigmas, timesteps) and the guidance scale
+        (applied per request inside its own call) leave the key; step count 0 means
+        "any" (`short()` shows `s*`)."""
+        return replace(self, num_inference_steps=0, strength=None,
+                                   guidance_scale=None, sigmas=None, timesteps=None)
+
     @property
     def num_denoising_steps(self) -> int:
         """Denoising steps a wave of this key runs (about: pipelines round differently):
@@ -380,7 +388,8 @@ class SamplingParamsKey:
         path: `/metrics` is unauthenticated and must not reveal the server's folders.
         """
         guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
-        text = f"{self.width}x{self.height}/s{self.num_inference_steps}/g{guidance}"
+        steps = self.num_inference_steps or "*"
+        text = f"{self.width}x{self.height}/s{steps}/g{guidance}"
         text += f"/n{self.num_outputs_per_prompt}"
         if self.task != TEXT_TO_IMAGE:
             strength = "?" if self.strength is None else f"{self.strength:g}"

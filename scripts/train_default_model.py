@@ -419,7 +419,7 @@ def main() -> None:
         "num_inference_steps": args.steps,
         "guidance_scale": args.guidance,
         # A 64x64 model: refuse sizes that would hold the worker for minutes (256x256).
-        "max_image_pixels": (4 * sd.IMAGE_SIZE) ** 2,
+        "model_max_pixels": (4 * sd.IMAGE_SIZE) ** 2,
     }
 
     # --- stages 1-2 are cached in --work-dir (keyed by their arguments) -----------------

@@ -1,10 +1,17 @@
-"""Finding and waiting on worker processes from tests: /proc and pidfds, no sleep loops."""
+"""Waiting on other processes and threads from tests: worker processes found in /proc
+and waited on with pidfds, and a bounded poll for state another thread or process
+changes (where there is nothing to wait on)."""
 
 from __future__ import annotations
 
 import os
 import select
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 
 def worker_pids(parent_pid: int) -> set[int]:
@@ -35,3 +42,19 @@ def wait_gone(pid: int, timeout_s: float = 120.0) -> bool:
         return bool(select.select([fd], [], [], timeout_s)[0])
     finally:
         os.close(fd)
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 30.0,
+               what: str = "condition", poll_s: float = 0.01) -> None:
+    """Poll `predicate` every `poll_s` until it holds; fail after `timeout_s`.
+
+    A bounded check of state that changes on another thread or process (e.g. an abort
+    reaching the engine); the deadline only bounds a broken test, nothing asserts on
+    timing.
+    """
+    idle = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        idle.wait(poll_s)

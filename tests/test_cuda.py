@@ -42,3 +42,18 @@ def test_half_precision_runs_on_cuda():
         outs = engine.generate(["a", "b", "c", "d"], SamplingParams(seed=5, output_type="pt"))
     assert all(o.ok for o in outs)
     assert all(torch.isfinite(o.images).all() for o in outs)
+
+
+def test_step_mode_on_cuda_equals_request_mode(engine):
+    """Mixed step counts share the running batch on the GPU; each image equals its
+    request-mode run."""
+    with Engine("tiny-sd", device="cuda", step_execution=True, max_num_seqs=4) as steps:
+        params = [SamplingParams(num_inference_steps=n, seed=10 + n, output_type="pt")
+                  for n in (2, 4, 8)]
+        prompts = ["a red circle", "a blue square", "a cat"]
+        stepped = steps.generate(prompts, params)
+        alone = [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    for out, ref in zip(stepped, alone, strict=True):
+        assert out.ok, out.error
+        torch.testing.assert_close(out.images, ref.images, atol=1e-4, rtol=0)
+    assert max(o.batch_size for o in stepped) > 1

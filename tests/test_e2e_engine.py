@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,22 @@ def test_pil_output_and_n_images_per_prompt(sd_engine):
     assert out.ok and len(out.images) == 3
     assert all(img.size == (64, 64) for img in out.images)
     assert out.images[0].tobytes() != out.images[1].tobytes()
+
+
+def test_np_output_is_the_float_image_channels_last(sd_engine):
+    """output_type="np" through the worker: a float32 array [n, H, W, C] in [0, 1], the
+    "pt" tensor's values channels-last, and the "pil" image's within rounding."""
+    params = SamplingParams(num_outputs_per_prompt=2, seed=11, num_inference_steps=2)
+    as_np, as_pt, as_pil = (sd_engine.generate(["a cat"], params.clone(output_type=kind))[0]
+                            for kind in ("np", "pt", "pil"))
+    assert isinstance(as_np.images, np.ndarray), type(as_np.images)
+    assert as_np.images.shape == (2, 64, 64, 3) and as_np.images.dtype == np.float32
+    assert as_np.images.min() >= 0.0 and as_np.images.max() <= 1.0
+    channels_last = as_pt.images.clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(as_np.images, channels_last, atol=1e-5)
+    pil = np.stack([np.asarray(image) for image in as_pil.images]) / 255.0
+    assert np.abs(as_np.images - pil).max() <= 0.5 / 255 + 1e-6
+    assert not np.allclose(as_np.images[0], as_np.images[1])  # each image its own noise
 
 
 def test_two_hundred_concurrent_requests_each_get_their_own_image():

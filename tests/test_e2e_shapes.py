@@ -63,6 +63,7 @@ def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
 
     with Engine(None, executor="inproc", warmup=False) as engine:
         assert engine.info.model_max_pixels == 256 * 256
-        with pytest.raises(InvalidRequestError, match=r"e\.g\. 256x256") as info:
+        with pytest.raises(InvalidRequestError,
+                           match=r"the largest square size is 256x256") as info:
             engine.generate(["a red circle"], SamplingParams(height=1024, width=1024))
         assert info.value.status_code == 400 and info.value.param == "size"

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -327,6 +327,36 @@ def write_report(report: dict[str, Any], path: str) -> None:
 
 def plot_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
+
+
+def add_batch_grid_args(parser: Any) -> None:
+    """The grid both batch-gain benchmarks measure (offline and served), so their
+    figures compare: every model x size x batch size, at `--steps`."""
+    parser.add_argument("--models", nargs="+", default=["tiny-sd", "tiny-sd3"])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=4)
+
+
+def add_request_args(parser: Any) -> None:
+    """The one request shape of the latency benchmarks: `--model`, `--size`, `--steps`."""
+    parser.add_argument("--model", default="tiny-sd")
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+
+
+def finish_report(
+    report: dict[str, Any], args: Any, plot: Callable[[dict[str, Any], str], None],
+    *, start_s: float | None = None,
+) -> None:
+    """The tail of a benchmark: its `elapsed_s` since `start_s` (`time.perf_counter()`;
+    None: the report has it already), the JSON at `args.out`, and `plot`'s figure beside
+    it unless `--no-plot`."""
+    if start_s is not None:
+        report["elapsed_s"] = time.perf_counter() - start_s
+    write_report(report, args.out)
+    if not args.no_plot:
+        plot(report, plot_path(args.out))
 
 
 def pyplot() -> Any:

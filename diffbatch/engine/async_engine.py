@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import random
 import threading
@@ -36,6 +35,7 @@ from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
 from diffbatch.engine.partial_images import PartialImageRouter
+from diffbatch.engine.step_core import StepEngineCore
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
     ConfigError,
@@ -46,6 +46,7 @@ from diffbatch.errors import (
     QueueFullError,
 )
 from diffbatch.executor.abstract import Executor
+from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.metrics import EngineMetrics
 from diffbatch.outputs import DiffusionOutput, PartialImage, RequestError, finalize_images
 from diffbatch.pipelines.interface import PipelineInfo
@@ -102,7 +103,6 @@ class Engine:
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
         self._rng = random.Random(config.seed)
-        self.metrics: EngineMetrics | None = None
         # 1. Capability, from the class attribute, before anything is loaded.
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
@@ -120,12 +120,28 @@ class Engine:
         self.info: PipelineInfo = self.executor.info
         self.partial_images = PartialImageRouter()
         self.executor.set_partial_image_listener(self.partial_images.deliver)
-        # 3. The loop, then a warm-up request through the whole path.
+        if config.step_execution and not self.info.supports_step_execution:
+            self.executor.shutdown()
+            raise ConfigError(
+                f"step execution needs a pipeline that implements the step contract, but "
+                f"{self.info.name} does not (supports_step_execution=False); serve it "
+                "without --step-execution"
+            )
+        # 3. The loop with its metrics and wave log, then a warm-up request through the
+        # whole path. The gauges read the core when scraped.
         self.max_request_work = self._request_work_limit()
         self.policy = BatchPolicy(config, self.info,
                                   supports_request_batch=self.supports_request_batch)
-        self.core = EngineCore(config, self.executor, policy=self.policy,
-                               deliver=self._deliver)
+        self.metrics = EngineMetrics(
+            lambda: self.core.num_waiting, lambda: self.core.num_running,
+            lambda: self.core.num_waiting_by_key(), self.policy.snapshot,
+            worker_health=self.executor.health_stats,
+        )
+        self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
+        core_class = StepEngineCore if config.step_execution else EngineCore
+        self.core = core_class(config, self.executor, policy=self.policy,
+                               deliver=self._deliver, metrics=self.metrics,
+                               wave_log=self.wave_log)
         self.core.start()
         if config.warmup:
             self._warmup()
@@ -140,15 +156,8 @@ class Engine:
             logger.info("calibration: %s; capacity at %s: %d", report.describe(),
                         self.policy.default_shape.label(),
                         self.policy.cost.capacity(self.policy.default_shape))
-        self.policy.serving = True
-        self.metrics = EngineMetrics(
-            lambda: self.core.num_waiting, lambda: self.core.num_running,
-            self.core.num_waiting_by_key, self.policy.snapshot,
-            worker_health=self.executor.health_stats,
-        )
-        self.core.metrics = self.metrics
-        self.wave_log = WaveLog()  # the waves run since start-up, for `GET /v1/waves`
-        self.core.wave_log = self.wave_log
+        # 5. Start-up is over: what runs from here on is counted (see `start_serving`).
+        self.core.start_serving()
         logger.info(
             "engine ready: model=%s pipeline=%s batch=%s max_num_seqs=%s (limit %d) wait=%s "
             "executor=%s",
@@ -157,8 +166,8 @@ class Engine:
         )
 
     def _request_work_limit(self) -> int | None:
-        """The most pixel-steps (width x height x steps x images) one request may ask
-        for; None = no limit. "auto" scales the model's default request."""
+        """The most pixel-steps (width x height x steps) one image of a request may ask
+        for; None = no limit. "auto" scales the model's default image."""
         limit = self.config.max_request_work
         if limit == "auto":
             info = self.info
@@ -220,33 +229,33 @@ class Engine:
         )
 
     def _check_against_model(self, params: SamplingParams) -> None:
-        """The checks that depend on the loaded model, run once, at admission."""
+        """The checks that depend on the loaded model, run once, at admission (the HTTP
+        server checks only its own limits: see `diffbatch.image_size`)."""
         info = self.info
         pixels = params.height * params.width
-        if info.model_max_pixels is not None and pixels > info.model_max_pixels:
-            multiple = info.size_multiple
-            side = math.isqrt(info.model_max_pixels) // multiple * multiple
-            raise InvalidRequestError(
-                f"`size` must be at most {info.model_max_pixels} pixels (width * height) for "
-                f"{self.config.model}, e.g. {side}x{side}; got {params.width}x{params.height}",
-                param="size",
-            )
+        size = f"{params.width}x{params.height}"
+        cap, multiple = info.model_max_pixels, info.size_multiple
+        if cap is not None and pixels > cap:  # first: "99999x99999" is told it is too large
+            raise size_too_large(size, info.name, cap, largest_square(cap, multiple))
         for name in ("height", "width"):
             value = getattr(params, name)
-            if value % info.size_multiple:
+            if value % multiple:
                 raise InvalidRequestError(
-                    f"`{name}` must be a multiple of {info.size_multiple} for {info.name}, "
-                    f"got {value}", param=name,
+                    f"`{name}` must be a multiple of {multiple} for {info.name}, got {value} "
+                    f"(size {size}: both sides must be multiples of {multiple}, e.g. "
+                    f"{info.default_width}x{info.default_height})", param=name,
                 )
         # The work limit comes after the model's own limits, whose messages say more.
-        work = pixels * params.num_inference_steps * params.num_outputs_per_prompt
+        # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
+        # per-image limit in a form fuzzers generate from (openai/work_limit.py).
+        work = pixels * params.num_inference_steps
         if self.max_request_work is not None and work > self.max_request_work:
             raise InvalidRequestError(
                 f"this request asks for {params.width}x{params.height} x "
-                f"{params.num_inference_steps} steps x {params.num_outputs_per_prompt} "
-                f"image(s) = {work} pixel-steps; this server allows at most "
-                f"{self.max_request_work} per request (--max-request-work): ask for fewer "
-                "steps, fewer images or a smaller size", param="num_inference_steps",
+                f"{params.num_inference_steps} steps = {work} pixel-steps per image; this "
+                f"server allows at most {self.max_request_work} per image "
+                "(--max-request-work): ask for fewer steps or a smaller size",
+                param="num_inference_steps",
             )
         accepted = info.call_arguments
         if accepted is None:
@@ -334,6 +343,8 @@ class Engine:
             per_request_guidance=self.info.supports_per_request_guidance
             and resolved.task == "text-to-image",
         )
+        if self.config.step_execution:  # each request runs its own schedule
+            request.key = request.key.for_step_execution()
         return request
 
     def _add(
@@ -387,7 +398,7 @@ class Engine:
                 output.images = finalize_images(output.images, output_type)
             except Exception as exc:  # a malformed result fails only this request
                 output.images, output.error = None, RequestError.from_exception(exc)
-        if self.metrics is not None:
+        if self.core.serving:  # the warm-up request is not served traffic
             outcome = "aborted" if output.aborted else ("error" if output.error else "completed")
             queue_s = output.queue_time_ms / 1000.0 if output.batch_size else None
             self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
@@ -406,8 +417,7 @@ class Engine:
 
     def record_rejected(self, count: int = 1) -> None:
         """Count requests rejected before they reached the queue (outcome "rejected")."""
-        if self.metrics is not None:
-            self.metrics.requests.labels(outcome="rejected").inc(count)
+        self.metrics.requests.labels(outcome="rejected").inc(count)
 
     # -- public API ------------------------------------------------------------------
     def generate(

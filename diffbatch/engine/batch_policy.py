@@ -189,6 +189,17 @@ class BatchPolicy:
                 return min(trial, num_waiting)
         return capacity
 
+    def step_capacity(self, key: SamplingParamsKey | None) -> int:
+        """Step mode: most requests in the running batch of `key`. A tick is one step
+        of the batch, so the wave cost curve's capacity rule holds for it; "auto"
+        takes the capacity learned for the key's shape (the calibration's curve, as
+        step mode feeds no waves back)."""
+        if not self.batching:
+            return 1
+        if not self.config.auto_capacity or key is None:
+            return self.config.capacity_limit if not self.config.auto_capacity else self.limit
+        return self.cost.capacity(Shape.of(key))
+
     # -- admission wait --------------------------------------------------------------
     def plan_wait(
         self, key: SamplingParamsKey | None, num_waiting: int, num_incoming: int = 0
@@ -234,13 +245,42 @@ class BatchPolicy:
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:
-        """Feed one finished wave to the cost model (only clean single-forward waves)."""
-        if key is None or num_forwards != 1 or not self.learns or not self.serving:
+        """Feed one finished wave to the cost model (only clean single-forward waves).
+
+        Fixed settings learn too: the curve is also what a wave's stall bound is
+        measured against (`stall_bound_s`).
+        """
+        if key is None or num_forwards != 1 or not self.serving:
             return
         self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms)
 
+    # -- stalls ----------------------------------------------------------------------
+    def stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:
+        """How long a wave of `size` requests of `key` may run before its worker counts
+        as stuck: `wave_stall_factor` x its expected forward time, and at least
+        `worker_stall_timeout_s`; None (no bound, the heartbeat alone watches the
+        worker) when the factor or the timeout is 0 or nothing is expected yet.
+
+        NOTE: the expectation comes from the shape's own curve only, never from the
+        default shape's scaled by pixels: attention grows faster than the pixel count,
+        so a first 2048x2048 wave would look stuck. Waves of a measured shape at an
+        unmeasured size or step count are estimated from the curve, which extrapolates
+        to larger waves with no batching gain (an over-estimate, so the bound errs long).
+        """
+        factor, floor_s = self.config.wave_stall_factor, self.config.worker_stall_timeout_s
+        if key is None or factor <= 0 or floor_s <= 0:
+            return None
+        expected_ms = self.cost.estimate_ms(Shape.of(key), size, key.num_denoising_steps,
+                                            proxy=False)
+        if expected_ms is None:
+            return None
+        return max(factor * expected_ms / 1000.0, floor_s)
+
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per shape: per-image ms by wave size, capacity, last planned wait (metrics)."""
+        """Per shape: per-image ms by wave size, capacity, last planned wait (metrics);
+        empty with fixed settings (the curve decides nothing there)."""
+        if not self.learns:
+            return {}
         with self._lock:
             waits = dict(self._last_wait_ms)
         per_image = self.cost.per_image_ms()

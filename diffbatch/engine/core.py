@@ -22,10 +22,22 @@ lock; executor calls run without it, so requests can arrive and abort meanwhile.
 Outputs are delivered on a thread of their own, so the loop is free for the next
 wave while the last wave's outputs are converted and handed to their callers.
 
+Start-up and serving: the engine hands the core its `metrics` and `wave_log` when it
+builds it, and runs its warm-up request through this same loop before it serves.
+Those start-up waves are not served traffic (a cold first forward, a request
+nobody sent), so the core records waves in the metrics and the wave log, and lets
+them teach the batch policy, only after `start_serving()`, which the engine calls
+once start-up (warm-up, then calibration, which drives the executor directly) is
+over. One switch, in one place: whatever the core records, it records from the same
+moment on.
+
 Failures of the worker, not of the pipeline:
 
 - while the executor restarts a dead worker (`executor.is_restarting`), nothing is
   dispatched: the queue waits for the replacement (its ready listener wakes the loop);
+- each wave is handed over with its stall bound (`BatchPolicy.stall_bound_s`: a
+  multiple of its learned expected time); an executor that watches a worker treats
+  a wave running past it like a silent heartbeat: the worker is killed and replaced;
 - a wave whose worker died under it (`WorkerDiedError`, `started`) is re-run on the
   replacement split in halves, as bisect isolation does, so only a request that
   kills the worker again on its own fails (naming the crash); a wave that was only
@@ -113,8 +125,6 @@ class ArrivalNotice:
 class EngineCore:
     """Owns the scheduler and the loop thread; see the module docstring."""
 
-    wave_log: WaveLog | None = None  # set by the engine: each logged wave is appended
-
     def __init__(
         self,
         config: EngineConfig,
@@ -123,12 +133,18 @@ class EngineCore:
         policy: BatchPolicy,
         deliver: Deliver,
         metrics: EngineMetrics | None = None,
+        wave_log: WaveLog | None = None,
     ) -> None:
         self.config = config
         self.executor = executor
         self.policy = policy
         self.deliver = deliver
         self.metrics = metrics
+        self.wave_log = wave_log  # each recorded wave is appended
+        # NOTE: start-up waves (the engine's warm-up) run like any other but are not
+        # served traffic: `metrics` and `wave_log` record waves only once the engine
+        # calls `start_serving()`.
+        self.serving = False
         self.scheduler = make_scheduler(config, capacity_of=policy.capacity)
         self.cond = threading.Condition()
         self._stopped = False
@@ -154,6 +170,12 @@ class EngineCore:
         self._deliverer.start()
         self._thread = threading.Thread(target=self._run, name="diffbatch-engine", daemon=True)
         self._thread.start()
+
+    def start_serving(self) -> None:
+        """End start-up: waves from now on are recorded in `metrics` and `wave_log`, and
+        teach the batch policy's cost model (whose cold first waves would skew it)."""
+        self.serving = True
+        self.policy.serving = True
 
     def stop(self) -> list[DiffusionRequest]:
         """Tell the loop to stop; return the requests still open (for the caller to fail).
@@ -300,7 +322,7 @@ class EngineCore:
         for record in records:
             logger.info("wave %d: none of its %d request(s) is wanted any more; stopping it",
                         record.wave.wave_id, record.wave.num_requests)
-            if self.metrics is not None:
+            if self.metrics is not None and self.serving:
                 self.metrics.waves_cancelled.inc()
             self.executor.cancel(record.future)
 
@@ -417,7 +439,8 @@ class EngineCore:
     def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
         """Hand the wave to the executor (outside the lock) and track it."""
         dispatched = time.monotonic()
-        future = self.executor.submit_batch(wave)
+        stall_after_s = self.policy.stall_bound_s(wave.key, wave.num_requests)
+        future = self.executor.submit_batch(wave, stall_after_s=stall_after_s)
         record = InFlightWave(wave, future, dispatched, self.last_admission_reason,
                               crashed_before=crashed_before)
         with self.cond:
@@ -488,7 +511,7 @@ class EngineCore:
             self.cond.notify_all()
         logger.warning("wave %d: %s; re-running its %d open request(s) in %d wave(s) on the "
                        "replacement", wave.wave_id, exc.message, len(live), len(halves))
-        if self.metrics is not None and live:
+        if self.metrics is not None and self.serving and live:
             self.metrics.waves_rerun.inc(len(halves))
         return True
 
@@ -504,6 +527,8 @@ class EngineCore:
             wave.wave_id, wave.num_requests, wave.key.short() if wave.key else "-",
             wave.close_reason, admission_reason or "none", queue_wait_ms, forward_ms,
         )
+        if not self.serving:
+            return
         if self.metrics is not None:
             self.metrics.observe_wave(wave.num_requests, wave.close_reason,
                                       admission_reason, forward_ms / 1000.0)

@@ -116,11 +116,15 @@ class WaveCostModel:
             curve = self._curves.setdefault(shape, _Curve(steps))
             curve.observe(size, steps, forward_ms)
 
-    def estimate_ms(self, shape: Shape, size: int, steps: int) -> float | None:
-        """Forward ms of a wave of `size` at `steps` steps; None when nothing is known."""
+    def estimate_ms(self, shape: Shape, size: int, steps: int, *,
+                    proxy: bool = True) -> float | None:
+        """Forward ms of a wave of `size` at `steps` steps; None when nothing is known.
+        `proxy=False`: from the shape's own curve only (not the default's, scaled)."""
         with self._lock:
             curve = self._curves.get(shape)
             if curve is None:
+                if not proxy:
+                    return None
                 curve, scale = self._proxy(shape)
                 if curve is None:
                     return None

@@ -41,6 +41,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _add_seconds(
+    group: argparse._ArgumentGroup, flag: str, default: float | None, help: str,
+) -> None:
+    """Add `flag`, a duration in seconds that must be > 0."""
+    group.add_argument(flag, type=float_at_least(0.0, strict=True), default=default,
+                       metavar="SECONDS", help=help)
+
+
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `diffbatch serve [MODEL]` and its flags (vLLM's names where they exist)."""
     from diffbatch.entrypoints.openai.api_server import (
@@ -86,20 +94,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--api-key", default=os.environ.get(API_KEY_ENV) or None,
         help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
     )
-    server.add_argument(
-        "--request-timeout", type=float_at_least(0.0, strict=True), default=None,
-        metavar="SECONDS", help="abort requests not finished after this long (504)",
-    )
+    _add_seconds(server, "--request-timeout", None,
+                 "abort requests not finished after this long (504)")
     server.add_argument(
         "--shutdown-timeout", type=float_at_least(0.0, strict=False),
         default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
         help="on SIGTERM or Ctrl-C: refuse new requests and answer waiting ones 503 at once, "
         "let running waves finish for this long, then interrupt them (503), stop the "
-        "worker and exit",
+        "worker and exit. With --ray it is each replica's graceful shutdown timeout in Ray "
+        "Serve: a stopping replica gets no new requests, finishes those it holds (queued "
+        "ones too) until then, then is killed and the rest are answered 503 "
+        "(docs/scaling.md)",
     )
     server.add_argument(
         "--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
-        help="largest width*height of one image (400 above it)",
+        help="largest width*height of one image, whatever the model (400 above it); a "
+        "model may cap lower on its own (`model_max_pixels`), which the engine checks",
     )
     server.add_argument(
         "--max-upload-mb", type=int_at_least(1), default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
@@ -117,11 +127,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         f"dropped first; 0 refuses url with a 400 (default: {DEFAULT_IMAGE_STORE_MB}; 0 with "
         "several --ray replicas, whose links could reach another replica)",
     )
-    server.add_argument(
-        "--image-url-ttl", type=float_at_least(0.0, strict=True),
-        default=DEFAULT_IMAGE_URL_TTL_S, metavar="SECONDS",
-        help='how long a link of `response_format: "url"` works',
-    )
+    _add_seconds(server, "--image-url-ttl", DEFAULT_IMAGE_URL_TTL_S,
+                 'how long a link of `response_format: "url"` works')
     server.add_argument(
         "--png-compress-level", type=int_between(0, 9), default=DEFAULT_PNG_COMPRESS_LEVEL,
         metavar="LEVEL",
@@ -132,17 +139,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
                         help="log level; debug adds one line per HTTP request")
     # Connection limits (uvicorn's side; see openai/http_protocol.py).
-    server.add_argument(
-        "--header-timeout", type=float_at_least(0.0, strict=True),
-        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
-        help="close a connection whose request headers are not complete after this long "
-        "(408)",
-    )
-    server.add_argument(
-        "--keep-alive-timeout", type=float_at_least(0.0, strict=True),
-        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="SECONDS",
-        help="close an idle keep-alive connection after this long",
-    )
+    _add_seconds(server, "--header-timeout", DEFAULT_HEADER_TIMEOUT_S,
+                 "close a connection whose request headers are not complete after this "
+                 "long (408)")
+    _add_seconds(server, "--keep-alive-timeout", DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                 "close an idle keep-alive connection after this long")
     server.add_argument(
         "--limit-concurrency", type=int_at_least(1), default=DEFAULT_LIMIT_CONCURRENCY,
         metavar="N", help="most open connections and requests in progress; more get 503",

@@ -65,14 +65,27 @@ class Executor(ABC):
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Run one wave with one fused pipeline forward."""
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
-        """Start `execute_batch`; the future holds its output or its exception."""
+    def submit_batch(
+        self, scheduler_output: SchedulerOutput, *, stall_after_s: float | None = None,
+    ) -> Future[BatchRunnerOutput]:
+        """Start `execute_batch`; the future holds its output or its exception.
+
+        `stall_after_s`: once the wave has run this long, its runner counts as stuck
+        (an executor that can replace its runner does so, as for a silent heartbeat);
+        None = no bound. An executor that runs the wave in the caller's thread cannot
+        watch it and ignores the bound.
+        """
         future: Future[BatchRunnerOutput] = Future()
         try:
             future.set_result(self.execute_batch(scheduler_output))
         except Exception as exc:
             future.set_exception(exc)
         return future
+
+    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+        """Step mode: add the wave's requests to the running batch (at most `capacity`
+        requests run at once); one future per request, done when it leaves the batch."""
+        raise ConfigError(f"the {type(self).__name__} executor does not run step mode")
 
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:  # noqa: B027 - optional
         """Nobody waits for the wave behind `future` any more: stop it at its next
@@ -105,7 +118,8 @@ class Executor(ABC):
 
     def health_stats(self) -> dict[str, float]:
         """Numbers for /metrics: `up` (1 or 0), `heartbeat_age_s`, and the counts
-        `deaths`, `frozen` and `restarts`; an executor reports what it has."""
+        `deaths`, `frozen` (killed as stalled), `stuck_waves` (of those, for a wave past
+        its stall bound) and `restarts`; an executor reports what it has."""
         return {}
 
     @abstractmethod

@@ -3,24 +3,34 @@
 Cheapest path (no IPC); used for tests, notebooks and custom pipelines that hold
 objects which cannot cross processes. A pipeline crash here is a crash of the
 caller's process, which is why serving defaults to the worker process (`mp`).
+
+In step mode the running batch runs its ticks on a thread of its own, through the
+same loop a worker runs (`diffbatch.worker.worker.serve_steps`), with replies
+resolving futures instead of crossing a pipe.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from diffbatch.errors import EngineDeadError
+from diffbatch.errors import EngineClosedError, EngineDeadError
 from diffbatch.executor.abstract import Executor
+from diffbatch.ipc.messages import StepJoin, WorkerCall, WorkerReply
+from diffbatch.outputs import BatchRunnerOutput
 from diffbatch.worker.model_runner import ModelRunner
+from diffbatch.worker.step_runner import StepRunner
+from diffbatch.worker.worker import Inbox, serve_steps
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
-    from diffbatch.outputs import BatchRunnerOutput
     from diffbatch.sched.output import SchedulerOutput
 
 
 class InprocExecutor(Executor):
-    """Runs the `ModelRunner` directly in the calling thread."""
+    """Runs the `ModelRunner` directly in the calling thread (step mode: on a thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -30,6 +40,17 @@ class InprocExecutor(Executor):
             torch.set_num_threads(config.torch_num_threads)
         self.runner: ModelRunner | None = ModelRunner(config)
         self.info = self.runner.info()
+        self._steps: StepRunner | None = None
+        self._inbox = Inbox()
+        self._call_ids = itertools.count(1)
+        self._futures: dict[int, Future[BatchRunnerOutput]] = {}
+        self._futures_lock = threading.Lock()
+        self._step_thread: threading.Thread | None = None
+        if config.step_execution:
+            self._steps = StepRunner(self.runner)
+            self._step_thread = threading.Thread(
+                target=self._serve_steps, name="diffbatch-steps", daemon=True)
+            self._step_thread.start()
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:
@@ -40,8 +61,53 @@ class InprocExecutor(Executor):
         return self._runner().execute_batch(scheduler_output,
                                             on_partial_image=self._notify_partial_image)
 
+    # -- step mode -------------------------------------------------------------------
+    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+        futures: list[Future[BatchRunnerOutput]] = [Future() for _ in wave.requests]
+        if self._steps is None or self.runner is None:
+            for future in futures:
+                future.set_exception(EngineClosedError("the executor is shut down")
+                                     if self.runner is None else
+                                     EngineDeadError("this executor was not started in step mode"))
+            return futures
+        call_ids = [next(self._call_ids) for _ in futures]
+        with self._futures_lock:
+            self._futures.update(zip(call_ids, futures, strict=True))
+        self._inbox.put(WorkerCall(call_ids[0], "join", StepJoin(wave, call_ids, capacity)))
+        return futures
+
+    def cancel(self, future: Future[BatchRunnerOutput]) -> None:
+        with self._futures_lock:
+            call_id = next((cid for cid, f in self._futures.items() if f is future), None)
+        if call_id is not None:
+            self._inbox.cancel(call_id)
+
+    def _serve_steps(self) -> None:
+        assert self._steps is not None and self.runner is not None
+        try:
+            serve_steps(self._steps, self.runner, self._inbox, self._resolve, None)
+        finally:
+            with self._futures_lock:
+                left, self._futures = list(self._futures.values()), {}
+            for future in left:
+                future.set_exception(EngineClosedError("the executor is shut down"))
+
+    def _resolve(self, reply: WorkerReply) -> bool:
+        with self._futures_lock:
+            future = self._futures.pop(reply.call_id, None)
+        if future is not None:
+            if reply.error is not None:
+                future.set_result(BatchRunnerOutput.failed([], reply.error.error))
+            else:
+                future.set_result(reply.result)
+        return True
+
+    # -- lifecycle -------------------------------------------------------------------
     def check_health(self) -> None:
         self._runner()
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         self.runner = None
+        if self._step_thread is not None:
+            self._inbox.put(WorkerCall(0, "shutdown"))
+            self._step_thread.join(timeout_s)

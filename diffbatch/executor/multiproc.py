@@ -6,9 +6,9 @@ worker's life, as the serving worker of one executor:
 
     starting --WorkerReady--> serving --exit/kill--> dead --replacement ready--> serving
        |  load error, timeout    |                    ^  |  restart fails
-       v                         | no heartbeat for   |  v
-    (start-up raises)            v the stall timeout  |  dead for good (unhealthy)
-                               frozen ---SIGKILL------+
+       v                         | no heartbeat, or   |  v
+    (start-up raises)            v a wave past bound  |  dead for good (unhealthy)
+                               stalled --SIGKILL------+
     any state --shutdown()--> closed
 
 - start-up runs `python -m diffbatch.worker` as its own program (never a re-import of
@@ -28,10 +28,14 @@ worker's life, as the serving worker of one executor:
 - one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
   the call it answers; a `WorkerPartialImage` (sent while a wave runs, before its
-  reply) is unpacked the same way and handed to the partial-image listener. The
-  worker sends a heartbeat every second or so; when none came for
-  `worker_stall_timeout_s` (the process is stopped, or starved), the reader
-  declares it frozen, kills it (SIGKILL) and handles the death below;
+  reply) is unpacked the same way and handed to the partial-image listener. It also
+  watches for a worker that stopped making progress (stalled): the worker sends a
+  heartbeat every second or so from a thread of its own, so when none came for
+  `worker_stall_timeout_s` the process is stopped or starved ("frozen"); when the
+  heartbeat lives but the running wave is past the stall bound it was submitted with
+  (`submit_batch(stall_after_s=...)`, a multiple of its expected time), its forward
+  hangs ("stuck"). Either way the reader kills it (SIGKILL) and handles the death
+  below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
   oldest with `started=True`: it was running; the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor
@@ -62,7 +66,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +76,7 @@ from diffbatch.executor.abstract import Executor
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
+    StepJoin,
     WorkerCall,
     WorkerCancel,
     WorkerError,
@@ -111,6 +116,8 @@ class _PendingCall:
     what: str  # "wave 3 (8 requests)", for errors and logs
     convert: Callable[[WorkerReply], Any]  # the unpacked reply -> the future's result
     future: Future[Any]
+    stall_after_s: float | None = None  # running longer than this: the worker is stuck
+    sent: float = field(default_factory=time.monotonic)  # when it was sent
 
     def resolve(self, reply: WorkerReply) -> None:
         try:
@@ -124,8 +131,7 @@ class _PendingCall:
 class _Worker:
     """One worker process, the engine's end of its pipe and the calls it owes."""
 
-    def __init__(self, config: EngineConfig, runner_factory: str | None,
-                 env: dict[str, str]) -> None:
+    def __init__(self, config: EngineConfig, env: dict[str, str]) -> None:
         parent_sock, child_sock = socket.socketpair()
         life_read, self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
         child_fd = child_sock.detach()
@@ -157,10 +163,12 @@ class _Worker:
         self.accepting = True  # False once the reader has failed what was pending
         self.reader: threading.Thread | None = None
         self.last_heard = time.monotonic()  # the last message from it (reader thread)
-        self.frozen_for: float | None = None  # heartbeat silence when it was killed as frozen
+        self.last_reply = 0.0  # when the last reply came: the next call started then
+        self.resumed = 0.0  # when this process last woke from a suspension of its own
+        self.stalled: str | None = None  # why it was killed as stalled ("frozen: ...")
         log_level = logging.getLogger("diffbatch").getEffectiveLevel()
         with contextlib.suppress(OSError):  # it died already: wait_ready reports why
-            self.send(WorkerStart(config, runner_factory, log_level))
+            self.send(WorkerStart(config, log_level))
 
     @property
     def waitables(self) -> list[Any]:
@@ -186,6 +194,16 @@ class _Worker:
         """The id of the unanswered call whose future is `future`, if any."""
         with self.pending_lock:
             return next((cid for cid, p in self.pending.items() if p.future is future), None)
+
+    def running_call(self) -> tuple[_PendingCall, float] | None:
+        """The call the worker runs now (the oldest unanswered: it runs them in order)
+        and since when: its sending, the previous reply, or a resume of this process,
+        whichever came last."""
+        with self.pending_lock:
+            call = next(iter(self.pending.values()), None)
+        if call is None:
+            return None
+        return call, max(call.sent, self.last_reply, self.resumed)
 
     def close_pending(self) -> list[_PendingCall]:
         """Stop accepting calls; return the unanswered ones (for the caller to fail)."""
@@ -313,17 +331,12 @@ def _check_pipeline_class_importable(config: EngineConfig) -> None:
 
 
 class MultiprocExecutor(Executor):
-    """Runs the `ModelRunner` in a worker process; see the module docstring.
-
-    `runner_factory` ("module:attr") replaces `ModelRunner` in the worker; tests use
-    it to inject a fake runner.
-    """
+    """Runs the `ModelRunner` in a worker process; see the module docstring."""
 
     def __init__(
         self,
         config: EngineConfig,
         *,
-        runner_factory: str | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         restart_on_death: bool = True,
@@ -331,7 +344,6 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         _check_pipeline_class_importable(config)
         self._env = _worker_env(config)
-        self._runner_factory = runner_factory
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
         self._restart_on_death = restart_on_death
@@ -347,7 +359,8 @@ class MultiprocExecutor(Executor):
         self._stall_timeout_s = config.worker_stall_timeout_s  # 0: never declared frozen
         self.num_restarts = 0  # replacement workers started after a death
         self.num_deaths = 0  # serving workers that died (killed as frozen included)
-        self.num_frozen = 0  # workers killed because their heartbeat fell silent
+        self.num_frozen = 0  # workers killed as stalled (silent heartbeat or stuck wave)
+        self.num_stuck_waves = 0  # of those, killed because a wave ran past its bound
 
         worker, ready = self._start_worker()
         assert ready.info is not None
@@ -366,7 +379,7 @@ class MultiprocExecutor(Executor):
         """Whether a live worker is serving (never blocks on a running call)."""
         with self._lock:
             worker = None if self._closed else self._worker
-        return worker is not None and not worker.exited() and worker.frozen_for is None
+        return worker is not None and not worker.exited() and worker.stalled is None
 
     @property
     def is_restarting(self) -> bool:
@@ -377,12 +390,13 @@ class MultiprocExecutor(Executor):
     def health_stats(self) -> dict[str, float]:
         with self._lock:
             worker = None if self._closed else self._worker
-        up = worker is not None and not worker.exited() and worker.frozen_for is None
+        up = worker is not None and not worker.exited() and worker.stalled is None
         return {
             "up": float(up),
             "heartbeat_age_s": time.monotonic() - worker.last_heard if worker else 0.0,
             "deaths": float(self.num_deaths),
             "frozen": float(self.num_frozen),
+            "stuck_waves": float(self.num_stuck_waves),
             "restarts": float(self.num_restarts),
         }
 
@@ -395,7 +409,9 @@ class MultiprocExecutor(Executor):
         with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
             worker.send(WorkerCancel(call_id))
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
+    def submit_batch(
+        self, scheduler_output: SchedulerOutput, *, stall_after_s: float | None = None,
+    ) -> Future[BatchRunnerOutput]:
         n = scheduler_output.num_requests
         what = f"wave {scheduler_output.wave_id} ({n} request{'s' if n != 1 else ''})"
 
@@ -404,7 +420,7 @@ class MultiprocExecutor(Executor):
                 return reply.result
             return BatchRunnerOutput.failed(scheduler_output.req_ids, reply.error.error)
 
-        return self._submit("execute_batch", scheduler_output, what, convert)
+        return self._submit("execute_batch", scheduler_output, what, convert, stall_after_s)
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self.submit_batch(scheduler_output).result()
@@ -416,9 +432,9 @@ class MultiprocExecutor(Executor):
             worker = self._worker
             if worker is None:
                 raise EngineDeadError(self._dead_message())
-        if worker.frozen_for is not None:
-            raise EngineDeadError(f"worker process {worker.pid} froze (no heartbeat for "
-                                  f"{worker.frozen_for:.1f} s) and is being replaced")
+        if worker.stalled is not None:
+            raise EngineDeadError(f"worker process {worker.pid} stopped making progress "
+                                  f"({worker.stalled}) and is being replaced")
         if worker.exited():
             # Its reader notices the exit, fails what was pending and starts the
             # replacement; wait for that, so the reason below is the real one.
@@ -467,7 +483,7 @@ class MultiprocExecutor(Executor):
 
     def _start_worker(self, *, replacement: bool = False) -> tuple[_Worker, WorkerReady]:
         start = time.monotonic()
-        worker = _Worker(self.config, self._runner_factory, self._env)
+        worker = _Worker(self.config, self._env)
         with self._lock:
             closed = self._closed
             if replacement and not closed:
@@ -487,57 +503,94 @@ class MultiprocExecutor(Executor):
         worker.start_reader(self._read_replies)
         return worker, ready
 
+    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+        """Step mode: add the wave's requests to the worker's running batch; one future
+        per request, done when that request leaves the batch."""
+        def converter(request_id: str) -> Callable[[WorkerReply], BatchRunnerOutput]:
+            def convert(reply: WorkerReply) -> BatchRunnerOutput:
+                if reply.error is None:
+                    return reply.result
+                return BatchRunnerOutput.failed([request_id], reply.error.error)
+            return convert
+
+        pendings = [_PendingCall(f"request {r.request_id}", converter(r.request_id), Future())
+                    for r in wave.requests]
+        self._submit_calls("join", lambda ids: StepJoin(wave, ids, capacity), pendings)
+        return [p.future for p in pendings]
+
     def _submit(
-        self, method: WorkerMethod, arg: Any, what: str, convert: Callable[[WorkerReply], Any]
+        self, method: WorkerMethod, arg: Any, what: str, convert: Callable[[WorkerReply], Any],
+        stall_after_s: float | None = None,
     ) -> Future[Any]:
         """Send one call; its future gets `convert(reply)`, or the error that stopped it."""
-        future: Future[Any] = Future()
+        pending = _PendingCall(what, convert, Future(), stall_after_s)
+        self._submit_calls(method, lambda _ids: arg, [pending])
+        return pending.future
+
+    def _submit_calls(
+        self, method: WorkerMethod, make_arg: Callable[[list[int]], Any],
+        pendings: list[_PendingCall],
+    ) -> None:
+        """Send one call answered by one reply per pending (each with a call id of its
+        own; the call carries the first); each future gets its converted reply, or the
+        error that stopped it."""
+        what = pendings[0].what if len(pendings) == 1 else f"{len(pendings)} requests"
         with self._lock:
             closed, worker = self._closed, self._worker
             dead_message = self._dead_message() if worker is None else ""
             restarting = self._restart_thread is not None
         if closed:
-            future.set_exception(
-                EngineClosedError(f"the executor is shut down; cannot run {what}"))
-            return future
-        call_id = next(self._call_ids)
-        pending = _PendingCall(what, convert, future)
+            for p in pendings:
+                p.future.set_exception(
+                    EngineClosedError(f"the executor is shut down; cannot run {p.what}"))
+            return
+        call_ids = [next(self._call_ids) for _ in pendings]
         if worker is None and not restarting:  # dead for good
-            future.set_exception(EngineDeadError(f"cannot run {what}: {dead_message}"))
-            return future
-        if worker is None or not worker.add_pending(call_id, pending):
-            reason = dead_message if worker is None else f"worker process {worker.pid} died"
-            future.set_exception(WorkerDiedError(f"cannot run {what}: {reason}", started=False))
-            return future
+            for p in pendings:
+                p.future.set_exception(EngineDeadError(f"cannot run {p.what}: {dead_message}"))
+            return
+        registered = []
+        for call_id, pending in zip(call_ids, pendings, strict=True):
+            if worker is None or not worker.add_pending(call_id, pending):
+                reason = dead_message if worker is None else f"worker process {worker.pid} died"
+                pending.future.set_exception(
+                    WorkerDiedError(f"cannot run {pending.what}: {reason}", started=False))
+            else:
+                registered.append((call_id, pending))
+        if worker is None or not registered:
+            return
         try:
-            worker.send(WorkerCall(call_id, method, arg))
+            worker.send(WorkerCall(call_ids[0], method, make_arg(call_ids)))
         except (BrokenPipeError, EOFError, OSError):
-            pass  # the worker is gone; its reader fails this call with the reason
+            pass  # the worker is gone; its reader fails these calls with the reason
         except Exception as exc:  # the argument does not pickle; nothing was sent
-            if worker.pop_pending(call_id) is pending:
-                pending.resolve(WorkerReply(call_id, error=WorkerError.from_exception(exc)))
-        return future
+            logger.error("could not send %s to the worker: %s", what, exc)
+            for call_id, pending in registered:
+                if worker.pop_pending(call_id) is pending:
+                    pending.resolve(WorkerReply(call_id, error=WorkerError.from_exception(exc)))
 
     def _read_replies(self, worker: _Worker) -> None:
         """A worker's reader thread: answer pending calls until the worker is gone, and
-        kill it once its heartbeat has been silent for the stall timeout."""
+        kill it once it stalls: its heartbeat silent for the stall timeout, or its
+        running wave past its stall bound."""
         check_s = heartbeat_interval_s(self._stall_timeout_s) if self._stall_timeout_s else None
         worker.last_heard = last_wake = time.monotonic()
         while True:
             ready = wait(worker.waitables, timeout=check_s)
             now = time.monotonic()
-            if not ready:  # nothing for a heartbeat interval
-                assert check_s is not None
-                if now - last_wake > 3 * check_s:
-                    # NOTE: this process itself was not running (suspended, e.g. a
-                    # laptop's sleep): the silence says nothing about the worker.
-                    worker.last_heard = now
-                elif now - worker.last_heard > self._stall_timeout_s \
-                        and worker.frozen_for is None:
-                    self._kill_frozen(worker, now - worker.last_heard)
-                last_wake = now
-                continue
+            if check_s is not None and now - last_wake > 3 * check_s:
+                # NOTE: this process itself was not running (suspended, e.g. a
+                # laptop's sleep): the silence, or the wave's time, says nothing about
+                # the worker.
+                worker.last_heard = worker.resumed = now
+            elif not ready and now - worker.last_heard > self._stall_timeout_s:
+                self._kill_stalled(worker, f"frozen: no heartbeat for "
+                                           f"{now - worker.last_heard:.1f} s "
+                                           f"(--worker-stall-timeout {self._stall_timeout_s:g} s)")
             last_wake = now
+            if not ready:  # nothing for a heartbeat interval
+                self._check_running_call(worker, now)
+                continue
             if worker.conn not in ready:
                 break
             try:
@@ -548,10 +601,12 @@ class MultiprocExecutor(Executor):
                 reply = WorkerReply(UNREADABLE_CALL_ID, error=WorkerError.from_exception(exc))
             worker.last_heard = now
             if isinstance(reply, WorkerHeartbeat):
+                self._check_running_call(worker, now)
                 continue
-            if isinstance(reply, WorkerPartialImage):
+            if isinstance(reply, WorkerPartialImage):  # its call runs on
                 self._partial_image(reply)
                 continue
+            worker.last_reply = now
             call_id = getattr(reply, "call_id", None)
             pending = worker.pop_pending(call_id)
             if pending is None:
@@ -581,13 +636,28 @@ class MultiprocExecutor(Executor):
         except Exception:  # a listener's bug must not stop the reader
             logger.exception("the partial-image listener failed")
 
-    def _kill_frozen(self, worker: _Worker, silent_s: float) -> None:
-        """(Reader thread.) The worker sent nothing for the stall timeout: kill it; its
-        death is then handled like any other (pending calls fail, a replacement starts)."""
-        worker.frozen_for = silent_s
+    def _check_running_call(self, worker: _Worker, now: float) -> None:
+        """(Reader thread.) Kill the worker if the call it runs is past its stall bound."""
+        running = worker.running_call()
+        if running is None:
+            return
+        call, since = running
+        if call.stall_after_s is not None and now - since > call.stall_after_s:
+            self._kill_stalled(
+                worker, f"stuck: {call.what} ran {now - since:.1f} s, past its bound of "
+                f"{call.stall_after_s:.1f} s (--wave-stall-factor x its expected time, at "
+                "least --worker-stall-timeout) while its heartbeat lived", stuck_wave=True)
+
+    def _kill_stalled(self, worker: _Worker, reason: str, *, stuck_wave: bool = False) -> None:
+        """(Reader thread.) The worker stopped making progress (`reason`): kill it, once;
+        its death is then handled like any other (pending calls fail, a replacement
+        starts)."""
+        if worker.stalled is not None:
+            return
+        worker.stalled = reason
         self.num_frozen += 1
-        logger.error("worker process %d froze: no heartbeat for %.1f s (--worker-stall-timeout "
-                     "%g s); killing it", worker.pid, silent_s, self._stall_timeout_s)
+        self.num_stuck_waves += stuck_wave
+        logger.error("worker process %d stalled, %s; killing it", worker.pid, reason)
         with worker._proc_lock, contextlib.suppress(ProcessLookupError):
             worker.process.kill()
 
@@ -597,8 +667,8 @@ class MultiprocExecutor(Executor):
         if not worker.exited():  # EOF but still running: make sure it is gone
             worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
         exit_text = _describe_exit(worker.exitcode())
-        if worker.frozen_for is not None:
-            exit_text = f"frozen: no heartbeat for {worker.frozen_for:.1f} s, killed"
+        if worker.stalled is not None:
+            exit_text = f"{worker.stalled}, killed"
         worker.cleanup()
         thread = None
         with self._lock:
@@ -622,13 +692,15 @@ class MultiprocExecutor(Executor):
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
         # The worker runs calls in order: the oldest was running, the others waited.
+        # In step mode every request sent may be in the running batch.
+        step_mode = self.config.step_execution
         for i, call in enumerate(pending):
             call.future.set_exception(
                 EngineClosedError(f"the executor was shut down while running {call.what}")
                 if closed else
                 WorkerDiedError(f"worker process died ({exit_text}) while running {call.what}",
                                 started=True)
-                if i == 0 else
+                if i == 0 or step_mode else
                 WorkerDiedError(f"worker process died ({exit_text}) before it started "
                                 f"{call.what}", started=False)
             )

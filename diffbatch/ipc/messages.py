@@ -1,6 +1,7 @@
 """What crosses the pipe between the executor (engine process) and its worker process.
 
-Seven messages, one plain dataclass each:
+Seven messages, one plain dataclass each (and `StepJoin`, the argument of a step-mode
+"join" call):
 
 - `WorkerStart` engine -> worker, once: what to load (the engine's config);
 - `WorkerCall`  engine -> worker: run one method of the runner;
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 
     from diffbatch.config import EngineConfig
     from diffbatch.pipelines.interface import PipelineInfo
+    from diffbatch.sched.output import SchedulerOutput
 
-WorkerMethod = Literal["execute_batch", "shutdown"]
-WORKER_METHODS: tuple[str, ...] = ("execute_batch", "shutdown")
+WorkerMethod = Literal["execute_batch", "join", "shutdown"]
+WORKER_METHODS: tuple[str, ...] = ("execute_batch", "join", "shutdown")
 # The call id of a reply to a call the worker could not unpickle (so it cannot know
 # the id). The worker answers calls in the order they were sent, so the executor
 # takes it as the answer to its oldest unanswered call.
@@ -84,7 +86,6 @@ class WorkerStart:
     """Engine -> worker, the first message on the pipe: what to load and how to log."""
 
     config: EngineConfig  # the engine's config (model, pipeline class, threads, ...)
-    runner_factory: str | None = None  # "module:attr" replacing ModelRunner (tests)
     log_level: int | None = None  # the engine process's diffbatch log level
 
 
@@ -94,7 +95,23 @@ class WorkerCall:
 
     call_id: int  # increasing per executor; the reply echoes it
     method: WorkerMethod  # one of WORKER_METHODS
-    arg: Any = None  # a SchedulerOutput for "execute_batch"; None for "shutdown"
+    # a SchedulerOutput for "execute_batch"; a `StepJoin` for "join" (step mode: each
+    # joining request has a call id of its own, answered when it finishes); None for
+    # "shutdown"
+    arg: Any = None
+
+
+@dataclass
+class StepJoin:
+    """The argument of a "join" call: requests to add to the running batch.
+
+    Each request has a call id of its own: its reply comes when it finishes, not when
+    its batch mates do.
+    """
+
+    wave: SchedulerOutput  # the joining requests, all of one key
+    call_ids: list[int]  # one per request, in order
+    capacity: int  # most requests in the running batch for this key
 
 
 @dataclass

@@ -27,6 +27,7 @@ forward; the registry binds it to a raw diffusers class given as `pipeline_class
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import logging
@@ -47,6 +48,7 @@ from diffbatch.pipelines.diffusers_edit import (
 )
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
+from diffbatch.pipelines.step_fusion import FusionPoint
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,11 @@ _PIXART_BIN_SAMPLE_SIZES = (32, 64, 128, 256)
 _PER_SAMPLE_GUIDANCE_CLASSES = (
     "StableDiffusionPipeline", "StableDiffusion3Pipeline", "PixArtSigmaPipeline",
 )
+# The components step mode fuses: the denoiser once per tick, the rest at joins/leaves.
+_DENOISERS = ("unet", "transformer")
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+# Denoiser keyword arguments without a batch dimension (Flux's position ids).
+_SHARED_ARGUMENTS = frozenset({"txt_ids", "img_ids"})
 
 
 def resolve_device(device: str | torch.device | None) -> str:
@@ -211,6 +218,7 @@ class DiffusersT2IPipeline(BasePipeline):
     """Runs waves of text-to-image requests through one diffusers pipeline call each."""
 
     supports_request_batch: ClassVar[bool] = True
+    supports_step_execution: ClassVar[bool] = True
     # The diffusers class to load with; None auto-detects it from model_index.json.
     diffusers_class: ClassVar[type | None] = None
 
@@ -226,6 +234,9 @@ class DiffusersT2IPipeline(BasePipeline):
         self.task_pipes: dict[str, Any] = {"text-to-image": pipe}
         self.task_pipes.update(edit_pipes(pipe, self._make_info().size_multiple))
         self._info = self._make_info()
+        # Step mode runs forward() of many requests interleaved: each call then gets a
+        # copy of its pipeline with a scheduler of its own (set by step_fusion_points).
+        self._copy_per_call = False
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -312,7 +323,8 @@ class DiffusersT2IPipeline(BasePipeline):
             device=self.device,
             cfg_threshold=cfg_threshold,
             supports_per_request_guidance=self._per_sample_guidance_ok(cfg_threshold),
-            model_max_pixels=int(d["max_image_pixels"]) if "max_image_pixels" in d else None,
+            supports_step_execution=self.supports_step_execution,
+            model_max_pixels=int(d["model_max_pixels"]) if "model_max_pixels" in d else None,
             call_arguments=frozenset(
                 name for name in self._call_params
                 if name not in _RESERVED or name in ("sigmas", "timesteps")
@@ -375,8 +387,13 @@ class DiffusersT2IPipeline(BasePipeline):
         #    between steps once nobody waits for it.
         batch.check_interrupt()
         pipe = self._task_pipe(batch)
+        if self._copy_per_call:
+            pipe = copy.copy(pipe)
+            pipe.scheduler = copy.deepcopy(pipe.scheduler)
         previews = DiffusersPreviews.for_wave(batch, pipe)
-        kwargs = {**self.call_kwargs(batch), **self._step_hooks(batch, pipe, previews)}
+        kwargs = {**self.call_kwargs(batch),
+                  # step mode takes a cancelled request out itself
+                  **self._step_hooks(batch, pipe, previews, interrupt=not self._copy_per_call)}
         with previews.capturing() if previews is not None else contextlib.nullcontext():
             images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
@@ -390,6 +407,26 @@ class DiffusersT2IPipeline(BasePipeline):
             DiffusionOutput(request_id=r.request_id, images=images[i * n:(i + 1) * n].clone())
             for i, r in enumerate(batch.requests)
         ]
+
+    def step_fusion_points(self) -> list[FusionPoint]:
+        """Step mode: fuse the denoiser per tick, the text encoders and the VAE decoder
+        at joins and leaves (see `diffbatch.pipelines.step_fusion`)."""
+        pipe, points = self.pipe, []
+        for name in _DENOISERS:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                points.append(FusionPoint(module, "forward", "step", name, _SHARED_ARGUMENTS))
+        for name in _TEXT_ENCODERS:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                points.append(FusionPoint(module, "forward", "boundary", name))
+        vae = getattr(pipe, "vae", None)
+        if vae is not None and hasattr(vae, "decode"):
+            points.append(FusionPoint(vae, "decode", "boundary", "vae.decode"))
+        if not any(p.kind == "step" for p in points):
+            raise ValueError(f"{self._info.name} has no unet or transformer to run step-wise")
+        self._copy_per_call = True
+        return points
 
     def _task_pipe(self, batch: DiffusionRequestBatch) -> Any:
         task = batch.requests[0].sampling_params.task
@@ -411,10 +448,11 @@ class DiffusersT2IPipeline(BasePipeline):
             "output_type": "pt",
             "return_dict": True,
         }
-        # 1. Shape and schedule from the wave key (the requests' resolved params). SD's
-        #    image-to-image takes no height/width: its size is the image's.
+        # 1. Shape and schedule from the requests' resolved params (the wave key holds
+        #    them too, but step mode's key leaves the schedule out). SD's image-to-image
+        #    takes no height/width: its size is the image's.
         for name in ("height", "width", "num_inference_steps"):
-            value = getattr(key, name) if key is not None else getattr(params, name)
+            value = getattr(params, name)
             if value is not None and name in call_params:
                 kwargs[name] = value
         guidance_scale = self._guidance_scale(batch)
@@ -441,7 +479,9 @@ class DiffusersT2IPipeline(BasePipeline):
         # 4. Edits: each request's image (and mask), its strength.
         if params.task != "text-to-image":
             kwargs.update(edit_inputs(batch))
-            strength = key.strength if key is not None else params.strength
+            strength = params.strength
+            if strength is None and key is not None:
+                strength = key.strength
             steps = kwargs.get("num_inference_steps", params.num_inference_steps)
             kwargs["strength"] = at_least_one_step(strength, steps)
         # 5. Pipeline quirks.
@@ -449,9 +489,11 @@ class DiffusersT2IPipeline(BasePipeline):
         return kwargs
 
     def _step_hooks(self, batch: DiffusionRequestBatch, pipe: Any,
-                    previews: DiffusersPreviews | None) -> dict[str, Any]:
-        """The per-step hook: it stops the diffusers loop once nobody waits for the wave,
-        and sends the partial images owed after the step (`diffusers_previews.py`).
+                    previews: DiffusersPreviews | None, *, interrupt: bool = True,
+                    ) -> dict[str, Any]:
+        """The per-step hook: it stops the diffusers loop once nobody waits for the wave
+        (with `interrupt`), and sends the partial images owed after the step
+        (`diffusers_previews.py`); none when it has neither to do.
 
         NOTE: the hook raises `WaveInterrupted` rather than setting the pipeline's
         `_interrupt` flag: with the flag, diffusers skips the remaining steps but still
@@ -459,10 +501,13 @@ class DiffusersT2IPipeline(BasePipeline):
         the runner turns it into aborted outputs (never a bisected error).
         """
         def after_step(step: int) -> None:  # `step`: 0-based, as diffusers counts
-            batch.check_interrupt()
+            if interrupt:
+                batch.check_interrupt()
             if previews is not None:
                 previews.after_step(step + 1)
 
+        if not interrupt and previews is None:
+            return {}
         call_params = call_parameters(pipe)
         if "callback_on_step_end" in call_params:
             def on_step_end(pipe: Any, step: int, timestep: Any,
@@ -570,6 +615,7 @@ class DiffusersPerRequestPipeline(DiffusersT2IPipeline):
     """The diffusers adapter for a class that cannot batch: one request per forward."""
 
     supports_request_batch: ClassVar[bool] = False
+    supports_step_execution: ClassVar[bool] = False  # fusing its calls would batch them
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         if len(batch) != 1:

@@ -31,7 +31,7 @@ methods) and are passed to the engine as a class or a dotted name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from diffbatch.outputs import DiffusionOutput, PartialImage
+    from diffbatch.pipelines.step_fusion import FusionPoint
     from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
 
@@ -166,6 +167,8 @@ class PipelineInfo:
     # The edit tasks `forward` runs ("image-to-image", "inpaint"), each with the
     # `strength` a request without one gets; text-to-image is always supported.
     default_strengths: dict[str, float] = field(default_factory=dict, hash=False)
+    # The pipeline implements the step contract (`BasePipeline.step_fusion_points`).
+    supports_step_execution: bool = False
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""
@@ -181,6 +184,7 @@ class BasePipeline(ABC):
     """Base class of diffbatch pipelines; see the module docstring for the contract."""
 
     supports_request_batch: ClassVar[bool] = False
+    supports_step_execution: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -207,6 +211,20 @@ class BasePipeline(ABC):
     def cfg_enabled(self, params: SamplingParams) -> bool:
         """Whether classifier-free guidance is on for these resolved params."""
         return self.info().cfg_enabled(params)
+
+    def step_fusion_points(self) -> Sequence[FusionPoint]:
+        """The step contract: which module calls step mode fuses across requests.
+
+        A pipeline with `supports_step_execution = True` returns its heavy module
+        methods here, the denoiser's as kind "step" (one fused call of it is one
+        tick) and those run when a request joins or leaves (text encoders, VAE
+        decode) as "boundary"; see `diffbatch.pipelines.step_fusion`. Called once,
+        when the worker starts in step mode; from then on `forward` is called with
+        batches of one request, many of them interleaved (each in its own greenlet,
+        switching at the fused calls), so a call must keep its per-request state
+        (scheduler, timesteps, latents) to itself.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement step execution")
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a LoRA adapter under `name` (once); pipelines without LoRA raise."""

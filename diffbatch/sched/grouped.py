@@ -135,6 +135,32 @@ class GroupedScheduler(SchedulerBase):
         self._drop_finished_waiting()
         return self._make_wave(wave, key, forced or close_reason)
 
+    def schedule_joiners(self, key: SamplingParamsKey, limit: int) -> SchedulerOutput:
+        """Joiners of the running key, best first, until the oldest waiting request of
+        another key has waited `max_head_wait_ms` (then the batch drains and its group
+        goes next: no key starves)."""
+        self._pop_finished_arrivals()
+        if not self._arrivals:
+            return SchedulerOutput.make_empty()
+        oldest = self._arrivals[0]
+        if oldest.key != key and \
+                (self.clock() - oldest.arrival_time) * 1000.0 > self.max_head_wait_ms:
+            return SchedulerOutput.make_empty()
+        group = self._groups.get(key, [])
+        joiners: list[DiffusionRequest] = []
+        while len(joiners) < limit:
+            self._pop_finished(group)
+            if not group:
+                break
+            request = heapq.heappop(group)[2]
+            self.num_heap_ops += 1
+            self._start(request)
+            joiners.append(request)
+        if not group:
+            self._groups.pop(key, None)
+        self._drop_finished_waiting()
+        return self._make_wave(joiners, key, "join") if joiners else SchedulerOutput.make_empty()
+
     def next_key(self) -> SamplingParamsKey | None:
         picked = self._pick_key()
         return None if picked is None else picked[0]

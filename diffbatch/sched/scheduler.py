@@ -5,7 +5,8 @@ head while their key equals the wave's key and capacity remains.
 
 NOTE: this is deliberately conservative. An incompatible request at the head ends
 the wave even if compatible requests wait behind it (head-of-line blocking), so
-FIFO order is kept exactly and no request is ever overtaken.
+FIFO order is kept exactly and no request is ever overtaken. In step mode the same
+holds for joiners: the running batch takes no more once the head has another key.
 """
 
 from __future__ import annotations
@@ -70,6 +71,19 @@ class Scheduler(SchedulerBase):
             self._start(request)
             wave.append(request)
         return self._make_wave(wave, key, close_reason)
+
+    def schedule_joiners(self, key: SamplingParamsKey, limit: int) -> SchedulerOutput:
+        """Joiners come from the head while its key is the running batch's: a request
+        of another key at the head stops them at once (strict FIFO, no overtaking)."""
+        joiners: list[DiffusionRequest] = []
+        while len(joiners) < limit:
+            self._pop_finished_heads()
+            if not self.waiting or self.waiting[0].key != key:
+                break
+            request = self.waiting.popleft()
+            self._start(request)
+            joiners.append(request)
+        return self._make_wave(joiners, key, "join") if joiners else SchedulerOutput.make_empty()
 
     def next_key(self) -> SamplingParamsKey | None:
         self._pop_finished_heads()

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list, pin_to_cpus
 from diffbatch.errors import ConfigError
-from diffbatch.imports import import_by_name
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -62,13 +61,13 @@ from diffbatch.ipc.messages import (
 )
 from diffbatch.outputs import BatchRunnerOutput, PartialImage
 from diffbatch.worker.malloc import tune_malloc
+from diffbatch.worker.step_runner import StepRunner
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RUNNER_FACTORY = "diffbatch.worker.model_runner:ModelRunner"
 _LOG_FORMAT = "%(asctime)s %(levelname)s [worker %(process)d] %(name)s: %(message)s"
 
 
@@ -96,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0  # the engine went away before it said what to load
     if not isinstance(start, WorkerStart):
         return 2
-    worker_main(start.config, conn, start.runner_factory, start.log_level)
+    worker_main(start.config, conn, start.log_level)
     return 0
 
 
@@ -120,14 +119,12 @@ def _watch_lifeline(fd: int) -> None:
 def worker_main(
     config: EngineConfig,
     conn: Connection,
-    runner_factory: str | None = None,
     log_level: int | None = None,
 ) -> None:
     """Run the worker: load, report ready, serve calls until shutdown or pipe close.
 
-    `runner_factory` names a callable `factory(config)` returning a runner (default:
-    `ModelRunner`); tests pass a fake here. It may also run in a process started by
-    `multiprocessing` (tests do), with the engine's end of a `Pipe` as `conn`.
+    It may also run in a process started by `multiprocessing` (tests do), with the
+    engine's end of a `Pipe` as `conn`.
     `log_level` is the engine process's diffbatch log level; a new process starts
     with logging unconfigured.
     """
@@ -141,8 +138,9 @@ def worker_main(
     try:
         if config.worker_cpus is not None:  # before torch starts threads: they inherit it
             _pin(config.worker_cpus)
-        runner = _load_runner(config, runner_factory or DEFAULT_RUNNER_FACTORY)
+        runner = _load_runner(config)
         info = runner.info()
+        steps = StepRunner(runner) if config.step_execution else None
     except BaseException as exc:  # a load failure is reported, then the worker exits
         logger.error("worker %d failed to load the pipeline: %s", os.getpid(), exc)
         _send_quietly(conn, WorkerReady(os.getpid(), error=WorkerError.from_exception(exc)))
@@ -153,7 +151,7 @@ def worker_main(
     if not _send_quietly(conn, WorkerReady(os.getpid(), info=info)):
         return
     _serve(runner, conn, config.shm_threshold_bytes,
-           heartbeat_interval_s(config.worker_stall_timeout_s))
+           heartbeat_interval_s(config.worker_stall_timeout_s), steps)
     conn.close()
     logger.info("worker %d exiting", os.getpid())
 
@@ -166,13 +164,15 @@ def _pin(worker_cpus: str) -> None:
     logger.info("worker %d pinned to CPUs %s", os.getpid(), worker_cpus)
 
 
-def _load_runner(config: EngineConfig, runner_factory: str) -> Any:
+def _load_runner(config: EngineConfig) -> Any:
     """Set torch's threads, then build the runner (which loads the pipeline)."""
     import torch
 
+    from diffbatch.worker.model_runner import ModelRunner
+
     if config.torch_num_threads is not None:
         torch.set_num_threads(config.torch_num_threads)
-    return import_by_name(runner_factory, what="runner_factory")(config)
+    return ModelRunner(config)
 
 
 class _Channel:
@@ -195,7 +195,7 @@ class _Unreadable:
         self.exc = exc
 
 
-class _Inbox:
+class Inbox:
     """Calls received and not yet run, in order, and the ids of cancelled calls.
 
     The receive thread puts and cancels; the main thread takes calls in order and
@@ -225,6 +225,25 @@ class _Inbox:
             self._cond.wait_for(lambda: self._calls or self._closed)
             return None if self._closed else self._calls.popleft()
 
+    def drain(self) -> list[WorkerCall | _Unreadable]:
+        """Every call received so far, without waiting (step mode, between ticks)."""
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+            return calls
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def cancelled_among(self, call_ids: set[int]) -> set[int]:
+        """Which of `call_ids` were cancelled (step mode: each request is a call)."""
+        return call_ids & self._cancelled
+
+    def forget(self, call_id: int) -> None:
+        """Forget a cancel of this call only (step mode: calls end out of order)."""
+        self._cancelled.discard(call_id)
+
     def cancel(self, call_id: int) -> None:
         self._cancelled.add(call_id)
 
@@ -236,7 +255,7 @@ class _Inbox:
         self._cancelled = {c for c in self._cancelled if c > call_id}
 
 
-def _receive(conn: Connection, inbox: _Inbox) -> None:
+def _receive(conn: Connection, inbox: Inbox) -> None:
     """The receive thread: calls into the inbox, cancels flagged at once."""
     while True:
         try:
@@ -265,10 +284,10 @@ def _beat(channel: _Channel, interval_s: float, stop: threading.Event) -> None:
 
 
 def _serve(runner: Any, conn: Connection, threshold_bytes: int,
-           heartbeat_s: float = 0.0) -> None:
+           heartbeat_s: float = 0.0, steps: StepRunner | None = None) -> None:
     """Serve calls until a shutdown call or a closed pipe; see the module docstring."""
     channel = _Channel(conn)
-    inbox = _Inbox()
+    inbox = Inbox()
     threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
                      name="diffbatch-worker-receive").start()
     stop_beating = threading.Event()
@@ -277,6 +296,10 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                          daemon=True, name="diffbatch-worker-heartbeat").start()
     accepted = _accepted_kwargs(runner)
     try:
+        if steps is not None:
+            serve_steps(steps, runner, inbox,
+                        lambda reply: _send_reply(channel, reply), threshold_bytes)
+            return
         while True:
             call = inbox.get()
             if call is None:
@@ -296,6 +319,63 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                 return
     finally:
         stop_beating.set()
+
+
+def serve_steps(
+    steps: StepRunner, runner: Any, inbox: Inbox, send: Callable[[WorkerReply], bool],
+    threshold_bytes: int | None,
+) -> None:
+    """Step mode's loop: run ticks back to back while requests run, taking joins and
+    cancels between ticks; each request is answered the tick it leaves the batch.
+
+    Other calls (the engine's start-up calibration waves) run as in request mode,
+    between ticks. `threshold_bytes` None: replies are not packed into shared memory
+    (an in-process caller).
+    """
+    while True:
+        calls = [] if not steps.idle else [inbox.get()]
+        calls += inbox.drain()
+        if inbox.closed:
+            return
+        for call in calls:
+            if call is None:
+                return
+            if isinstance(call, _Unreadable):
+                reply = WorkerReply(UNREADABLE_CALL_ID,
+                                    error=WorkerError.from_exception(call.exc))
+            elif call.method == "shutdown":
+                return
+            elif call.method == "join":
+                steps.join(call.arg)
+                continue
+            else:
+                reply = _handle(runner, call, threshold_bytes) \
+                    if threshold_bytes is not None else _run_call(runner, call)
+            if not send(reply):
+                return
+        for call_id in inbox.cancelled_among(steps.call_ids()):
+            output = steps.cancel(call_id)
+            inbox.forget(call_id)
+            if output is not None and not send(WorkerReply(call_id, result=BatchRunnerOutput(
+                    outputs={output.request_id: output}, num_forwards=0))):
+                return
+        finished = steps.tick()
+        ticks = steps.take_ticks() if finished else []
+        for i, (call_id, output) in enumerate(finished):
+            result = BatchRunnerOutput(outputs={output.request_id: output},
+                                       forward_time_ms=output.execute_time_ms,
+                                       ticks=ticks if i == 0 else [])
+            reply = _pack_reply(call_id, result, threshold_bytes)
+            if not send(reply):
+                return
+
+
+def _run_call(runner: Any, call: WorkerCall) -> WorkerReply:
+    """Run a call in process (no shared memory); an exception becomes an error reply."""
+    try:
+        return WorkerReply(call.call_id, result=getattr(runner, call.method)(call.arg))
+    except Exception as exc:
+        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
 
 
 _RUNNER_KWARGS = ("should_stop", "on_partial_image")
@@ -351,12 +431,20 @@ def _handle(
     except Exception as exc:
         logger.error("worker %d: %s raised %s", os.getpid(), call.method, type(exc).__name__)
         return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
+    return _pack_reply(call.call_id, result, threshold_bytes)
+
+
+def _pack_reply(call_id: int, result: Any, threshold_bytes: int | None) -> WorkerReply:
+    """The reply carrying `result`, its large tensors moved to shared memory (None:
+    left in place, for an in-process caller)."""
+    if threshold_bytes is None:
+        return WorkerReply(call_id, result=result)
     try:
         packed = shm.pack(result, threshold_bytes)
     except Exception as exc:  # e.g. /dev/shm is full; pack() already cleaned up
-        logger.error("worker %d: packing the %s result failed: %s", os.getpid(), call.method, exc)
-        return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
-    return WorkerReply(call.call_id, result=packed)
+        logger.error("worker %d: packing a result failed: %s", os.getpid(), exc)
+        return WorkerReply(call_id, error=WorkerError.from_exception(exc))
+    return WorkerReply(call_id, result=packed)
 
 
 def _send_reply(conn: Connection, reply: WorkerReply) -> bool:

@@ -236,8 +236,9 @@ def test_sizes_above_the_models_own_limit_are_refused_naming_the_largest():
     """As OpenAI answers an unsupported size: 400 on `size`, naming a size that works."""
     with Engine(pipeline_class="tests.fake_pipelines.SmallModelPipeline",
                 executor="inproc") as engine:
-        with pytest.raises(InvalidRequestError, match=r"at most 1024 pixels .* e\.g\. 32x32") \
-                as info:
+        with pytest.raises(InvalidRequestError, match=r"`size` 32x64 is larger than "
+                           r"SmallModelPipeline generates: at most 1024 pixels .*; the "
+                           r"largest square size is 32x32") as info:
             engine.generate(["a"], SamplingParams(height=64, width=32))
         assert info.value.status_code == 400 and info.value.param == "size"
         assert engine.generate(["a"], SamplingParams(height=32, width=32))[0].ok
@@ -290,6 +291,27 @@ def test_every_refusal_at_admission_is_counted_once():
         assert engine.metrics.count("rejected") == 3
         assert engine.generate(["fine"])[0].ok
         assert engine.metrics.count("rejected") == 3
+
+
+@pytest.mark.parametrize("options", [
+    {"max_num_seqs": 2},
+    {"max_num_seqs": "auto", "max_num_seqs_limit": 2, "calibration_budget_s": 5.0},
+], ids=["warm-up", "warm-up-and-calibration"])
+def test_start_up_waves_are_not_counted_and_served_waves_are(options):
+    before = len(FakeBatchPipeline.wave_sizes)
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", warmup=True,
+                request_batch_max_wait_ms=0, **options) as engine:
+        num_start_up = len(FakeBatchPipeline.wave_sizes) - before
+        assert num_start_up >= (1 if options["max_num_seqs"] == 2 else 2)  # they ran
+        assert engine.metrics.wave_sizes_sum_count() == (0, 0)
+        assert engine.metrics.count("completed") == 0
+        assert engine.wave_log.since() == []
+        outputs = engine.generate(["a", "b"])
+        assert all(o.ok for o in outputs)
+        served = FakeBatchPipeline.wave_sizes[before + num_start_up:]
+        assert engine.metrics.wave_sizes_sum_count() == (2, len(served))
+        assert engine.metrics.count("completed") == 2
+        assert [e.num_requests for e in engine.wave_log.since()] == served
 
 
 def test_close_hands_out_outputs_that_finished_just_before_it():

@@ -71,7 +71,8 @@ class QueuedExecutor(Executor):
         with self._lock:
             assert self._lock.wait_for(lambda: self.unanswered == count, TIMEOUT_S)
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> Future[BatchRunnerOutput]:
+    def submit_batch(self, scheduler_output: SchedulerOutput, *,
+                     stall_after_s: float | None = None) -> Future[BatchRunnerOutput]:
         future: Future[BatchRunnerOutput] = Future()
         if self.restarting:
             self.refused += 1

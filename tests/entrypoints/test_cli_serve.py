@@ -1,22 +1,37 @@
-"""`diffbatch serve` as a user runs it: a subprocess, real port, Ctrl-C to stop."""
+"""`diffbatch serve` as a user runs it: a subprocess, real port, Ctrl-C to stop.
+
+The first tests start a server each (shutdown, SIGKILL); the rest share one
+`diffbatch serve tiny-sd` (`served`: the default `mp` executor, a real socket) and
+check what its flags and request fields do by value: metric counts after known
+traffic, the batch-size header, `priority`, `output_compression`, `--seed`.
+"""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.entrypoints.openai.conftest import disconnect, open_raw_request
+from tests.entrypoints.openai.test_edits import decode
 from tests.process_utils import wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -98,11 +113,16 @@ def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     return proc, f"http://127.0.0.1:{port}", log
 
 
-def metric_value(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+def metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of the server's `/metrics`, by (name, labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """One sample of the server's `/metrics`, by name and labels (0 when absent)."""
+    return metrics(url).get((name, frozenset(labels.items())), 0.0)
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S,
@@ -186,3 +206,137 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
         assert not new, f"semaphores left behind: {sorted(new)}"
     finally:
         stop(proc, log)
+
+
+# -- one server as a user starts it, shared by the tests below ---------------------------
+SEED = 1234  # the server's --seed
+ROUTE = "/v1/images/generations"
+
+
+@dataclass
+class Served:
+    """`diffbatch serve tiny-sd` in a subprocess: the default `mp` executor, a real socket."""
+
+    url: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def post(self, **body: Any) -> httpx.Response:
+        """One image request (2 steps unless told); the response, checked to be a 200."""
+        response = httpx.post(f"{self.url}{ROUTE}", timeout=START_TIMEOUT_S, json={
+            "prompt": "a red circle", "num_inference_steps": 2, **body})
+        assert response.status_code == 200, response.text
+        return response
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.url, name, **labels)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """Waves of up to 2 after an admission wait of up to 1 s, picked by priority
+    (`grouped`); requests that give no seed draw one from --seed's random source."""
+    proc, url, log = serve(tmp_path_factory.mktemp("served"), "tiny-sd", "--seed", str(SEED),
+                           "--max-num-seqs", "2", "--request-batch-max-wait-ms", "1000",
+                           "--scheduling-policy", "grouped")
+    try:
+        wait_ready(proc, url)
+        yield Served(url)
+    finally:
+        stop(proc, log)
+
+
+def test_metrics_count_exactly_the_traffic_sent(served: Served) -> None:
+    """Three images and one refusal move every counter and histogram count by exactly
+    that much (the lines exist at 0 from start-up; their values are what is checked)."""
+    before = metrics(served.url)
+    for seed in (1, 2, 3):  # one at a time: three waves of one
+        served.post(seed=seed)
+    refused = httpx.post(f"{served.url}{ROUTE}", json={"prompt": "p", "size": "40x40"})
+    assert refused.status_code == 400, refused.text
+    after = metrics(served.url)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("diffbatch_requests_total", outcome="completed") == 3
+    assert grew("diffbatch_requests_total", outcome="rejected") == 1
+    assert grew("diffbatch_requests_total", outcome="error") == 0
+    assert grew("diffbatch_request_e2e_time_seconds_count") == 3
+    assert grew("diffbatch_request_queue_time_seconds_count") == 3
+    assert grew("diffbatch_wave_size_requests_count") == 3
+    assert grew("diffbatch_wave_size_requests_sum") == 3
+    assert grew("diffbatch_wave_size_requests_bucket", le="1.0") == 3
+    assert grew("diffbatch_wave_forward_time_seconds_count") == 3
+    assert grew("diffbatch_http_requests_total", route=ROUTE, method="POST", status="200") == 3
+    assert grew("diffbatch_http_requests_total", route=ROUTE, method="POST", status="400") == 1
+    assert after[("diffbatch_num_requests_waiting", frozenset())] == 0
+    assert after[("diffbatch_num_requests_running", frozenset())] == 0
+
+
+def test_batch_size_header_is_the_size_of_the_wave(served: Served) -> None:
+    """A lone request runs in a wave of 1; two sent at once, inside the admission wait,
+    share a wave of 2 (the server's --max-num-seqs)."""
+    assert served.post(seed=4).headers["x-diffbatch-batch-size"] == "1"
+    together = threading.Barrier(2)
+
+    def send(seed: int) -> httpx.Response:
+        together.wait()
+        return served.post(seed=seed)
+
+    with ThreadPoolExecutor(2) as pool:
+        burst = list(pool.map(send, (5, 6)))
+    assert [r.headers["x-diffbatch-batch-size"] for r in burst] == ["2", "2"]
+
+
+def test_priority_reaches_the_engine(served: Served) -> None:
+    """Behind a running wave, a later request with a better (lower) priority runs before
+    an earlier one: the wave log shows the waves in the order they ran."""
+    last_id = httpx.get(f"{served.url}/v1/waves").json()["last_id"]
+    holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
+                                            "num_inference_steps": 400})
+    try:
+        wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
+                 "the long wave to start")
+        with ThreadPoolExecutor(2) as pool:
+            earlier = pool.submit(served.post, seed=8, priority=10)  # 64x64
+            wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 1,
+                     "the earlier request to wait")
+            later = pool.submit(served.post, seed=9, priority=-10, size="32x32")
+            wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 2,
+                     "the later request to wait")
+            disconnect(holder)  # its wave stops at the next denoising step
+            earlier.result(), later.result()
+    finally:
+        holder.close()
+    waves = httpx.get(f"{served.url}/v1/waves", params={"after": last_id}).json()["data"]
+    assert [w["key"].split("/")[:2] for w in waves] == [
+        ["64x64", "s400"], ["32x32", "s2"], ["64x64", "s2"]]
+
+
+@pytest.mark.parametrize("output_format", ["jpeg", "webp"])
+def test_output_compression_sets_the_encoders_quality(served: Served, output_format: str,
+                                                      ) -> None:
+    sizes = {}
+    for quality in (5, 95):
+        body = served.post(seed=10, output_format=output_format,
+                           output_compression=quality).json()
+        data = base64.b64decode(body["data"][0]["b64_json"])
+        assert Image.open(io.BytesIO(data)).format == output_format.upper()
+        sizes[quality] = len(data)
+    assert sizes[5] < sizes[95], sizes
+
+
+def test_seed_flag_seeds_the_requests_that_give_none(served: Served) -> None:
+    """An unseeded request gets the next seed of --seed's random source (so a restarted
+    server gives the same images in the same order), and that seed decides the image."""
+    unseeded = served.post()
+    seed = int(unseeded.headers["x-diffbatch-seed"])
+    source = random.Random(SEED)
+    assert seed in {source.randrange(2**31) for _ in range(100)}  # not a fresh random one
+    same, other = served.post(seed=seed), served.post(seed=seed + 1)
+    assert np.array_equal(decode(unseeded), decode(same))
+    assert not np.array_equal(decode(unseeded), decode(other))

@@ -1,8 +1,9 @@
 """Tests for MultiprocExecutor: the worker process, shm results, death, restart, shutdown.
 
-Most tests inject a small fake runner at the runner seam (`runner_factory`); one
-runs the real `ModelRunner` on the built-in `tiny-sd` model. Every test here starts
-worker processes, which pay torch's import time, so all are marked slow.
+The worker always runs the real `ModelRunner`; most tests give it a small fake
+pipeline defined here, by dotted name as any custom pipeline class is given
+(`pipeline_class`), and one runs the built-in `tiny-sd` model. Every test here
+starts worker processes, which pay torch's import time, so all are marked slow.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +44,7 @@ from diffbatch.ipc.messages import (
 )
 from diffbatch.ipc.shm import ShmTensorHandle
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage
-from diffbatch.pipelines.interface import PipelineInfo
+from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
 from diffbatch.sched.output import SchedulerOutput
@@ -56,61 +58,54 @@ IMAGE_SHAPE = (1, 3, 512, 512)  # float32: 3 MiB, above the 1 MiB shm threshold
 DEADLINE_S = 120.0  # upper bound for waits on worker start-up (imports torch)
 
 
-# --- fake runners, built inside the worker by dotted name -------------------------------
+# --- fake pipelines, loaded inside the worker by dotted name ------------------------------
 
 
-class FakeRunner:
-    """Behaviour per prompt: "fail" -> error output, "raise" -> the call raises,
-    "block" -> touch the marker file in `extra["marker"]` and hang, else a 3 MiB image;
-    "preview" first sends two 3 MiB partial images (k + 1 in every pixel)."""
+class FakeWorkerPipeline(BasePipeline):
+    """Behaviour per prompt: "fail" -> an error output, "raise" -> the forward raises,
+    "block" -> touch the marker file in `extra["marker"]` and hang, "steps" -> touch it,
+    then step (10 ms each, up to ten minutes) until the wave is stopped; else a 3 MiB
+    image (float, `output_type="pt"`) filled with the request's position in its wave.
+    A wave whose first prompt is "preview" first sends the partial images its requests
+    ask for, as a loop of 3 steps would: 3 MiB each, filled with their step."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+    supports_request_batch = True
+
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs: Any) -> FakeWorkerPipeline:
+        return cls()
 
     def info(self) -> PipelineInfo:
         return PipelineInfo(
-            name="FakeRunnerPipeline", default_height=64, default_width=64,
+            name=type(self).__name__, default_height=64, default_width=64,
             default_num_inference_steps=2, default_guidance_scale=5.0, size_multiple=8,
         )
 
-    def execute_batch(self, scheduler_output: SchedulerOutput, *,
-                      on_partial_image=None) -> BatchRunnerOutput:
-        for r in scheduler_output.requests:
-            if r.prompt == "preview" and on_partial_image is not None:
-                for k in range(2):
-                    on_partial_image(PartialImage(r.request_id, k, 0, k + 1, 3,
-                                                  torch.full(IMAGE_SHAPE[1:], k + 1.0)))
-        outputs = [self._one(r, i) for i, r in enumerate(scheduler_output.requests)]
-        return BatchRunnerOutput(outputs={o.request_id: o for o in outputs})
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        first = batch.requests[0]
+        if first.prompt == "steps":
+            Path(first.sampling_params.extra["marker"]).write_text(str(os.getpid()))
+            idle = threading.Event()
+            for _ in range(60_000):
+                batch.check_interrupt()
+                idle.wait(0.01)
+        plan = batch.partial_image_plan(3)
+        if first.prompt == "preview" and plan is not None:
+            for step in sorted(plan.rows):
+                rows = len(plan.rows_at(step))
+                plan.send(step, torch.full((rows, *IMAGE_SHAPE[1:]), float(step)))
+        return [self._one(r, i) for i, r in enumerate(batch.requests)]
 
     def _one(self, request: DiffusionRequest, index: int) -> DiffusionOutput:
         if request.prompt == "raise":
-            raise RuntimeError("unexpected runner bug")
+            raise RuntimeError("unexpected pipeline bug")
         if request.prompt == "fail":
             return DiffusionOutput.from_error(request.request_id, ValueError("pipeline broke"))
         if request.prompt == "block":
             Path(request.sampling_params.extra["marker"]).write_text(str(os.getpid()))
             threading.Event().wait()
         images = torch.full(IMAGE_SHAPE, float(index))
-        return DiffusionOutput(request.request_id, images=images, batch_size=index,
-                               metadata={"pid": os.getpid()})
-
-
-class SteppingRunner(FakeRunner):
-    """Takes `should_stop`, as `ModelRunner` does: a wave whose first prompt is "steps"
-    touches its marker, then steps (10 ms each, up to ten minutes) until told to stop."""
-
-    def execute_batch(self, scheduler_output: SchedulerOutput, *,
-                      should_stop=lambda: False) -> BatchRunnerOutput:
-        first = scheduler_output.requests[0]
-        if first.prompt == "steps":
-            Path(first.sampling_params.extra["marker"]).write_text(str(os.getpid()))
-            idle = threading.Event()
-            for _ in range(60_000):
-                if should_stop():
-                    return BatchRunnerOutput.aborted(scheduler_output.req_ids)
-                idle.wait(0.01)
-        return super().execute_batch(scheduler_output)
+        return DiffusionOutput(request.request_id, images=images, metadata={"pid": os.getpid()})
 
 
 class Unreadable:
@@ -124,29 +119,34 @@ def _refuse_to_unpickle():
     raise RuntimeError("cannot rebuild this object here")
 
 
-class MissingModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
-        raise ModelNotFoundError(f"model {config.model!r} is not served here", param="model")
+class MissingModelPipeline(FakeWorkerPipeline):
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs: Any) -> FakeWorkerPipeline:
+        raise ModelNotFoundError(f"model {model!r} is not served here", param="model")
 
 
-class BrokenRunner:
-    def __init__(self, config: EngineConfig) -> None:
+class BrokenPipeline(FakeWorkerPipeline):
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs: Any) -> FakeWorkerPipeline:
         raise ValueError("weights are corrupt")
 
 
-FAKE = f"{__name__}:FakeRunner"
-STEPPING = f"{__name__}:SteppingRunner"
+FAKE = f"{__name__}.FakeWorkerPipeline"
+MODEL = "test/fake"  # a hub id the fake pipelines take and never look up
 
 
 # --- helpers -------------------------------------------------------------------------------
 
 
-def make_config(**kwargs) -> EngineConfig:
-    return EngineConfig(model="fake", warmup=False, torch_num_threads=1, **kwargs)
+def make_config(pipeline_class: str = FAKE, **kwargs) -> EngineConfig:
+    """A config for the fake pipeline; a forward that raises fails its whole wave."""
+    return EngineConfig(model=MODEL, warmup=False, torch_num_threads=1,
+                        pipeline_class=pipeline_class, batch_error_isolation="none", **kwargs)
 
 
 def request(request_id: str, prompt: str = "a cat", **extra) -> DiffusionRequest:
-    return DiffusionRequest(request_id, prompt, SamplingParams(seed=1, extra=extra))
+    return DiffusionRequest(request_id, prompt,
+                            SamplingParams(seed=1, output_type="pt", extra=extra))
 
 
 def wave(wave_id: int, *requests: DiffusionRequest) -> SchedulerOutput:
@@ -191,7 +191,7 @@ def run_one(executor: MultiprocExecutor, req: DiffusionRequest) -> DiffusionOutp
 
 @pytest.fixture(scope="module")
 def executor():
-    ex = MultiprocExecutor(make_config(), runner_factory=FAKE)
+    ex = MultiprocExecutor(make_config())
     yield ex
     ex.shutdown()
 
@@ -200,7 +200,7 @@ def executor():
 
 
 def test_ready_sets_info_and_is_healthy(executor):
-    assert executor.info.name == "FakeRunnerPipeline"
+    assert executor.info.name == "FakeWorkerPipeline"
     assert executor.info.default_height == 64
     assert executor.worker_pid not in (None, os.getpid())
     assert executor.is_healthy
@@ -223,7 +223,7 @@ def test_execute_batch_returns_per_request_outputs_through_shm(executor, monkeyp
     assert result.req_ids == ["r1", "r2", "r3"]
     for i, rid in enumerate(result.req_ids):
         out = result.outputs[rid]
-        assert out.ok and out.batch_size == i
+        assert out.ok and out.batch_size == 3
         assert out.metadata["pid"] == executor.worker_pid
         assert torch.equal(out.images, torch.full(IMAGE_SHAPE, float(i)))
     assert seen == [[(3 * 512 * 512 * 4, True)] * 3]  # three images crossed in shm
@@ -240,7 +240,9 @@ def test_partial_images_cross_through_shm_before_the_wave_returns(executor):
 
     executor.set_partial_image_listener(listener)
     try:
-        future = executor.submit_batch(wave(5, request("p", "preview"), request("q")))
+        previewing = request("p", "preview")
+        previewing.sampling_params.partial_images = 2  # after steps 1 and 2 of 3
+        future = executor.submit_batch(wave(5, previewing, request("q")))
         result = future.result(DEADLINE_S)
     finally:
         executor.set_partial_image_listener(lambda partial: None)
@@ -248,7 +250,7 @@ def test_partial_images_cross_through_shm_before_the_wave_returns(executor):
     assert [(p.request_id, p.index, p.step) for p, _, _ in got] == [("p", 0, 1), ("p", 1, 2)]
     for partial, wave_done, _ in got:
         assert not wave_done  # handed out while the call was still open
-        assert torch.equal(partial.image, torch.full(IMAGE_SHAPE[1:], partial.index + 1.0))
+        assert torch.equal(partial.image, torch.full(IMAGE_SHAPE[1:], float(partial.step)))
     assert segments_of(executor.worker_pid) == []  # each unlinked on arrival
 
 
@@ -264,14 +266,15 @@ def test_runner_errors_become_error_outputs_and_worker_keeps_serving(executor):
     assert result.outputs["ok"].ok
     assert result.outputs["bad"].error.message == "ValueError: pipeline broke"
 
-    # The runner itself raising fails every request of the call, not the worker.
+    # A forward that raises fails every request of its wave (no isolation here), not
+    # the worker.
     result = executor.execute_batch(wave(3, request("x1", "raise"), request("x2")))
     assert result.req_ids == ["x1", "x2"]
     for out in result.outputs.values():
-        assert out.error.message == "RuntimeError: unexpected runner bug"
+        assert out.error.message == "RuntimeError: unexpected pipeline bug"
         assert out.error.status_code == 500
     out = run_one(executor, request("x3", "raise"))
-    assert out.error.message == "RuntimeError: unexpected runner bug"
+    assert out.error.message == "RuntimeError: unexpected pipeline bug"
 
     # A call the worker cannot even read is answered with the error too.
     out = run_one(executor, request("odd", obj=Unreadable()))
@@ -300,7 +303,7 @@ def test_submitted_calls_queue_at_the_worker_and_each_gets_its_own_answer(execut
     assert futures[2].result(DEADLINE_S).outputs["q3"].error.message == (
         "RuntimeError: cannot rebuild this object here")
     assert futures[3].result(DEADLINE_S).outputs["q4"].error.message == (
-        "RuntimeError: unexpected runner bug")
+        "RuntimeError: unexpected pipeline bug")
     last = futures[4].result(DEADLINE_S).outputs["q5"]
     assert last.request_id == "q5" and last.ok
     assert segments_of(executor.worker_pid) == []
@@ -309,14 +312,14 @@ def test_submitted_calls_queue_at_the_worker_and_each_gets_its_own_answer(execut
 @pytest.mark.parametrize(
     ("factory", "exc_type", "message"),
     [
-        ("MissingModelRunner", ModelNotFoundError, "model 'fake' is not served here"),
-        ("BrokenRunner", RuntimeError, "ValueError: weights are corrupt"),
+        ("MissingModelPipeline", ModelNotFoundError, "model 'test/fake' is not served here"),
+        ("BrokenPipeline", RuntimeError, "ValueError: weights are corrupt"),
     ],
 )
 def test_load_failure_fails_startup_with_the_workers_message(factory, exc_type, message):
     before = worker_children()
     with pytest.raises(exc_type, match=message) as info:
-        MultiprocExecutor(make_config(), runner_factory=f"{__name__}:{factory}")
+        MultiprocExecutor(make_config(f"{__name__}.{factory}"))
     if exc_type is ModelNotFoundError:
         assert info.value.param == "model" and info.value.status_code == 404
     assert worker_children() <= before  # the failed worker was reaped
@@ -334,8 +337,9 @@ def test_an_executor_at_a_scripts_top_level_works_without_a_main_guard(tmp_path)
         from diffbatch.request import DiffusionRequest
         from diffbatch.sampling_params import SamplingParams
         from diffbatch.sched.output import SchedulerOutput
-        ex = MultiprocExecutor(EngineConfig(model="fake", warmup=False, torch_num_threads=1),
-                               runner_factory="{FAKE}", startup_timeout_s=60)
+        config = EngineConfig(model="{MODEL}", warmup=False, torch_num_threads=1,
+                              pipeline_class="{FAKE}")
+        ex = MultiprocExecutor(config, startup_timeout_s=60)
         r = DiffusionRequest("top", "a cat", SamplingParams(seed=1))
         out = ex.execute_batch(SchedulerOutput(wave_id=1, requests=[r], key=None))
         print("ok" if out.outputs["top"].ok else "failed")
@@ -360,8 +364,9 @@ def test_a_killed_engine_process_takes_its_worker_down_mid_wave(tmp_path):
         from diffbatch.request import DiffusionRequest
         from diffbatch.sampling_params import SamplingParams
         from diffbatch.sched.output import SchedulerOutput
-        ex = MultiprocExecutor(EngineConfig(model="fake", warmup=False, torch_num_threads=1),
-                               runner_factory="{FAKE}", startup_timeout_s=60)
+        config = EngineConfig(model="{MODEL}", warmup=False, torch_num_threads=1,
+                              pipeline_class="{FAKE}")
+        ex = MultiprocExecutor(config, startup_timeout_s=60)
         params = SamplingParams(seed=1, extra={{"marker": {str(marker)!r}}})
         r = DiffusionRequest("b", "block", params)
         ex.execute_batch(SchedulerOutput(wave_id=1, requests=[r], key=None))  # never returns
@@ -382,14 +387,14 @@ def test_a_killed_engine_process_takes_its_worker_down_mid_wave(tmp_path):
 
 
 def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
-    ex = MultiprocExecutor(make_config(), runner_factory=FAKE)
+    ex = MultiprocExecutor(make_config())
     try:
         old_pid = ex.worker_pid
         marker = tmp_path / "running"
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(ex.execute_batch,
                                   wave(7, request("b1", "block", marker=str(marker))))
-            wait_for_file(marker)  # the worker is inside the runner now
+            wait_for_file(marker)  # the worker is inside the forward now
             os.kill(old_pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError, match=r"exit code -9 \(SIGKILL\).*wave 7"):
                 pending.result(timeout=60)
@@ -426,7 +431,7 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
 
 
 def test_a_worker_death_fails_every_queued_call_with_its_own_name(tmp_path):
-    ex = MultiprocExecutor(make_config(), runner_factory=FAKE)
+    ex = MultiprocExecutor(make_config())
     try:
         pid = ex.worker_pid
         marker = tmp_path / "running"
@@ -451,7 +456,7 @@ def test_a_worker_death_fails_every_queued_call_with_its_own_name(tmp_path):
 def test_worker_cpus_pins_the_worker_process():
     before = os.sched_getaffinity(0)
     cpu = max(before)
-    ex = MultiprocExecutor(make_config(worker_cpus=str(cpu)), runner_factory=FAKE)
+    ex = MultiprocExecutor(make_config(worker_cpus=str(cpu)))
     try:
         assert os.sched_getaffinity(ex.worker_pid) == {cpu}
         assert run_one(ex, request("pinned")).ok
@@ -461,7 +466,7 @@ def test_worker_cpus_pins_the_worker_process():
 
 
 def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
-    ex = MultiprocExecutor(make_config(), runner_factory=FAKE, shutdown_timeout_s=2.0)
+    ex = MultiprocExecutor(make_config(), shutdown_timeout_s=2.0)
     pid = ex.worker_pid
     # A segment of a reply that never arrived (as if the worker packed, then died).
     orphan = SharedMemory(name=f"{shm.segment_prefix(pid)}orphan", create=True, size=64)
@@ -472,7 +477,7 @@ def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(run_one, ex, request("b", "block", marker=str(marker)))
         wait_for_file(marker)
-        ex.shutdown()  # the worker is stuck in the runner: shutdown escalates to SIGTERM
+        ex.shutdown()  # the worker is stuck in the forward: shutdown escalates to SIGTERM
         with pytest.raises(EngineClosedError,
                            match=r"shut down while running wave 0 \(1 request\)"):
             pending.result(timeout=60)
@@ -491,7 +496,7 @@ def test_shutdown_mid_call_and_leftovers_leave_nothing(tmp_path):
 def test_worker_answers_calls_and_exits_when_the_pipe_closes():
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    process = ctx.Process(target=worker_main, args=(make_config(), child_conn, FAKE), daemon=True)
+    process = ctx.Process(target=worker_main, args=(make_config(), child_conn), daemon=True)
     process.start()
     child_conn.close()
     try:
@@ -505,6 +510,9 @@ def test_worker_answers_calls_and_exits_when_the_pipe_closes():
         assert reply.call_id == 3
         assert isinstance(reply.result.outputs["r"].images, ShmTensorHandle)
         shm.release(reply.result)
+        send_message(conn, WorkerCall(4, "execute_batch", "not a wave"))  # the runner raises
+        reply = recv_reply(conn)
+        assert reply.call_id == 4 and reply.error.message.startswith("AttributeError: ")
         conn.close()  # as if the engine process died
         process.join(DEADLINE_S)
         assert process.exitcode == 0
@@ -549,7 +557,7 @@ def test_real_model_runner_on_tiny_sd_matches_inproc():
 
 
 def test_cancel_stops_a_running_wave_and_drops_the_queued_one(tmp_path):
-    ex = MultiprocExecutor(make_config(), runner_factory=STEPPING)
+    ex = MultiprocExecutor(make_config())
     try:
         marker = tmp_path / "running"
         running = ex.submit_batch(wave(50, request("s", "steps", marker=str(marker))))
@@ -568,7 +576,7 @@ def test_cancel_stops_a_running_wave_and_drops_the_queued_one(tmp_path):
 
 
 def test_a_frozen_worker_is_killed_and_replaced_and_its_wave_fails_as_started(tmp_path):
-    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0), runner_factory=FAKE)
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
     pid = ex.worker_pid
     try:
         marker = tmp_path / "running"
@@ -592,23 +600,60 @@ def test_a_frozen_worker_is_killed_and_replaced_and_its_wave_fails_as_started(tm
         ex.shutdown()
 
 
+def wait_for_heartbeats(ex: MultiprocExecutor, span_s: float, running) -> None:
+    """Wait until the worker's heartbeats have spanned `span_s` seconds, counted as they
+    arrive (no sleep), while `running` stays unanswered."""
+    idle = threading.Semaphore(0)
+    worker = ex._worker
+    seen = worker.last_heard
+    deadline = time.monotonic() + DEADLINE_S
+    while worker.last_heard - seen < span_s:
+        assert time.monotonic() < deadline and not running.done()
+        idle.acquire(timeout=0.05)
+
+
 def test_a_busy_worker_keeps_its_heartbeat(tmp_path):
     """A long wave is not a frozen worker: the heartbeat comes from a thread of its own."""
-    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0), runner_factory=STEPPING)
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
     try:
         marker = tmp_path / "running"
         running = ex.submit_batch(wave(70, request("s", "steps", marker=str(marker))))
         wait_for_file(marker)
-        # A few stall timeouts' worth of heartbeats, counted as they arrive (no sleep).
-        beats = threading.Semaphore(0)
-        worker = ex._worker
-        seen = worker.last_heard
-        deadline = time.monotonic() + DEADLINE_S
-        while worker.last_heard - seen < 3.0:
-            assert time.monotonic() < deadline and not running.done()
-            beats.acquire(timeout=0.05)
+        wait_for_heartbeats(ex, 3.0, running)  # a few stall timeouts' worth
         assert ex.health_stats()["frozen"] == 0 and ex.is_healthy
         ex.cancel(running)
         assert running.result(60).outputs["s"].aborted
     finally:
+        ex.shutdown()
+
+
+def test_a_wave_past_its_stall_bound_is_stuck_and_its_worker_replaced(tmp_path):
+    """A forward that hangs while the heartbeat thread lives: once the wave has run past
+    the bound it was submitted with, counted from its own start (not while it waited
+    behind another wave), the worker is killed and replaced like a frozen one."""
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
+    pid = ex.worker_pid
+    try:
+        ahead, hung = tmp_path / "ahead", tmp_path / "hung"
+        running = ex.submit_batch(wave(80, request("s", "steps", marker=str(ahead))))
+        queued = ex.submit_batch(wave(81, request("b", "block", marker=str(hung))),
+                                 stall_after_s=1.0)
+        wait_for_file(ahead)
+        wait_for_heartbeats(ex, 2.0, running)  # longer than the bound of the queued wave
+        assert ex.is_healthy and ex.health_stats()["stuck_waves"] == 0
+        ex.cancel(running)
+        assert running.result(60).outputs["s"].aborted
+        wait_for_file(hung)  # the queued wave now runs, and hangs
+        with pytest.raises(WorkerDiedError, match=r"stuck: wave 81 \(1 request\) ran .* past "
+                           r"its bound of 1\.0 s .* killed\) while running wave 81") as died:
+            queued.result(DEADLINE_S)
+        assert died.value.started
+        stats = ex.health_stats()
+        assert (stats["stuck_waves"], stats["frozen"], stats["deaths"]) == (1, 1, 1)
+        assert wait_gone(pid)
+        assert ex.wait_healthy(DEADLINE_S) and ex.worker_pid not in (None, pid)
+        assert run_one(ex, request("after")).ok
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         ex.shutdown()

@@ -31,7 +31,7 @@ def test_quick_training_run_writes_a_loadable_pipeline(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     defaults = json.loads((out / "diffbatch_defaults.json").read_text())
     assert defaults == {"height": 64, "width": 64, "num_inference_steps": 15,
-                        "guidance_scale": 5.0, "max_image_pixels": 256 * 256}
+                        "guidance_scale": 5.0, "model_max_pixels": 256 * 256}
     if importlib.util.find_spec("matplotlib") is not None:  # the [bench] extra
         assert (tmp_path / "loss.png").stat().st_size > 0
     else:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from diffbatch.engine.async_engine import Engine
     from diffbatch.entrypoints.openai.middleware import HTTPMetrics
     from diffbatch.entrypoints.openai.serving_images import OpenAIServingImages
+    from diffbatch.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,10 @@ PLAYGROUND_PATH = "/playground"
 _PLAYGROUND_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
                    "img-src 'self' data: blob:; connect-src 'self'; form-action 'none'; "
                    "base-uri 'none'; frame-ancestors 'none'")
-# Set in the ASGI scope state once the image handler runs; the metrics middleware
-# counts image requests refused before it (auth, content type, validation) as rejected.
-HANDLED_STATE = "diffbatch_handled"
+# Set in the ASGI scope state when an image request is handed to the engine, which
+# counts its own refusals from then on; every refusal before that is counted by the
+# metrics middleware's hook (`api_server._rejection_counter`).
+SUBMITTED_STATE = "diffbatch_submitted"
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -87,16 +89,6 @@ def _image_responses(kind: EventKind, *statuses: int) -> dict[int | str, dict[st
                   "events: partial images, then the image"}, **_errors(*statuses)}
 
 
-def _answer(result: ImageResult | ImageStream | Response) -> Response:
-    """The HTTP answer of an image route's result."""
-    if isinstance(result, ImageStream):
-        return StreamingResponse(result.events, media_type=EVENT_STREAM,
-                                 headers=result.headers)
-    if isinstance(result, ImageResult):
-        return JSONResponse(result.response.to_json(), headers=result.headers)
-    return result
-
-
 def _serving(raw_request: Request) -> OpenAIServingImages:
     return raw_request.app.state.serving_images
 
@@ -110,18 +102,8 @@ def _engine(raw_request: Request) -> Engine:
 @with_cancellation
 async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
     """Generate `n` images for one prompt (OpenAI `images.generate`)."""
-    setattr(raw_request.state, HANDLED_STATE, True)
-    # NOTE: the engine's id is always the server's own: a client's `x-request-id` is
-    # echoed and logged, never used as an engine id, or one client could make another's
-    # request fail as "already active" by sending the same id.
-    request_id = f"img-{uuid.uuid4().hex}"
-    client_request_id = raw_request.headers.get("x-request-id")
-    notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
-    result = await _serving(raw_request).create_image(
-        request, request_id, notice, client_request_id=client_request_id,
-        base_url=str(raw_request.base_url),
-    )
-    return _answer(result)
+    params = _serving(raw_request).prepare_image(request)
+    return await _generate(request, params, raw_request, "image_generation")
 
 
 @router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
@@ -134,23 +116,42 @@ async def edit_image(raw_request: Request) -> Response:
         request = ImageEditRequest.model_validate(form.fields)
     except ValidationError as exc:  # the same 400s as a JSON body's (errors.py)
         raise RequestValidationError(exc.errors()) from None
-    # Set here, as the JSON route sets it once FastAPI validated its body: refusals
-    # before this point are counted by the metrics middleware as "rejected".
-    setattr(raw_request.state, HANDLED_STATE, True)
     return await _run_edit(request=request, form=form, raw_request=raw_request)
 
 
 @with_cancellation
 async def _run_edit(*, request: ImageEditRequest, form: EditForm,
                     raw_request: Request) -> Response:
-    request_id = f"img-{uuid.uuid4().hex}"  # the server's own, as for generations
+    params = await _serving(raw_request).prepare_edit(request, form.image, form.mask)
+    return await _generate(request, params, raw_request, "image_edit")
+
+
+async def _generate(request: ImageGenerationRequest, params: SamplingParams,
+                    raw_request: Request, kind: EventKind) -> Response:
+    """Hand a prepared image request to the engine and answer with its result: JSON, or
+    `kind` events for a streamed request."""
+    setattr(raw_request.state, SUBMITTED_STATE, True)
+    # NOTE: the engine's id is always the server's own: a client's `x-request-id` is
+    # echoed and logged, never used as an engine id, or one client could make another's
+    # request fail as "already active" by sending the same id.
+    request_id = f"img-{uuid.uuid4().hex}"
     notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
-    result = await _serving(raw_request).create_edit(
-        request, form.image, form.mask, request_id, notice,
-        client_request_id=raw_request.headers.get("x-request-id"),
-        base_url=str(raw_request.base_url),
-    )
-    return _answer(result)
+    client_request_id = raw_request.headers.get("x-request-id")
+    serving = _serving(raw_request)
+    result: ImageResult | ImageStream | Response
+    if request.stream:
+        result = await serving.stream(request, params, request_id, notice, client_request_id,
+                                      kind=kind)
+    else:
+        result = await serving.generate(request, params, request_id, notice,
+                                        client_request_id=client_request_id,
+                                        base_url=str(raw_request.base_url))
+    if isinstance(result, ImageStream):
+        return StreamingResponse(result.events, media_type=EVENT_STREAM,
+                                 headers=result.headers)
+    if isinstance(result, ImageResult):
+        return JSONResponse(result.response.to_json(), headers=result.headers)
+    return result
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_errors(401))

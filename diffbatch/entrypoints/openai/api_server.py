@@ -34,10 +34,10 @@ from fastapi.staticfiles import StaticFiles
 
 from diffbatch.entrypoints.openai.api_router import (
     EDITS_ROUTE,
-    HANDLED_STATE,
     IMAGES_ROUTE,
     PLAYGROUND_PATH,
     STATIC_DIR,
+    SUBMITTED_STATE,
     router,
 )
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
@@ -61,6 +61,7 @@ from diffbatch.entrypoints.openai.serving_images import (
     DEFAULT_PNG_COMPRESS_LEVEL,
     OpenAIServingImages,
 )
+from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
 
 if TYPE_CHECKING:
     import argparse
@@ -192,6 +193,7 @@ def build_app(
         app, size_rule=app.state.serving_images.size_rule,
         lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
         max_request_work=getattr(engine, "max_request_work", None),
+        default_steps=engine.info.default_num_inference_steps,
         max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
     )
     # Added last = outermost: metrics see every answer, including the guard's.
@@ -205,7 +207,7 @@ def build_app(
         HTTPMetricsMiddleware,
         metrics=http_metrics,
         routes=_route_paths(app),
-        on_rejected=_rejection_counter(engine),
+        on_answer=_rejection_counter(engine),
     )
     app.add_middleware(RequestIdEchoMiddleware)
     return app
@@ -218,12 +220,21 @@ def _route_paths(app: FastAPI) -> frozenset[str]:
 
 
 def _rejection_counter(engine: Engine) -> Any:
-    """Count image requests refused before their handler ran as engine "rejected"."""
+    """The HTTP layer's one count of refused image requests (the engine's `rejected`).
+
+    Every answer passes the metrics middleware, so its hook sees every refusal of an
+    image request (a 4xx but 499, which is a client gone), wherever the server made
+    it: the guard (401, 413, 415, a body not UTF-8), FastAPI's validation and the
+    form reader (400), the serving stages 1-2 (400, 404). A request handed to the
+    engine (`SUBMITTED_STATE`) is not counted here: the engine counts its own
+    refusals (invalid for the model, a full queue) where it makes them, for every
+    caller alike, and anything else it answers is an outcome of its own.
+    """
 
     def on_answer(scope: dict[str, Any], status: int) -> None:
-        if scope["path"] not in _IMAGE_ROUTES or not 400 <= status < 499:
+        if scope["path"] not in _IMAGE_ROUTES or not 400 <= status < CLIENT_CLOSED_STATUS:
             return
-        if not scope.get("state", {}).get(HANDLED_STATE):
+        if not scope.get("state", {}).get(SUBMITTED_STATE):
             engine.record_rejected()
 
     return on_answer

@@ -292,12 +292,12 @@ class HTTPMetricsMiddleware:
         *,
         metrics: HTTPMetrics,
         routes: frozenset[str],
-        on_rejected: Callable[[Scope, int], None] | None = None,
+        on_answer: Callable[[Scope, int], None] | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = routes  # known paths; others are counted as "other" (bounded labels)
-        self.on_rejected = on_rejected  # called with (scope, status) after every answer
+        self.on_answer = on_answer  # called with (scope, status) after every answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -325,5 +325,5 @@ class HTTPMetricsMiddleware:
             self.metrics.requests.labels(route, scope["method"], label).inc()
             if status == CLIENT_CLOSED_STATUS:
                 self.metrics.disconnects.inc()
-            if self.on_rejected is not None and status:
-                self.on_rejected(scope, status)
+            if self.on_answer is not None and status:
+                self.on_answer(scope, status)

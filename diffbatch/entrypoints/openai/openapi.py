@@ -14,8 +14,9 @@ cannot know, or gets wrong, is fixed here once, when the spec is first asked for
    success is `text/plain`;
 3. what depends on this server: the `size` values its model and pixel cap allow,
    `lora` only when it serves adapters (`--lora-dir`), the bearer key when
-   `--api-key` is set, and the work limit (`--max-request-work`) in the description
-   of `num_inference_steps`;
+   `--api-key` is set, and the work limit (`--max-request-work`): in the
+   description of `num_inference_steps`, and exactly, as the request schemas' `allOf`
+   (`work_limit.py`);
 4. a single allowed value (`const`) is written as a one-value `enum`, like the
    others (`response_format`, `moderation`);
 5. the edits route reads its multipart form itself, so its request body is declared
@@ -29,21 +30,25 @@ schema (OpenAPI 3.1: one event's) the routes declare (`serving_stream.event_sche
 NOTE: what the spec cannot say about the files, it says in their descriptions: the
 image's pixel cap, and that the mask must have the image's size and an alpha channel.
 
-NOTE: the `size` pattern lists the sides of square-bounded sizes (each side at most
-the largest square's), a subset of what the server takes: the exact rule, a cap
-on width * height, is not a regular language worth writing out. The description
-states the exact rule; every size the pattern allows is one the server accepts.
-The work limit is a product of four fields (width x height x steps x n), which JSON
-Schema cannot state at all: a request above it is valid by the spec and refused with
-400, so the spec holds both ways only on a server run with `--max-request-work 0`.
+NOTE: the `size` pattern lists the sizes whose sides are the model's size multiple
+times a power of two (8, 16, 32, ... for a multiple of 8), or a side of the default
+size, up to the largest square's side: a subset of what the server takes (any
+multiple, up to a cap on width * height), like OpenAI's own short list of sizes. The
+description states the exact rule; every size the pattern allows is one the server
+accepts. The subset keeps the work limit sayable: width x height x steps is a
+product, which JSON Schema can only state as a union of boxes, one per step cap of a
+declared size (`work_limit.py`); power-of-two sides share few pixel counts, so there
+are few boxes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.openapi.utils import get_openapi
 
+from diffbatch.entrypoints.openai import work_limit
 from diffbatch.entrypoints.openai.middleware import PROTECTED_PREFIX
 from diffbatch.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
 
@@ -66,14 +71,16 @@ _ERROR_SCHEMA_REF = "#/components/schemas/ErrorResponse"
 def install_openapi(
     app: FastAPI, *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
     max_upload_pixels: int | None = None, open_prefixes: tuple[str, ...] = (),
-    max_request_work: int | None = None,
+    max_request_work: int | None = None, default_steps: int = 1,
 ) -> None:
     """Make `app.openapi()` (and so `/openapi.json` and `/docs`) this server's spec.
 
     `max_upload_pixels` is the largest upload the edits route takes (default: the
     size rule's cap); `open_prefixes` are `/v1` paths served without the API key;
-    `max_request_work` is stated where JSON Schema cannot enforce it (see NOTE).
+    `max_request_work` (None: no limit) is stated with `default_steps`, the model's
+    step count when a request gives none (`work_limit.py`).
     """
+    limit = None if max_request_work is None else _WorkLimit(max_request_work, default_steps)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -82,9 +89,10 @@ def install_openapi(
             )
             _specialise(spec, size_rule=size_rule, lora_enabled=lora_enabled,
                         api_key_required=api_key_required, open_prefixes=open_prefixes,
-                        max_request_work=max_request_work)
+                        limit=limit)
             _declare_edit_body(spec, size_rule=size_rule, lora_enabled=lora_enabled,
-                               max_upload_pixels=max_upload_pixels or size_rule.max_pixels)
+                               max_upload_pixels=max_upload_pixels or size_rule.max_pixels,
+                               limit=limit)
             _normalise(spec)
             app.openapi_schema = spec
         return app.openapi_schema
@@ -92,10 +100,56 @@ def install_openapi(
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+@dataclass(frozen=True)
+class _WorkLimit:
+    """The work limit and what it needs to be stated (`work_limit.py`)."""
+
+    max_request_work: int  # most width x height x steps of one image
+    default_steps: int  # the steps of a request that gives none
+
+
+def declared_sides(size_rule: SizeRule) -> list[int]:
+    """The sides of the sizes the spec declares (see NOTE): the size multiple times a
+    power of two, and the default size's sides, up to the largest square's side."""
+    top = size_rule.largest_square
+    sides = {side for side in size_rule.default_size if side <= top}
+    side = size_rule.multiple
+    while side <= top:
+        sides.add(side)
+        side *= 2
+    return sorted(sides)
+
+
 def size_pattern(size_rule: SizeRule) -> str:
-    """A pattern of "auto" and every size whose sides are allowed multiples (see NOTE)."""
-    sides = "|".join(str(side) for side in size_rule.sides())
+    """A pattern of "auto" and every declared size (see NOTE)."""
+    sides = "|".join(str(side) for side in declared_sides(size_rule))
     return f"^(?:auto|(?:{sides})x(?:{sides}))$" if sides else "^auto$"
+
+
+def _state_work_limit(
+    schema: dict[str, Any], limit: _WorkLimit | None, size_rule: SizeRule, auto_pixels: int,
+) -> None:
+    """Require the work limit's boxes (`work_limit.py`) in a request schema, and say
+    the limit in the description of its `num_inference_steps`."""
+    if limit is None:
+        return
+    properties = schema["properties"]
+    steps = properties["num_inference_steps"]
+    steps["description"] = work_limit.describe(limit.max_request_work)
+    sides = declared_sides(size_rule)
+    boxes = work_limit.work_limit_boxes(
+        limit.max_request_work, [(w, h) for w in sides for h in sides],
+        auto_pixels=auto_pixels, default_steps=limit.default_steps,
+        max_steps=_max_steps(steps),
+    )
+    if boxes is not None:
+        schema["allOf"] = [*schema.get("allOf", []), {"anyOf": boxes}]
+
+
+def _max_steps(steps: dict[str, Any]) -> int:
+    """`num_inference_steps`' maximum, from the field or its integer branch."""
+    return next(int(branch["maximum"]) for branch in steps.get("anyOf", [steps])
+                if "maximum" in branch)
 
 
 def _size_description(size_rule: SizeRule, auto: str) -> str:
@@ -109,8 +163,7 @@ def _size_description(size_rule: SizeRule, auto: str) -> str:
 
 def _specialise(
     spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
-    open_prefixes: tuple[str, ...] = (),
-    max_request_work: int | None = None,
+    open_prefixes: tuple[str, ...] = (), limit: _WorkLimit | None = None,
 ) -> None:
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     # 1. The request schema from pydantic, with exact integer bounds.
@@ -132,12 +185,8 @@ def _specialise(
     # 3. This server's sizes, LoRA and key.
     _specialise_fields(request["properties"], size_rule=size_rule, lora_enabled=lora_enabled,
                        auto=f"{size_rule.default_size[0]}x{size_rule.default_size[1]}")
-    if max_request_work is not None:
-        steps = request["properties"]["num_inference_steps"]
-        steps["description"] = (
-            steps.get("description", "").rstrip(".") + f". This server refuses (400) a "
-            f"request whose width x height x num_inference_steps x n is above "
-            f"{max_request_work} (--max-request-work)").lstrip(". ")
+    default_w, default_h = size_rule.default_size
+    _state_work_limit(request, limit, size_rule, auto_pixels=default_w * default_h)
     if api_key_required:
         schemas_root = spec["components"]
         schemas_root["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
@@ -162,7 +211,8 @@ def _specialise_fields(
 
 
 def _declare_edit_body(
-    spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, max_upload_pixels: int
+    spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, max_upload_pixels: int,
+    limit: _WorkLimit | None = None,
 ) -> None:
     """Step 5: the multipart body of the edits route."""
     operation = spec.get("paths", {}).get(EDITS_PATH, {}).get("post")
@@ -172,8 +222,8 @@ def _declare_edit_body(
     properties = schema["properties"]
     _specialise_fields(
         properties, size_rule=size_rule, lora_enabled=lora_enabled,
-        auto=f"the image's size, scaled down to fit the cap, sides rounded down to "
-        f"multiples of {size_rule.multiple}",
+        auto=f"the image's size, scaled down to fit the pixel cap and the work limit, sides "
+        f"rounded down to multiples of {size_rule.multiple}",
     )
     for name in list(properties):
         field = _without_null(properties[name])
@@ -200,6 +250,8 @@ def _declare_edit_body(
     if lossy is not None:
         schema["dependentSchemas"] = {"output_compression": lossy}
     schema["required"] = ["image", *schema.get("required", [])]
+    # "auto" scales the image to fit the work limit too: refused only below one multiple.
+    _state_work_limit(schema, limit, size_rule, auto_pixels=size_rule.multiple ** 2)
     spec["components"]["schemas"][_EDIT_SCHEMA] = schema
     # NOTE: `prompt`'s media type is stated (text/plain is every text part's default)
     # because schemathesis 4.x fills a required part without one with "" when it

@@ -99,8 +99,8 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     """Parse an OpenAI `size` ("WxH" or "auto") into (width, height); None means default.
 
     Only the format is checked here: a side too large for the server (even one of
-    20 digits) comes back as a large number, for `serving_images.SizeRule` to refuse
-    as too large.
+    20 digits) comes back as a large number, for `OpenAIServingImages.check_size` to
+    refuse as too large.
 
     Raises:
         InvalidRequestError: `size` is neither "auto" nor "<width>x<height>" with

@@ -1,11 +1,16 @@
 """The logic of `POST /v1/images/generations` and `/v1/images/edits`: one HTTP request,
 one engine request.
 
-`OpenAIServingImages.create_image` is the whole flow, in stages:
+A request runs in stages: `prepare_image` (`prepare_edit` for an edit) runs 1-2,
+`generate` runs 3-5, and the route calls one after the other:
 
-1. check what depends on the served model and the server's options (model name,
-   the size rule: multiple, pixel cap, side cap);
-2. build `SamplingParams`;
+1. check what this server decides alone: the model name, `response_format`, `lora`
+   without `--lora-dir`, whether the model can run an edit at all (before its
+   uploads are decoded), and the size against the server's own limits (see
+   `check_size`); what depends on the model (its size multiple and pixel cap, the call
+   arguments it takes) is the engine's, checked once, when the request is added;
+2. build `SamplingParams` (an edit first decodes its uploaded image and mask,
+   `uploads.py`, in a worker thread);
 3. await `Engine.generate_async` alone, under the request timeout. Nothing else is
    awaited with it, so concurrent HTTP requests sit in the engine's queue together
    and batch there. Cancelling this coroutine (client disconnect, timeout) aborts
@@ -15,26 +20,27 @@ one engine request.
    blocks the event loop that serves the others;
 5. build the OpenAI response.
 
-`create_edit` is the same flow for an edit: stage 1 also checks that the model can
-edit, and stage 2 decodes the uploaded image and mask (`uploads.py`, in a worker
-thread) into the request's `SamplingParams`; stages 3-5 are shared.
+A request with `stream: true` runs stages 3-5 in `stream` instead, as server-sent
+events (`serving_stream.py`): each partial image is encoded and sent as its wave makes
+it, then the image.
 
-A request with `stream: true` runs stages 3-5 as server-sent events instead
-(`serving_stream.py`): each partial image is encoded and sent as its wave makes it,
-then the image.
+Nothing here counts refused requests: a refusal in stages 1-2 is counted with every
+other refusal the server answers, once, by the metrics middleware's hook
+(`api_server._rejection_counter`); one in stage 3 is the engine's own to count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import functools
 import io
 import logging
-import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +55,11 @@ from diffbatch.entrypoints.openai.protocol import (
 from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, StreamedImages
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
-    DiffbatchError,
     InvalidRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
 )
+from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.sampling_params import MAX_SIDE, SamplingParams
 
 if TYPE_CHECKING:
@@ -77,44 +83,24 @@ DEFAULT_PNG_COMPRESS_LEVEL = 1
 
 @dataclass(frozen=True)
 class SizeRule:
-    """Which `size` values this server generates, and the 400 that names the fix.
+    """The `size` values that work on this server with its model, as its answers and its
+    OpenAPI spec state them: sides that are multiples of the model's `multiple`, at
+    most `max_side` each and `max_pixels` in all.
 
-    A size is too large (checked first, so "99999x99999" is told so) above
-    `max_pixels` (width * height: the smaller of `--max-image-pixels` and the model's
-    own cap) or `max_side`; then both sides must be multiples of `multiple`.
-    OpenAI answers an unsupported size with 400 `param: size`, so does this server:
-    a 413 would reach the `openai` client as a bare status error.
+    A description, not a check: the server checks only its own limit
+    (`OpenAIServingImages.check_size`), the engine the model's (`diffbatch.image_size`
+    says why).
     """
 
     multiple: int  # the model's size multiple (VAE scale factor x denoiser downsampling)
-    max_pixels: int  # most width * height of one image
+    max_pixels: int  # most width * height: `--max-image-pixels` or the model's cap if lower
     default_size: tuple[int, int]  # (width, height) of "auto"
     max_side: int = MAX_SIDE  # most pixels of one side (SamplingParams' bound)
 
     @property
     def largest_square(self) -> int:
         """Side of the largest square size allowed (0 when none is)."""
-        side = min(self.max_side, math.isqrt(self.max_pixels))
-        return side // self.multiple * self.multiple
-
-    def check(self, width: int, height: int, given: str) -> None:
-        """Raise `InvalidRequestError` (param "size") unless width x height is allowed."""
-        if width * height > self.max_pixels or max(width, height) > self.max_side:
-            square = self.largest_square
-            largest = f"; the largest square size is {square}x{square}" if square else ""
-            raise InvalidRequestError(
-                f"`size` {given} is larger than this server generates: at most "
-                f"{self.max_pixels} pixels (width * height) and {self.max_side} per side"
-                f"{largest}",
-                param="size",
-            )
-        if width % self.multiple or height % self.multiple:
-            default_w, default_h = self.default_size
-            raise InvalidRequestError(
-                f"`size` sides must be multiples of {self.multiple} for this model, got "
-                f"{given} (e.g. {default_w}x{default_h})",
-                param="size",
-            )
+        return largest_square(self.max_pixels, self.multiple, self.max_side)
 
     def sides(self) -> list[int]:
         """Every side of a square-bounded size: multiples up to `largest_square`."""
@@ -206,10 +192,9 @@ class OpenAIServingImages:
         self.image_store = image_store
         self.public_url = public_url.rstrip("/") if public_url else None
         info = engine.info
-        model_cap = info.model_max_pixels or max_image_pixels
         self.size_rule = SizeRule(
             multiple=info.size_multiple,
-            max_pixels=min(max_image_pixels, model_cap),
+            max_pixels=min(max_image_pixels, info.model_max_pixels or max_image_pixels),
             default_size=(info.default_width, info.default_height),
         )
         lora_dir = engine.config.lora_dir
@@ -220,13 +205,24 @@ class OpenAIServingImages:
         )
 
     def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
-        """Stage 1: model-dependent checks; returns the (width, height) to generate."""
+        """Stage 1: the server's checks; returns the (width, height) to generate."""
         self._check_model_and_lora(request)
         size = request.image_size()
         width, height = size if size is not None else self.size_rule.default_size
         given = f"{width}x{height}" if size is None else " ".join(str(request.size).split())[:40]
-        self.size_rule.check(width, height, given)
+        self.check_size(width, height, given)
         return width, height
+
+    def check_size(self, width: int, height: int, given: str) -> None:
+        """Refuse a size over this server's own limit (`--max-image-pixels`, `MAX_SIDE`
+        per side): 400 on `size`, naming the largest square size that works here.
+
+        Only the server's limit: the model's (its multiple, its own cap) are the
+        engine's, checked when the request is added (`diffbatch.image_size`).
+        """
+        if width * height > self.max_image_pixels or max(width, height) > MAX_SIDE:
+            raise size_too_large(given, "this server", self.size_rule.max_pixels,
+                                 self.size_rule.largest_square, max_side=MAX_SIDE)
 
     def check_edit_request(
         self, request: ImageEditRequest, *, has_mask: bool
@@ -245,8 +241,18 @@ class OpenAIServingImages:
             )
         size = request.image_size()
         if size is not None:
-            self.size_rule.check(*size, " ".join(str(request.size).split())[:40])
+            self.check_size(*size, " ".join(str(request.size).split())[:40])
         return size
+
+    def _auto_edit_pixels(self, request: ImageEditRequest) -> int:
+        """The most pixels "auto" may give an edit: the pixel cap, and what the work limit
+        leaves for its steps (below one size multiple squared, the engine refuses the
+        request with the work limit's 400)."""
+        limit = getattr(self.engine, "max_request_work", None)
+        if limit is None:
+            return self.size_rule.max_pixels
+        steps = request.num_inference_steps or self.engine.info.default_num_inference_steps
+        return min(self.size_rule.max_pixels, limit // steps)
 
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
         if request.response_format == "url" and self.image_store is None:
@@ -287,13 +293,6 @@ class OpenAIServingImages:
             partial_images=request.partial_images or 0,
         )
 
-    def _store(self, images: list[Any], request: ImageGenerationRequest) -> list[str]:
-        """Encode `images` and keep them in the image store; returns their file ids."""
-        assert self.image_store is not None  # checked in stage 1
-        files = encode_image_files(images, request.output_format, request.output_compression,
-                                   self.png_compress_level)
-        return [self.image_store.put(data, request.output_format) for data in files]
-
     def _encode_one(self, request: ImageGenerationRequest, image: Any) -> str:
         """One image as base64 in the request's format (blocking), its time recorded."""
         start = time.perf_counter()
@@ -304,18 +303,57 @@ class OpenAIServingImages:
                 time.perf_counter() - start)
         return b64
 
+    def _store(self, images: list[Any], request: ImageGenerationRequest) -> list[str]:
+        """Encode `images` and keep them in the image store; returns their file ids."""
+        assert self.image_store is not None  # checked in stage 1
+        files = encode_image_files(images, request.output_format, request.output_compression,
+                                   self.png_compress_level)
+        return [self.image_store.put(data, request.output_format) for data in files]
+
     def _redact(self, message: str) -> str:
         """`message` without the server's folder names (a pipeline error may hold them)."""
         for path in self._private_paths:
             message = message.replace(path, "<lora-dir>")
         return message
 
-    async def create_image(
-        self, request: ImageGenerationRequest, request_id: str,
+    def prepare_image(self, request: ImageGenerationRequest) -> SamplingParams:
+        """Stages 1-2 of a generation: the server's checks, then the engine-side params.
+
+        Raises:
+            DiffbatchError: a request this server refuses (400/404).
+        """
+        width, height = self.check_request(request)
+        return self.sampling_params(request, width, height)
+
+    async def prepare_edit(
+        self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
+    ) -> SamplingParams:
+        """Stages 1-2 of an edit: the server's checks, the uploads decoded off the event
+        loop (`image_data`, and `mask_data` if sent), then the engine-side params.
+
+        Raises:
+            DiffbatchError: as `prepare_image`, and 400 for an upload that is no usable
+                image or mask (`uploads.py`).
+        """
+        size = self.check_edit_request(request, has_mask=mask_data is not None)
+        inputs = await asyncio.to_thread(
+            decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
+            size=size, multiple=self.size_rule.multiple,
+            max_output_pixels=self._auto_edit_pixels(request),
+        )
+        height, width = inputs.image.shape[:2]
+        self.check_size(width, height, f"{width}x{height}")
+        return self.sampling_params(request, width, height).clone(
+            image=inputs.image, mask=inputs.mask, strength=request.strength,
+        )
+
+    async def generate(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
         arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
         base_url: str = "",
-    ) -> ImageResult | ImageStream | JSONResponse:
-        """Run stages 1-5 for one request; a failed engine request becomes its error response.
+    ) -> ImageResult | JSONResponse:
+        """Stages 3-5 for a prepared request; a failed engine request becomes its error
+        response.
 
         `request_id` is the engine's id, made by the server; `client_request_id` (the
         client's `x-request-id`, if any) is only logged and echoed back. `base_url` (the
@@ -323,94 +361,19 @@ class OpenAIServingImages:
         unless the server has a `public_url`.
 
         Raises:
-            DiffbatchError: invalid input (400/404/413), a full queue (503), a dead
+            DiffbatchError: the engine's refusal (400/404, a full queue: 503), a dead
                 engine (503) or the request timeout (504); the app maps them.
         """
         start = time.perf_counter()
-        # 1-2. Check and build the engine-side request.
-        try:
-            width, height = self.check_request(request)
-            params = self.sampling_params(request, width, height)
-        except DiffbatchError:
-            self.engine.record_rejected()  # refused before reaching the engine
-            raise
-        return await self._run(request, params, request_id, arrival_notice,
-                               client_request_id, start, base_url, "image_generation")
-
-    async def create_edit(
-        self, request: ImageEditRequest, image_data: bytes, mask_data: bytes | None,
-        request_id: str, arrival_notice: ArrivalNotice | None = None,
-        client_request_id: str | None = None, base_url: str = "",
-    ) -> ImageResult | ImageStream | JSONResponse:
-        """`create_image` for an edit: `image_data` (and `mask_data`) are the uploads.
-
-        Raises:
-            DiffbatchError: as `create_image`, and 400 for an upload that is no usable
-                image or mask (`uploads.py`).
-        """
-        start = time.perf_counter()
-        # 1-2. Check, decode the uploads off the event loop, build the request.
-        try:
-            size = self.check_edit_request(request, has_mask=mask_data is not None)
-            inputs = await asyncio.to_thread(
-                decode_edit_inputs, image_data, mask_data, max_pixels=self.max_image_pixels,
-                size=size, multiple=self.size_rule.multiple,
-                max_output_pixels=self.size_rule.max_pixels,
-            )
-            height, width = inputs.image.shape[:2]
-            self.size_rule.check(width, height, f"{width}x{height}")
-            params = self.sampling_params(request, width, height).clone(
-                image=inputs.image, mask=inputs.mask, strength=request.strength,
-            )
-        except DiffbatchError:
-            self.engine.record_rejected()
-            raise
-        return await self._run(request, params, request_id, arrival_notice,
-                               client_request_id, start, base_url, "image_edit")
-
-    async def _run(
-        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
-        arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
-        base_url: str, kind: EventKind,
-    ) -> ImageResult | ImageStream | JSONResponse:
-        """Stages 3-5, streamed (as `kind` events) or not, as the request asks."""
-        if request.stream:
-            return await self._stream(request, params, request_id, arrival_notice,
-                                      client_request_id, kind)
-        return await self._generate(request, params, request_id, arrival_notice,
-                                    client_request_id, start, base_url)
-
-    async def _stream(
-        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
-        arrival_notice: ArrivalNotice | None, client_request_id: str | None, kind: EventKind,
-    ) -> ImageStream | JSONResponse:
-        """Stages 3-5 of a streamed request (`serving_stream.py`): the stream, once its
-        first event is there, or the JSON error of a request that failed before it."""
-        items = self.engine.generate_stream(
-            request.prompt, params, request_id=request_id, priority=request.priority,
-            arrival_notice=arrival_notice,
-        )
-        stream = StreamedImages(
-            items, request, kind=kind, size=f"{params.width}x{params.height}",
-            encode=functools.partial(self._encode_one, request), redact=self._redact,
-            timeout_s=self.request_timeout_s,
-        )
-        return await stream.start({"x-request-id": client_request_id or request_id})
-
-    async def _generate(
-        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
-        arrival_notice: ArrivalNotice | None, client_request_id: str | None, start: float,
-        base_url: str,
-    ) -> ImageResult | JSONResponse:
-        """Stages 3-5, shared by generations and edits."""
         width, height = params.width, params.height
         # 3. Generate; only this request is awaited here.
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                output = await self.engine.generate_async(
-                    request.prompt, params, request_id=request_id, priority=request.priority,
-                    arrival_notice=arrival_notice,
-                )
+                with _sides_named_size():
+                    output = await self.engine.generate_async(
+                        request.prompt, params, request_id=request_id,
+                        priority=request.priority, arrival_notice=arrival_notice,
+                    )
         except TimeoutError:
             raise RequestTimeoutError(
                 f"request did not finish within the server's request timeout of "
@@ -461,3 +424,39 @@ class OpenAIServingImages:
             (time.perf_counter() - start) * 1e3,
         )
         return ImageResult(response=response, headers=headers)
+
+    async def stream(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
+        arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
+        *, kind: EventKind = "image_generation",
+    ) -> ImageStream | JSONResponse:
+        """Stages 3-5 of a streamed request (`serving_stream.py`): the stream of `kind`
+        events once its first event is there, or the JSON error of a request that failed
+        before it.
+
+        Raises:
+            DiffbatchError: as `generate`, before the stream starts.
+        """
+        items = self.engine.generate_stream(
+            request.prompt, params, request_id=request_id, priority=request.priority,
+            arrival_notice=arrival_notice,
+        )
+        stream = StreamedImages(
+            items, request, kind=kind, size=f"{params.width}x{params.height}",
+            encode=functools.partial(self._encode_one, request), redact=self._redact,
+            timeout_s=self.request_timeout_s,
+        )
+        with _sides_named_size():
+            return await stream.start({"x-request-id": client_request_id or request_id})
+
+
+@contextlib.contextmanager
+def _sides_named_size() -> Iterator[None]:
+    """An engine refusal that blames `height` or `width` blames the request's `size`."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.param in ("height", "width"):  # the engine's names of `size`'s sides
+            exc.param = "size"
+        raise
+

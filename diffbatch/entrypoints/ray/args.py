@@ -12,8 +12,12 @@ Three groups:
   converted to its `EngineConfig` type and checked by `EngineConfig` itself, so a new
   engine option works on Ray the day it is added;
 - server: the FastAPI app's options (`app_kwargs()`);
-- deployment: replicas, their resources and health checks (`deployment_options()`,
-  Ray Serve's `Deployment.options()` keywords).
+- deployment: replicas, their resources, health checks and shutdown
+  (`deployment_options()`, Ray Serve's `Deployment.options()` keywords).
+
+`shutdown_timeout` (`--shutdown-timeout`) is a deployment option on Ray: Ray Serve, not
+the replica, decides when a replica stops, so the bound becomes each replica's
+graceful shutdown timeout (see `deployment_options`).
 
 Everything is checked in the process that builds the application, before any
 replica starts; a bad or unknown argument fails with its name and value.
@@ -42,6 +46,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_DEPLOYMENT_NAME = "diffbatch"
 # Ray Serve's own default of `max_ongoing_requests`.
 RAY_DEFAULT_MAX_ONGOING_REQUESTS = 5
+# How often a stopping replica checks whether its requests are done (Ray's default: 2 s,
+# which an idle replica would wait out before stopping).
+DRAIN_CHECK_S = 0.25
 
 
 def _engine_rules() -> dict[str, Rule]:
@@ -70,6 +77,9 @@ class RayServeArgs(BaseModel):
     image_store_mb: int | None = Field(None, ge=0)  # per replica; None: the default
     image_url_ttl: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds
     public_url: str | None = None  # None: the URL each request was sent to
+    # seconds a stopping replica may finish its requests before Ray kills it; None: the
+    # server's default (`--shutdown-timeout`)
+    shutdown_timeout: float | None = Field(None, ge=0, allow_inf_nan=False)
 
     # -- deployment (Ray Serve) ------------------------------------------------------
     name: str = DEFAULT_DEPLOYMENT_NAME  # the deployment's name
@@ -182,8 +192,27 @@ class RayServeArgs(BaseModel):
             return self.max_ongoing_requests
         return max(RAY_DEFAULT_MAX_ONGOING_REQUESTS, 2 * self.max_num_seqs)
 
+    @property
+    def effective_shutdown_timeout(self) -> float:
+        """`shutdown_timeout`, or the server's default."""
+        from diffbatch.entrypoints.openai.api_server import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+        return (DEFAULT_SHUTDOWN_TIMEOUT_S if self.shutdown_timeout is None
+                else self.shutdown_timeout)
+
     def deployment_options(self) -> dict[str, Any]:
-        """Keyword arguments of `Deployment.options(...)`."""
+        """Keyword arguments of `Deployment.options(...)`.
+
+        NOTE: `--shutdown-timeout` becomes Ray Serve's `graceful_shutdown_timeout_s`.
+        When the application is deleted (SIGTERM to `diffbatch serve --ray`) or a
+        replica is scaled down, Ray stops routing to the replica and waits for the
+        requests it holds, running or queued in its engine, to finish; at the timeout
+        it kills the replica (its worker process follows), and the proxy answers what
+        was left with an OpenAI-shaped 503 (`replica_failed`, proxy.py). Ray calls no
+        code of the replica when the stop begins, only once its requests are done, so
+        the engine's own shutdown (waiting requests refused at once, running waves
+        interrupted at a step) does not run there.
+        """
         actor_options: dict[str, Any] = {"num_cpus": self.num_cpus_per_replica}
         if self.num_gpus_per_replica:
             actor_options["num_gpus"] = self.num_gpus_per_replica
@@ -193,6 +222,8 @@ class RayServeArgs(BaseModel):
             "max_ongoing_requests": self.effective_max_ongoing_requests(),
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": self.effective_shutdown_timeout,
+            "graceful_shutdown_wait_loop_s": DRAIN_CHECK_S,
         }
         if self.max_replicas is None:
             options["num_replicas"] = self.num_replicas

@@ -143,6 +143,7 @@ def run_ray_server(args: argparse.Namespace) -> None:
     on this machine, else a new local cluster), starts the Serve proxy on
     `--host:--port`, deploys the replicas and waits until they are healthy, then
     blocks until SIGINT or SIGTERM. On exit it deletes the application (each replica
+    finishes the requests it holds within `--shutdown-timeout`, or is killed then, and
     closes its engine) and disconnects; a local cluster it started goes away with it.
     """
     ray_args = args_from_namespace(args)  # 1. Validate before touching Ray.

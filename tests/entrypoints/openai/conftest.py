@@ -13,10 +13,11 @@ a forward blocks until the test sets `release`, so tests control timing exactly.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import uvicorn
 
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app, uvicorn_config
-from tests.fake_pipelines import GatedPipeline, make_gate
+from tests.fake_pipelines import FakeBatchPipeline, GatedPipeline, make_gate
 
 READY_TIMEOUT_S = 120.0  # a cold start builds the tiny model and starts a worker
 API_KEY = "test-key"
@@ -84,6 +85,40 @@ def serve_in_thread(app: Any, *, ready_timeout_s: float = READY_TIMEOUT_S,
         assert not thread.is_alive(), "uvicorn did not shut down"
 
 
+def asgi_client(app: Any) -> httpx.AsyncClient:
+    """A client of `app` in this process (httpx's ASGI transport), no socket."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+
+
+@contextlib.asynccontextmanager
+async def app_client(engine: Engine, **app_kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process client of `build_app(engine, **app_kwargs)`, served as "fake" unless
+    `served_model_name` says otherwise; the engine stays open afterwards."""
+    app_kwargs.setdefault("served_model_name", "fake")
+    async with asgi_client(build_app(engine, close_engine_on_shutdown=False,
+                                     **app_kwargs)) as client:
+        yield client
+
+
+def make_lora_dir(root: Any) -> str:
+    """A LoRA folder: "style" looks like an adapter (the fake pipelines never read its
+    weights), "notes" is a folder without weights, "training" holds only an optimizer
+    file and a checkpoint folder."""
+    os.makedirs(root / "style")
+    (root / "style" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    os.makedirs(root / "notes")
+    (root / "notes" / "README.txt").write_text("not an adapter")
+    os.makedirs(root / "training" / "checkpoint-500")
+    (root / "training" / "optimizer.bin").write_bytes(b"")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`make_lora_dir` in a folder of the test module's own."""
+    return make_lora_dir(tmp_path_factory.mktemp("loras"))
+
+
 @contextlib.contextmanager
 def gated_server(gate_base: type[GatedPipeline] = GatedPipeline, **app_kwargs: Any,
                  ) -> Iterator[tuple[RunningServer, type[GatedPipeline]]]:
@@ -123,16 +158,28 @@ def _open(gate: type[GatedPipeline]) -> None:
             event.set()
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 30.0,
-               what: str = "condition") -> None:
-    """Poll `predicate` every 10 ms until it holds; fail after `timeout_s`.
+@pytest.fixture(scope="module")
+def engine(lora_dir: str) -> Iterator[Engine]:
+    """The in-process engine of the ASGI tests: `FakeBatchPipeline`, waves of up to 4,
+    the `lora_dir` adapters; a failing forward fails its whole wave. A module that needs
+    other settings defines its own `engine`."""
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
+                lora_dir=lora_dir, batch_error_isolation="none") as engine:
+        yield engine
 
-    A bounded check of state that changes on another thread (e.g. an abort reaching
-    the engine); the deadline only bounds a broken test, nothing asserts on timing.
-    """
-    idle = threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        idle.wait(0.01)
+
+def open_raw_request(port: int, body: dict[str, Any],
+                     route: str = "/v1/images/generations") -> socket.socket:
+    """Send one JSON request to the server on `port` on a raw socket and return the
+    socket unread: `disconnect` it to leave as a client that gave up."""
+    data = json.dumps(body).encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(head + data)
+    return sock
+
+
+def disconnect(sock: socket.socket) -> None:
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()

@@ -8,15 +8,19 @@ after its request was sent.
 
 from __future__ import annotations
 
-import json
-import socket
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RunningServer, gated_server, wait_until
+from tests.entrypoints.openai.conftest import (
+    RunningServer,
+    disconnect,
+    gated_server,
+    open_raw_request,
+)
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +41,6 @@ def post_in_thread(pool: ThreadPoolExecutor, server: RunningServer,
                        headers=server.headers, timeout=120)
 
 
-def open_raw_request(server: RunningServer, prompt: str) -> socket.socket:
-    """Send one image request on a raw socket and return it unread (to close later)."""
-    body = json.dumps({"prompt": prompt}).encode()
-    head = (f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(head + body)
-    return sock
-
-
-def disconnect(sock: socket.socket) -> None:
-    sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
 def assert_engine_empty(server: RunningServer) -> None:
     engine = server.engine
     wait_until(lambda: engine.num_waiting == engine.num_running == engine.num_unfinished == 0,
@@ -63,7 +52,7 @@ def test_disconnect_while_waiting_aborts_the_request(pool: ThreadPoolExecutor) -
         aborted = server.engine.metrics.count("aborted")
         running = post_in_thread(pool, server, "runs first")
         assert gate.entered.wait(GATE_TIMEOUT_S)
-        sock = open_raw_request(server, "waits, then leaves")
+        sock = open_raw_request(server.port, {"prompt": "waits, then leaves"})
         wait_until(lambda: server.engine.num_waiting == 1, what="the request to queue")
         disconnect(sock)
         wait_until(lambda: server.engine.metrics.count("aborted") == aborted + 1,
@@ -80,7 +69,7 @@ def test_disconnect_while_waiting_aborts_the_request(pool: ThreadPoolExecutor) -
 def test_disconnect_while_running_discards_the_result() -> None:
     with gated_server(max_num_seqs=1) as (server, gate):
         aborted = server.engine.metrics.count("aborted")
-        sock = open_raw_request(server, "runs, then leaves")
+        sock = open_raw_request(server.port, {"prompt": "runs, then leaves"})
         assert gate.entered.wait(GATE_TIMEOUT_S)
         disconnect(sock)
         wait_until(lambda: server.engine.metrics.count("aborted") == aborted + 1,

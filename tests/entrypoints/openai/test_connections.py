@@ -18,7 +18,8 @@ import pytest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from tests.entrypoints.openai.conftest import gated_server, wait_until
+from tests.entrypoints.openai.conftest import gated_server
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 

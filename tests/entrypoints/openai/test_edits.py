@@ -22,7 +22,7 @@ from PIL import Image
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.uploads import auto_size
-from tests.entrypoints.openai.conftest import serve_in_thread
+from tests.entrypoints.openai.conftest import app_client, serve_in_thread
 from tests.entrypoints.openai.test_input_validation import assert_openai_error
 from tests.fake_pipelines import FakeBatchPipeline, NoEditPipeline
 
@@ -61,10 +61,8 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS,
-                    max_upload_bytes=64 * 1024, close_engine_on_shutdown=False)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+    async with app_client(engine, max_image_pixels=MAX_PIXELS,
+                          max_upload_bytes=64 * 1024) as client:
         yield client
 
 
@@ -115,6 +113,20 @@ async def test_jpeg_and_webp_images_are_taken(client, fmt: str) -> None:
     response = await edit(client, png(fmt=fmt), output_format="webp")
     assert response.status_code == 200, response.text
     assert response.json()["output_format"] == "webp"
+
+
+async def test_auto_size_fits_the_work_limit_too(client, engine: Engine) -> None:
+    """With no `size`, an edit is scaled down until its work fits the limit (51,200
+    pixel-steps per image here), and refused only when even 8x8 would not fit."""
+    assert engine.max_request_work == 100 * 16 * 16 * 2
+    scaled = await edit(client, png((32, 32)), num_inference_steps=100)  # 32x32 would be 102,400
+    assert scaled.status_code == 200, scaled.text
+    assert scaled.json()["size"] == "16x16" and decode(scaled).shape == (16, 16, 3)
+    smallest = await edit(client, png((32, 32)), num_inference_steps=800)  # 8x8: 51,200
+    assert smallest.json()["size"] == "8x8", smallest.text
+    refused = await edit(client, png((32, 32)), num_inference_steps=801)
+    message = assert_openai_error(refused, 400, "num_inference_steps")["message"]
+    assert "8x8 x 801 steps = 51264 pixel-steps per image" in message
 
 
 def test_auto_size_keeps_the_aspect_within_the_cap() -> None:
@@ -179,9 +191,7 @@ async def test_form_shape_errors(client) -> None:
 
 async def test_a_model_without_edit_pipelines_names_itself() -> None:
     with Engine(pipeline_class=NoEditPipeline, executor="inproc") as engine:
-        app = build_app(engine, served_model_name="no-edits", close_engine_on_shutdown=False)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://app") as client:
+        async with app_client(engine, served_model_name="no-edits") as client:
             plain = await edit(client, png())
             painted = await edit(client, png(), mask_png())
     assert "'no-edits'" in assert_openai_error(plain, 400, "image")["message"]

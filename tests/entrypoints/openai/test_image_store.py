@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import httpx
 import pytest
@@ -12,6 +14,7 @@ from PIL import Image
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.image_store import ImageStore, ImageStoreFullError
+from tests.entrypoints.openai.conftest import app_client
 from tests.entrypoints.openai.test_input_validation import assert_openai_error
 from tests.fake_pipelines import FakeBatchPipeline
 
@@ -68,10 +71,9 @@ def engine() -> Iterator[Engine]:
         yield engine
 
 
-def client_of(engine: Engine, **app_kwargs) -> httpx.AsyncClient:
-    app = build_app(engine, served_model_name="fake", api_key="k",
-                    close_engine_on_shutdown=False, **app_kwargs)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+def client_of(engine: Engine, **app_kwargs: Any) -> AbstractAsyncContextManager[Any]:
+    """An in-process client of an app with the API key "k"."""
+    return app_client(engine, api_key="k", **app_kwargs)
 
 
 @pytest.fixture

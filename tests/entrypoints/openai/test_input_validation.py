@@ -14,16 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from diffbatch import Engine
+from diffbatch import Engine, InvalidRequestError, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import make_gate, wait_until
+from diffbatch.entrypoints.openai.serving_images import OpenAIServingImages
+from tests.entrypoints.openai.conftest import app_client, make_gate, make_lora_dir
 from tests.fake_pipelines import FakeBatchPipeline, SmallModelPipeline
+from tests.process_utils import wait_until
 
 ROUTE = "/v1/images/generations"
 JSON = {"content-type": "application/json"}
@@ -37,39 +39,9 @@ class PathRevealingLoraPipeline(FakeBatchPipeline):
         raise OSError(f"Error no file named pytorch_lora_weights.bin found in directory {path}")
 
 
-def make_lora_dir(root: Any) -> str:
-    """A LoRA folder: "style" looks like an adapter (the fake pipelines never read its
-    weights), "notes" is a folder without weights, "empty.safetensors" a weights file."""
-    os.makedirs(root / "style")
-    (root / "style" / "pytorch_lora_weights.safetensors").write_bytes(b"")
-    os.makedirs(root / "notes")
-    (root / "notes" / "README.txt").write_text("not an adapter")
-    os.makedirs(root / "training" / "checkpoint-500")
-    (root / "training" / "optimizer.bin").write_bytes(b"")
-    return str(root)
-
-
-@pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_lora_dir(tmp_path_factory.mktemp("loras"))
-
-
-@pytest.fixture(scope="module")
-def engine(lora_dir: str) -> Iterator[Engine]:
-    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
-                lora_dir=lora_dir, batch_error_isolation="none") as engine:
-        yield engine
-
-
-def _client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
-
-
 @pytest.fixture
 async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS,
-                    close_engine_on_shutdown=False)
-    async with _client(app) as client:
+    async with app_client(engine, max_image_pixels=MAX_PIXELS) as client:
         yield client
 
 
@@ -134,8 +106,7 @@ async def test_a_pipeline_error_naming_the_lora_folder_is_redacted(tmp_path) -> 
     lora_dir = make_lora_dir(tmp_path)
     with Engine(pipeline_class=PathRevealingLoraPipeline, executor="inproc",
                 lora_dir=lora_dir) as engine:
-        app = build_app(engine, served_model_name="fake", close_engine_on_shutdown=False)
-        async with _client(app) as client:
+        async with app_client(engine) as client:
             response = await client.post(ROUTE, json={"prompt": "p", "lora": "style"})
     assert response.status_code == 500, response.text
     message = response.json()["error"]["message"]
@@ -189,13 +160,25 @@ async def test_a_size_too_large_is_told_so_with_the_largest_size(client, size: s
 async def test_a_size_over_the_models_own_cap_is_a_400_naming_it() -> None:
     # SmallModelPipeline caps images at 32x32 pixels; the server's own cap is larger.
     with Engine(pipeline_class=SmallModelPipeline, executor="inproc") as engine:
-        app = build_app(engine, served_model_name="small", close_engine_on_shutdown=False)
-        async with _client(app) as client:
+        async with app_client(engine, served_model_name="small") as client:
             response = await client.post(ROUTE, json={"prompt": "p", "size": "64x64"})
             ok = await client.post(ROUTE, json={"prompt": "p", "size": "32x32"})
     error = assert_openai_error(response, 400, "size")
+    assert "larger than SmallModelPipeline generates" in error["message"]  # the engine's
     assert "the largest square size is 32x32" in error["message"]
     assert ok.status_code == 200, ok.text
+
+
+def test_the_server_checks_only_its_own_size_limit(engine: Engine) -> None:
+    """The model's limits (multiple, own cap) are the engine's, checked when the request is
+    added; the server checks only what holds for any model it could serve."""
+    serving = OpenAIServingImages(engine, served_model_name="fake", max_image_pixels=MAX_PIXELS)
+    serving.check_size(12, 16, "12x16")  # not multiples of 8: the engine refuses it
+    with pytest.raises(InvalidRequestError, match="larger than this server generates"):
+        serving.check_size(64, 64, "64x64")
+    with pytest.raises(InvalidRequestError, match="multiples of 8") as info:
+        engine.generate(["p"], SamplingParams(width=12, height=16))
+    assert info.value.param == "width"  # over HTTP: `size` (the request's one field)
 
 
 @pytest.mark.parametrize(("size", "fragment"), [("12x16", "multiples of 8"),
@@ -243,8 +226,7 @@ async def test_a_body_that_is_not_json_is_invalid_json(client, content: bytes,
 
 
 async def test_401_names_the_bearer_scheme(engine: Engine) -> None:
-    app = build_app(engine, served_model_name="fake", api_key="k", close_engine_on_shutdown=False)
-    async with _client(app) as client:
+    async with app_client(engine, api_key="k") as client:
         missing = await client.post(ROUTE, json={"prompt": "p"})
         wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
     assert missing.status_code == wrong.status_code == 401
@@ -287,9 +269,8 @@ async def test_a_clients_request_id_is_echoed_and_never_the_engines_id(lora_dir:
     gate = make_gate()
     with Engine(pipeline_class=gate, executor="inproc", max_num_seqs=1,
                 lora_dir=lora_dir) as engine:
-        app = build_app(engine, served_model_name="gated", close_engine_on_shutdown=False)
         same = {"x-request-id": "client-chosen-id"}
-        async with _client(app) as client:
+        async with app_client(engine, served_model_name="gated") as client:
             try:
                 first = asyncio.create_task(client.post(ROUTE, json={"prompt": "a"},
                                                         headers=same))

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import schemathesis
 
@@ -24,22 +25,16 @@ from diffbatch.entrypoints.openai.openapi import size_pattern
 from diffbatch.entrypoints.openai.protocol import NOT_BLANK_PATTERN
 from diffbatch.entrypoints.openai.serving_images import SizeRule
 from tests.entrypoints.openai.conftest import serve_in_thread
-from tests.entrypoints.openai.test_input_validation import make_lora_dir
 from tests.fake_pipelines import FakeBatchPipeline
 
 MAX_PIXELS = 32 * 32
 
 
 @pytest.fixture(scope="module")
-def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_lora_dir(tmp_path_factory.mktemp("loras"))
-
-
-@pytest.fixture(scope="module")
 def engine(lora_dir: str) -> Iterator[Engine]:
-    # No work limit: a product of four fields, which the spec cannot state (openapi.py).
+    # The engine's defaults, the work limit included ("auto": 100 x 16 x 16 x 2 steps).
     with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
-                lora_dir=lora_dir, max_request_work=0) as engine:
+                lora_dir=lora_dir) as engine:
         yield engine
 
 
@@ -117,13 +112,15 @@ def string_or_number(schema: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in schema.get("anyOf", [schema]) if s.get("type") in ("number", "string"))
 
 
-def test_size_pattern_is_this_servers_sizes(spec) -> None:
+def test_the_size_pattern_declares_power_of_two_sides_and_the_defaults(spec) -> None:
     pattern = string_branch(request_properties(spec)["size"])["pattern"]
-    assert pattern == "^(?:auto|(?:8|16|24|32)x(?:8|16|24|32))$"
+    assert pattern == "^(?:auto|(?:8|16|32)x(?:8|16|32))$"
     assert re.fullmatch(pattern, "32x8") and re.fullmatch(pattern, "auto")
     assert not re.fullmatch(pattern, "40x8") and not re.fullmatch(pattern, "12x8")
     assert size_pattern(SizeRule(multiple=64, max_pixels=32 * 32, default_size=(64, 64))) \
         == "^auto$"
+    assert size_pattern(SizeRule(multiple=8, max_pixels=64 * 64, default_size=(48, 24))) \
+        == "^(?:auto|(?:8|16|24|32|48|64)x(?:8|16|24|32|48|64))$"
 
 
 def test_lora_is_declared_only_where_it_is_served(spec, engine: Engine) -> None:
@@ -234,11 +231,36 @@ def test_schemathesis_finds_no_failure(server_url: str) -> None:
     assert not found, "\n".join(dict.fromkeys(found))
 
 
-def test_the_work_limit_is_stated_where_the_spec_cannot_enforce_it() -> None:
-    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=1,
-                request_batch_max_wait_ms=0) as limited:
-        steps = request_properties(spec_of(limited))["num_inference_steps"]
-        assert f"above {limited.max_request_work} (--max-request-work)" in steps["description"]
+STEPS = (None, 1, 49, 50, 51, 199, 200, 201, 800, 801, 1000)
+
+
+@pytest.mark.parametrize(("schema", "auto_pixels"), [
+    ("ImageGenerationRequest", 16 * 16),  # no size: the model's default
+    ("ImageEditRequest", 8 * 8),  # no size: the image, scaled to fit (at least 8x8)
+])
+def test_the_work_limit_is_stated_exactly(spec, engine: Engine, schema: str,
+                                          auto_pixels: int) -> None:
+    """For every declared size (and none) and step count (and none), the request schema
+    accepts the request exactly when the server's work limit does."""
+    limit = engine.max_request_work
+    assert limit == 100 * 16 * 16 * 2
+    request = spec["components"]["schemas"][schema]
+    assert f"above {limit} (--max-request-work" in \
+        request["properties"]["num_inference_steps"]["description"]
+    validator = jsonschema.Draft202012Validator(request)
+    pattern = string_branch(request_properties(spec)["size"])["pattern"]
+    sides = re.findall(r"\d+", pattern.split("x")[0])
+    sizes = [None, "auto", *(f"{w}x{h}" for w in sides for h in sides)]
+    for size in sizes:
+        pixels = auto_pixels if size in (None, "auto") else \
+            int(size.split("x")[0]) * int(size.split("x")[1])
+        for steps in STEPS:
+            body: dict[str, Any] = {"prompt": "a cat", "n": 10}
+            body |= {"image": "x"} if schema == "ImageEditRequest" else {}
+            body |= {"size": size} if size else {}
+            body |= {"num_inference_steps": steps} if steps else {}
+            accepted = pixels * (steps or 2) <= limit
+            assert validator.is_valid(body) == accepted, (schema, size, steps)
 
 
 def test_the_spec_is_served_as_built(server_url: str, engine: Engine) -> None:

@@ -31,7 +31,8 @@ from PIL import Image
 
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import make_gate, serve_in_thread, wait_until
+from tests.entrypoints.openai.conftest import make_gate, serve_in_thread
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -22,10 +22,11 @@ from PIL import Image
 
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import gated_server, serve_in_thread, wait_until
+from tests.entrypoints.openai.conftest import gated_server, serve_in_thread
 from tests.entrypoints.openai.test_edits import png
 from tests.entrypoints.openai.test_input_validation import assert_openai_error
 from tests.fake_pipelines import LATE_POISON, POISON, FakeBatchPipeline, PreviewGatedPipeline
+from tests.process_utils import wait_until
 
 ROUTE = "/v1/images/generations"
 EDITS_ROUTE = "/v1/images/edits"

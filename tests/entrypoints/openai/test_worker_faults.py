@@ -11,10 +11,8 @@ every test starts from a healthy worker.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +24,13 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
-from tests.entrypoints.openai.conftest import RunningServer, serve_in_thread, wait_until
+from tests.entrypoints.openai.conftest import (
+    RunningServer,
+    disconnect,
+    open_raw_request,
+    serve_in_thread,
+)
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +63,12 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
     markers = tmp_path_factory.mktemp("markers")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(markers))  # the worker inherits it
+        # Its waves hang on purpose for as long as a test needs: no stuck-wave bound
+        # (that has a server of its own below).
         engine = Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="mp",
                         max_num_seqs=4, request_batch_max_wait_ms=0, max_waves_in_flight=2,
-                        worker_stall_timeout_s=STALL_TIMEOUT_S, torch_num_threads=1)
+                        worker_stall_timeout_s=STALL_TIMEOUT_S, wave_stall_factor=0,
+                        torch_num_threads=1)
     try:
         app = build_app(engine, served_model_name="faulty")
         timeout_app = build_app(engine, served_model_name="faulty", request_timeout_s=1.0,
@@ -149,16 +156,46 @@ def test_a_frozen_worker_is_reported_then_replaced_and_its_wave_re_run(
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_forward_that_hangs_while_the_heartbeat_lives_is_a_stuck_worker(
+    tmp_path: Path, pool: ThreadPoolExecutor,
+) -> None:
+    """The worker's heartbeat thread beats on while its forward hangs: once the wave has
+    run past its stall bound (10x its learned time, at least the 1 s stall timeout)
+    the worker is reported, counted, killed and replaced, and the wave re-run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(tmp_path))
+        engine = Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="mp",
+                        max_num_seqs=1, request_batch_max_wait_ms=0,
+                        worker_stall_timeout_s=1.0, torch_num_threads=1)
+    try:
+        with serve_in_thread(build_app(engine, served_model_name="faulty")) as url:
+            server = RunningServer(url, engine, None)
+            # A wave of the shape teaches its expected time (before one, no bound).
+            assert post(pool, url, "fine").result().status_code == 200
+            running = post(pool, url, "hang-once stuck")
+            wait_until((tmp_path / "stuck").exists, timeout_s=DEADLINE_S, what="the hang")
+            health: list[httpx.Response] = []
+            wait_until(lambda: health.append(httpx.get(f"{url}/health")) or
+                       health[-1].status_code == 503, timeout_s=DEADLINE_S,
+                       what="/health to report the stuck worker")
+            assert_503_with_retry_after(health[-1])
+            assert "stuck: wave" in health[-1].json()["error"]["message"]  # not "frozen"
+            assert server.metric("diffbatch_worker_stuck_waves_total") == 1
+            assert server.metric("diffbatch_worker_frozen_total") == 1
+            response = running.result()
+            assert response.status_code == 200, response.text  # re-run on the replacement
+            assert server.metric("diffbatch_waves_rerun_total") == 1
+    finally:
+        engine.close()
+
+
 def test_a_disconnect_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
     server = faulty.server
     faulty.healthy_worker()
     cancelled = faulty.metric("diffbatch_waves_cancelled_total")
-    body = json.dumps({"prompt": "steps disconnected"}).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(f"POST {ROUTE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        faulty.wait_for_marker("disconnected")  # its wave runs (for ten minutes, unless...)
-        sock.shutdown(socket.SHUT_RDWR)
+    sock = open_raw_request(server.port, {"prompt": "steps disconnected"})
+    faulty.wait_for_marker("disconnected")  # its wave runs (for ten minutes, unless...)
+    disconnect(sock)
     faulty.wait_for_marker("disconnected.interrupted")  # ...stopped at its next step
     wait_until(lambda: server.engine.num_running == 0, what="the running gauge to drop")
     assert faulty.metric("diffbatch_waves_cancelled_total") == cancelled + 1
@@ -223,13 +260,14 @@ def test_a_queued_wave_nobody_waits_for_is_dropped_before_it_starts(
 
 
 def test_a_request_over_the_work_limit_is_refused_with_400(faulty: Faulty) -> None:
-    # "auto": 100x the fake model's default request (16x16, 2 steps, one image).
+    # "auto": 100x the fake model's default image (16x16, 2 steps), per image.
     limit = 100 * 16 * 16 * 2
     assert faulty.server.engine.max_request_work == limit
     response = httpx.post(f"{faulty.server.url}{ROUTE}", timeout=DEADLINE_S, json={
-        "prompt": "a cat", "size": "64x64", "num_inference_steps": 10, "n": 2})
+        "prompt": "a cat", "size": "64x64", "num_inference_steps": 20})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "num_inference_steps"
-    assert f"at most {limit}" in error["message"] and "--max-request-work" in error["message"]
-    assert "64x64 x 10 steps x 2 image(s) = 81920" in error["message"]
+    assert f"at most {limit} per image" in error["message"]
+    assert "--max-request-work" in error["message"]
+    assert "64x64 x 20 steps = 81920 pixel-steps" in error["message"]

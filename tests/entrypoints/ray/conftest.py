@@ -29,6 +29,7 @@ import pytest
 from diffbatch.entrypoints.ray.proxy import serve_start_options
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from tests.fake_pipelines import FakeBatchPipeline
+from tests.process_utils import wait_until as poll_until
 
 RAY_NUM_CPUS = 2
 GATE_WAIT_S = 60.0  # a forward never waits longer than this for `release`
@@ -107,14 +108,6 @@ def _restore_env(name: str, value: str | None) -> None:
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 60.0,
                what: str = "condition") -> None:
-    """Poll `predicate` every 50 ms until it holds; fail after `timeout_s`.
-
-    Bounds a check of state that changes in other processes (replicas, Serve's
-    controller); nothing asserts on how long it took.
-    """
-    idle = threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        idle.wait(0.05)
+    """`tests.process_utils.wait_until` for state that changes in other processes
+    (replicas, Serve's controller): a longer deadline, a slower poll."""
+    poll_until(predicate, timeout_s=timeout_s, what=what, poll_s=0.05)

@@ -2,13 +2,15 @@
 
 The fast tests check argument handling, the application builder's contract with Ray
 Serve and the proxy middleware without a cluster. The slow ones share one local Ray
-cluster (`ray_cluster` in conftest.py) and deploy three applications on it:
+cluster (`ray_cluster` in conftest.py) and deploy four applications on it:
 
 - `/tiny`: two replicas of `tiny-sd` (executor "inproc" inside the replicas, to save
   processes on a 2-core machine), driven by the official `openai` client;
 - `/gated`: two replicas of `FileGatedPipeline`, whose waves block until the test
   opens the gate, for the client-disconnect and replica-kill tests;
-- `/cfg`: deployed from a Serve config file by Ray's own `serve run` command.
+- `/cfg`: deployed from a Serve config file by Ray's own `serve run` command;
+- `/`: `diffbatch serve --ray` itself, a subprocess with the default `mp` executor
+  (batching in the replica's worker process, the shutdown timeout on SIGTERM).
 """
 
 from __future__ import annotations
@@ -122,14 +124,30 @@ def test_serve_flags_become_args() -> None:
         "serve", MODEL, "--ray", "--num-replicas", "3", "--max-num-seqs", "4",
         "--scheduling-policy", "grouped", "--served-model-name", "sd", "--port", "9000",
         "--num-cpus-per-replica", "2", "--max-replicas", "4", "--png-compress-level", "0",
+        "--shutdown-timeout", "3",
     ])
     assert namespace.ray and namespace.ray_address is None
     args = args_from_namespace(namespace)
     config = args.engine_config()
     assert (config.model, config.max_num_seqs, config.scheduling_policy) == (MODEL, 4, "grouped")
     assert (args.served_model_name, args.num_replicas, args.num_cpus_per_replica) == ("sd", 3, 2)
-    assert args.deployment_options()["autoscaling_config"]["max_replicas"] == 4
+    options = args.deployment_options()
+    assert options["autoscaling_config"]["max_replicas"] == 4
+    assert options["graceful_shutdown_timeout_s"] == 3.0  # Ray kills a replica after it
     assert args.app_kwargs()["png_compress_level"] == 0
+
+
+def test_the_shutdown_timeout_defaults_to_the_servers() -> None:
+    from diffbatch.entrypoints.cli import make_arg_parser
+    from diffbatch.entrypoints.openai.api_server import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    by_builder = RayServeArgs.from_dict({}).deployment_options()
+    by_cli = args_from_namespace(make_arg_parser().parse_args(["serve", "--ray"])
+                                 ).deployment_options()
+    assert by_builder["graceful_shutdown_timeout_s"] == DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert by_cli["graceful_shutdown_timeout_s"] == DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert RayServeArgs.from_dict({"shutdown_timeout": "0.5"}
+                                  ).deployment_options()["graceful_shutdown_timeout_s"] == 0.5
 
 
 def test_builder_follows_ray_app_builder_convention() -> None:
@@ -451,9 +469,25 @@ def test_serve_config_file(ray_cluster: RayCluster, tmp_path: Path) -> None:
 
 
 # -- `diffbatch serve --ray`, joining the running cluster --------------------------------
+def _running_requests(url: str) -> float:
+    """`diffbatch_num_requests_running` of the replica that answers `url`/metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("diffbatch_num_requests_running "):
+            return float(line.split()[1])
+    return 0.0
+
+
 @pytest.mark.slow
-def test_cli_serves_on_ray_and_cleans_up_on_sigterm(ray_cluster: RayCluster) -> None:
+def test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown(
+    ray_cluster: RayCluster,
+) -> None:
+    """`diffbatch serve --ray` as a user starts it, with the default `mp` executor: two
+    requests queued behind a long wave share one wave of 2 in the replica's worker
+    process; --shutdown-timeout becomes the replica's graceful shutdown timeout, so
+    SIGTERM with a long wave in flight kills the replica then and its client is
+    answered 503; the command exits 0 and the application is gone."""
     import ray
+    from ray.serve.context import _get_global_client
 
     from diffbatch.entrypoints.ray.server import DEFAULT_APP_NAME
     from diffbatch.pipelines.tiny import ensure_tiny_model
@@ -462,21 +496,43 @@ def test_cli_serves_on_ray_and_cleans_up_on_sigterm(ray_cluster: RayCluster) -> 
     address = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen(
         [sys.executable, "-m", "diffbatch", "serve", MODEL, "--ray", "--ray-address", address,
-         "--num-replicas", "1", "--executor", "inproc", "--max-num-seqs", "2",
+         "--num-replicas", "1", "--max-num-seqs", "2", "--request-batch-max-wait-ms", "0",
+         "--torch-threads", "1", "--shutdown-timeout", "0.5",
          "--num-cpus-per-replica", str(REPLICA_CPUS), "--served-model-name", "from-cli",
          "--log-level", "warning"],
     )
+    url = ray_cluster.url  # route prefix "/": the other applications' longer prefixes win
+
+    def post(**body: Any) -> httpx.Response:
+        return httpx.post(f"{url}/v1/images/generations", timeout=120,
+                          json={"prompt": "a blue square", "num_inference_steps": STEPS, **body})
+
     try:
         wait_until(lambda: _has_healthy_replicas(DEFAULT_APP_NAME, 1) or proc.poll() is not None,
-                   what="the CLI's application")
+                   timeout_s=180, what="the CLI's application")
         assert proc.poll() is None, f"diffbatch serve --ray exited with {proc.returncode}"
-        # Route prefix "/": the other applications' longer prefixes still win.
-        models = httpx.get(f"{ray_cluster.url}/v1/models", timeout=30)
+        models = httpx.get(f"{url}/v1/models", timeout=30)
         assert [m["id"] for m in models.json()["data"]] == ["from-cli"]
-        response = httpx.post(f"{ray_cluster.url}/v1/images/generations", timeout=60, json={
-            "prompt": "a blue square", "size": "64x64", "num_inference_steps": STEPS})
-        assert response.status_code == 200, response.text
+        config = _get_global_client().get_serve_details()["applications"][DEFAULT_APP_NAME][
+            "deployments"]["diffbatch"]["deployment_config"]
+        assert config["graceful_shutdown_timeout_s"] == 0.5
+        with ThreadPoolExecutor(3) as pool:
+            # 1. Behind a long wave, a full wave of two waits at the worker.
+            long = pool.submit(post, num_inference_steps=200)
+            wait_until(lambda: _running_requests(url) == 1, what="the long wave")
+            pair = [pool.submit(post, seed=seed) for seed in (1, 2)]
+            wait_until(lambda: _running_requests(url) == 3, what="the pair behind it")
+            answers = [f.result() for f in (long, *pair)]
+            assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+            assert [a.headers["x-diffbatch-batch-size"] for a in answers] == ["1", "2", "2"]
+            # 2. SIGTERM with a long wave in flight: cut after the shutdown timeout.
+            cut = pool.submit(post, num_inference_steps=400, n=10)  # a minute on a CPU
+            wait_until(lambda: _running_requests(url) == 1, what="the wave to cut")
+            proc.terminate()  # SIGTERM: delete the application, disconnect, exit 0
+            response = cut.result()
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "replica_failed"
     finally:
-        proc.terminate()  # SIGTERM: delete the application, disconnect, exit 0
+        proc.terminate()
         assert proc.wait(timeout=120) == 0
     assert _deployment_status(DEFAULT_APP_NAME) is None  # deleted; the cluster lives on

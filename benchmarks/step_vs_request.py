@@ -1,0 +1,290 @@
+"""Step mode against request mode: the same server, the same loads, one run.
+
+Two `diffbatch serve MODEL` servers, started side by side and measured one at a
+time (rounds alternate which goes first): request mode, and step mode
+(`--step-execution`), each with its batching flags (`--max-num-seqs`, by default
+auto, and the admission wait of request mode, by default auto). Per workload:
+
+  (a) uniform: every request `--steps` steps;
+  (b) mixed: steps drawn from 4/8/16/30;
+  (c) cancel: the mixed steps, and 30% of the clients hang up after
+      `--cancel-after-s` (1 s) if their answer has not come (the server sees a
+      disconnect); a request answered sooner counts as completed.
+
+First the request-mode capacity of (a) and (b) is measured (closed loop of
+`--saturation-concurrency` clients: requests/s). Then each workload runs Poisson
+arrivals at 0.5, 0.8 and 0.95 of that capacity ((c) at (b)'s), `--num-requests`
+each, on both servers, in alternating order. Reported per run: completed requests/s
+(over the span from the first send to the last answer), mean/p50/p99 latency of the
+completed requests, server CPU seconds per completed image (every process of the
+server's session: the worker included).
+
+Bars (ratios step/request within one round, median over `--repeats` rounds):
+  - mixed @ 0.8: mean latency <= 0.7x, throughput >= 1.0x;
+  - uniform @ 0.95: throughput >= 0.95x;
+  - cancel @ 0.8: completed requests/s >= 1.2x;
+  - per-tick overhead outside the fused denoiser call <= 3% of the tick, measured
+    in process on `--overhead-batch` requests (`StepRunner`, ticks without joins or
+    leaves; median tick).
+
+    .venv/bin/python benchmarks/step_vs_request.py --out benchmarks/results/step_vs_request.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+import zlib
+from typing import Any
+
+import httpx
+from peers_servers import harness
+
+from diffbatch.bench.serve import BenchConfig, run_benchmark
+
+MIX = (4, 8, 16, 30)
+LOADS = (0.5, 0.8, 0.95)
+CANCEL_SHARE = 0.3
+STARTUP_TIMEOUT_S = 600.0
+BARS = {
+    "mixed@0.8 mean latency": 0.7,
+    "mixed@0.8 throughput": 1.0,
+    "uniform@0.95 throughput": 0.95,
+    "cancel@0.8 completed/s": 1.2,
+    "tick overhead": 0.03,
+}
+
+
+def server_specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
+             "--max-request-work", "0"]
+    request = harness.diffbatch_defaults_spec(
+        args.model, name="request", extra_args=[*flags, "--request-batch-max-wait-ms",
+                                                str(args.wait_ms)])
+    step = harness.diffbatch_defaults_spec(
+        args.model, name="step", extra_args=[*flags, "--step-execution"])
+    return [request, step]
+
+
+def capacity(server: harness.Server, args: argparse.Namespace, steps: int | None,
+             seed: int) -> float:
+    """Requests/s of request mode under a closed loop (uniform `steps`, or the mix)."""
+    if steps is not None:
+        report = run_benchmark(BenchConfig(
+            base_url=server.base_url, num_prompts=args.capacity_requests,
+            max_concurrency=args.saturation_concurrency, width=args.size, height=args.size,
+            steps=steps, seed=seed, disable_tqdm=True))
+        return float(report["request_throughput"])
+    result = asyncio.run(poisson_run(server.base_url, args, rate=float("inf"),
+                                     workload="mixed", seed=seed,
+                                     concurrency=args.saturation_concurrency,
+                                     num=args.capacity_requests))
+    return result["completed_per_s"]
+
+
+def steps_of(workload: str, rng: random.Random, args: argparse.Namespace) -> int:
+    return args.steps if workload == "uniform" else rng.choice(MIX)
+
+
+async def poisson_run(base_url: str, args: argparse.Namespace, *, rate: float, workload: str,
+                      seed: int, concurrency: int | None = None,
+                      num: int | None = None) -> dict[str, Any]:
+    """Send `num` requests with Poisson gaps at `rate` (inf: at once, limited to
+    `concurrency` in flight); cancel-workload clients hang up after the deadline."""
+    rng = random.Random(seed)
+    num = num or args.num_requests
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        t += 0.0 if rate == float("inf") else rng.expovariate(rate)
+    plans = [(steps_of(workload, rng, args),
+              workload == "cancel" and rng.random() < CANCEL_SHARE) for _ in range(num)]
+    limit = asyncio.Semaphore(concurrency or num)
+    latencies: list[float] = []
+    errors: list[str] = []
+    cancelled = 0
+    first_send = time.perf_counter()
+    last_answer = first_send
+
+    async def one(client: httpx.AsyncClient, index: int) -> None:
+        nonlocal cancelled, last_answer
+        await asyncio.sleep(max(0.0, first_send + offsets[index] - time.perf_counter()))
+        steps, hang_up = plans[index]
+        body = {"prompt": f"a test shape number {index}", "size": f"{args.size}x{args.size}",
+                "num_inference_steps": steps, "seed": seed * 100_003 + index,
+                "response_format": "b64_json"}
+        async with limit:
+            start = time.perf_counter()
+            try:
+                request = client.post("/v1/images/generations", json=body)
+                if hang_up:
+                    response = await asyncio.wait_for(request, args.cancel_after_s)
+                else:
+                    response = await request
+            except TimeoutError:
+                cancelled += 1
+                return
+            except httpx.HTTPError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            now = time.perf_counter()
+            if response.status_code != 200:
+                errors.append(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            latencies.append(now - start)
+            last_answer = max(last_answer, now)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600.0, limits=limits,
+                                 trust_env=False) as client:
+        await asyncio.gather(*(one(client, i) for i in range(num)))
+    span = max(last_answer - first_send, 1e-9)
+    ordered = sorted(latencies)
+    return {
+        "completed": len(latencies), "cancelled": cancelled, "errors": errors[:5],
+        "num_errors": len(errors), "span_s": span,
+        "completed_per_s": len(latencies) / span,
+        "mean_ms": 1000 * statistics.fmean(ordered) if ordered else None,
+        "p50_ms": 1000 * ordered[len(ordered) // 2] if ordered else None,
+        "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        if ordered else None,
+    }
+
+
+def measure(server: harness.Server, args: argparse.Namespace, *, rate: float, workload: str,
+            seed: int) -> dict[str, Any]:
+    cpu = server.cpu_seconds()
+    result = asyncio.run(poisson_run(server.base_url, args, rate=rate, workload=workload,
+                                     seed=seed))
+    cpu = server.cpu_seconds() - cpu
+    result["cpu_s_per_image"] = cpu / result["completed"] if result["completed"] else None
+    return result
+
+
+def tick_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """In process: the share of a tick spent outside the fused denoiser call."""
+    from diffbatch.config import EngineConfig
+    from diffbatch.ipc.messages import StepJoin
+    from diffbatch.request import DiffusionRequest
+    from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+    from diffbatch.sched.output import SchedulerOutput
+    from diffbatch.worker.model_runner import ModelRunner
+    from diffbatch.worker.step_runner import StepRunner
+
+    runner = ModelRunner(EngineConfig(model=args.model))
+    info = runner.info()
+    steps = StepRunner(runner)
+    requests = []
+    for i in range(args.overhead_batch):
+        params = SamplingParams(height=args.size, width=args.size, num_inference_steps=60,
+                                guidance_scale=info.default_guidance_scale, seed=i,
+                                output_type="pt")
+        request = DiffusionRequest(f"r{i}", f"prompt {i}", params)
+        request.key = SamplingParamsKey.from_params(
+            params, cfg_enabled=info.cfg_enabled(params)).for_step_execution()
+        requests.append(request)
+    ids = list(range(len(requests)))
+    steps.join(StepJoin(SchedulerOutput(1, requests, requests[0].key), ids, len(requests)))
+    while not steps.idle:
+        steps.tick()
+    ticks = [t for t in steps.take_ticks() if t.joins == 0 and t.leaves == 0]
+    share = statistics.median(1.0 - t.forward_ms / t.step_ms for t in ticks)
+    return {"batch": len(requests), "ticks": len(ticks),
+            "median_tick_ms": statistics.median(t.step_ms for t in ticks),
+            "median_forward_ms": statistics.median(t.forward_ms for t in ticks),
+            "overhead_share": share}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run_round(servers: dict[str, harness.Server], args: argparse.Namespace,
+              round_index: int) -> dict[str, Any]:
+    seed = 1000 * round_index
+    caps = {"uniform": capacity(servers["request"], args, args.steps, seed),
+            "mixed": capacity(servers["request"], args, None, seed + 1)}
+    caps["cancel"] = caps["mixed"]
+    print(f"round {round_index}: request-mode capacity uniform {caps['uniform']:.2f} req/s, "
+          f"mixed {caps['mixed']:.2f} req/s", flush=True)
+    order = ["request", "step"] if round_index % 2 == 0 else ["step", "request"]
+    rows = {}
+    for workload in ("uniform", "mixed", "cancel"):
+        for load in args.loads:
+            name = f"{workload}@{load:g}"
+            runs = {mode: measure(servers[mode], args, rate=load * caps[workload],
+                                  workload=workload, seed=seed + zlib.crc32(name.encode()) % 997)
+                    for mode in order}
+            runs["ratio"] = {
+                "throughput": ratio(runs["step"]["completed_per_s"],
+                                    runs["request"]["completed_per_s"]),
+                "mean_latency": ratio(runs["step"]["mean_ms"], runs["request"]["mean_ms"]),
+                "p99_latency": ratio(runs["step"]["p99_ms"], runs["request"]["p99_ms"]),
+            }
+            rows[name] = runs
+            print(f"  {name:14s} " + "  ".join(
+                f"{m}: {runs[m]['completed_per_s']:.2f}/s mean {runs[m]['mean_ms'] or 0:.0f} ms"
+                for m in ("request", "step")), flush=True)
+    return {"capacity_req_per_s": caps, "rows": rows}
+
+
+def verdict(rounds: list[dict[str, Any]], overhead: dict[str, Any]) -> dict[str, Any]:
+    def median(row: str, what: str) -> float | None:
+        values = [r["rows"][row]["ratio"][what] for r in rounds
+                  if r["rows"].get(row, {}).get("ratio", {}).get(what) is not None]
+        return statistics.median(values) if values else None
+
+    figures = {
+        "mixed@0.8 mean latency": median("mixed@0.8", "mean_latency"),
+        "mixed@0.8 throughput": median("mixed@0.8", "throughput"),
+        "uniform@0.95 throughput": median("uniform@0.95", "throughput"),
+        "cancel@0.8 completed/s": median("cancel@0.8", "throughput"),
+        "tick overhead": overhead["overhead_share"],
+    }
+    upper = {"mixed@0.8 mean latency", "tick overhead"}
+    passed = {name: value is not None and (value <= BARS[name] if name in upper
+                                           else value >= BARS[name])
+              for name, value in figures.items()}
+    return {"figures": figures, "bars": BARS, "passed": passed, "pass": all(passed.values())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-sd")
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=16, help="steps of the uniform loads")
+    parser.add_argument("--max-num-seqs", default="auto")
+    parser.add_argument("--wait-ms", default="auto", help="request mode's admission wait")
+    parser.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
+    parser.add_argument("--num-requests", type=int, default=120, help="per Poisson run")
+    parser.add_argument("--capacity-requests", type=int, default=96)
+    parser.add_argument("--saturation-concurrency", type=int, default=32)
+    parser.add_argument("--cancel-after-s", type=float, default=1.0)
+    parser.add_argument("--overhead-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds")
+    parser.add_argument("--out", default="benchmarks/results/step_vs_request.json")
+    args = parser.parse_args(argv)
+    report = harness.report_header("step_vs_request", args)
+    start = time.perf_counter()
+    overhead = tick_overhead(args)
+    print(f"tick overhead at batch {overhead['batch']}: {overhead['overhead_share']:.1%} "
+          f"(tick {overhead['median_tick_ms']:.1f} ms)", flush=True)
+    with harness.running(server_specs(args), startup_timeout_s=STARTUP_TIMEOUT_S) as servers:
+        rounds = [run_round(servers, args, i) for i in range(args.repeats)]
+    report.update(rounds=rounds, overhead=overhead, verdict=verdict(rounds, overhead),
+                  elapsed_s=time.perf_counter() - start)
+    for name, value in report["verdict"]["figures"].items():
+        mark = "PASS" if report["verdict"]["passed"][name] else "MISS"
+        shown = "-" if value is None else f"{value:.3f}"
+        print(f"{name:26s} {shown:>8s}  bar {BARS[name]:g}  {mark}")
+    print("PASS" if report["verdict"]["pass"] else "MISS", flush=True)
+    harness.write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

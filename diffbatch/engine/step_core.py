@@ -1,0 +1,135 @@
+"""The engine loop of step mode: requests join and leave a running batch in the worker.
+
+`StepEngineCore` keeps `EngineCore`'s lock, request table, delivery thread, aborts
+and shutdown, and changes what a dispatch is. The worker owns the running batch and
+runs its ticks back to back (`diffbatch.worker.step_runner`); this loop is never in
+the per-step path. It only decides who may join:
+
+- the batch's key is the key of the requests in flight (all share one); with none
+  in flight, the scheduler's next key starts a new batch;
+- up to twice the key's capacity may be in flight (`policy.step_capacity`: fixed,
+  or learned by "auto"), so the worker always holds the next joiners and a slot that
+  frees is filled at the next tick, without a round trip through this loop; the
+  worker itself never runs more than the capacity at once;
+- joiners of the running key come from `scheduler.schedule_joiners`, which stops
+  them once a request of another key should run (fifo: at once; grouped: once it
+  waited `max_head_wait_ms`), so the batch drains and the other key goes next;
+- each request is its own entry in flight, finished the moment the worker says it
+  left the batch; an abort cancels it in the worker, which takes it out at the next
+  step boundary.
+
+The worker dying under the batch fails the requests it held with a clear error
+(step mode does not re-run them: any of them may have caused the crash); requests
+refused while a replacement starts are queued again. Every tick's statistics come
+back with the outputs and feeds the step metrics. With "auto", the batch's capacity
+is what the start-up calibration learned for its shape (`BatchPolicy.step_capacity`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from diffbatch.engine.core import EngineCore, InFlightWave, _Rerun
+from diffbatch.errors import WorkerDiedError
+from diffbatch.outputs import BatchRunnerOutput, RequestError
+
+if TYPE_CHECKING:
+    from diffbatch.sampling_params import SamplingParamsKey
+    from diffbatch.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PREFETCH_FACTOR = 2  # requests in flight per slot of the running batch (see above)
+
+
+class StepEngineCore(EngineCore):
+    """`EngineCore` for step mode; see the module docstring."""
+
+    def _next_action(self) -> InFlightWave | _Rerun | SchedulerOutput | None:
+        """Block (holding `cond`) until a request left the batch or joiners can go."""
+        while True:
+            for record in self.in_flight:
+                if record.future.done():
+                    self.in_flight.remove(record)
+                    return record
+            if self._stopped:
+                if not self.in_flight:
+                    return None
+            elif not self.executor.is_restarting:
+                wave = self._next_rerun() or self._schedule()
+                if wave is not None:
+                    return wave
+            self.cond.wait()
+
+    def _running_key(self) -> SamplingParamsKey | None:
+        """(Holding `cond`.) The key of the batch in the worker, None when it is empty."""
+        for record in self.in_flight:
+            if not record.future.done():
+                return record.wave.key
+        return None
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """(Holding `cond`.) Joiners for the running batch, or the first of a new one."""
+        if self.scheduler.num_waiting == 0:
+            return None
+        self.last_admission_reason = ""
+        key = self._running_key()
+        capacity = self.policy.step_capacity(key or self.scheduler.next_key())
+        room = PREFETCH_FACTOR * capacity - len(self.in_flight)
+        if room <= 0:
+            return None
+        if key is None:  # a new batch: the scheduler's next wave starts it
+            wave = self.scheduler.schedule()
+        else:
+            wave = self.scheduler.schedule_joiners(key, room)
+        return None if wave.is_empty else wave
+
+    def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
+        """Send the joiners to the worker; each becomes its own entry in flight."""
+        dispatched = time.monotonic()
+        capacity = self.policy.step_capacity(wave.key)
+        futures = self.executor.submit_join(wave, capacity)
+        records = [InFlightWave(replace(wave, requests=[request]), future, dispatched, "join")
+                   for request, future in zip(wave.requests, futures, strict=True)]
+        with self.cond:
+            self.in_flight.extend(records)
+            unwanted = self._unwanted_waves()  # aborted while being handed over
+        self._cancel(unwanted)
+        for record in records:
+            record.future.add_done_callback(self._wake)
+
+    def _finish(self, record: InFlightWave) -> None:
+        """A request left the batch: finish it and deliver its output."""
+        wave = record.wave
+        try:
+            runner_output = record.future.result()
+        except WorkerDiedError as exc:
+            if not exc.started:  # refused while a replacement started: queue it again
+                with self.cond:
+                    if any(not r.is_finished for r in wave.requests):
+                        self._reruns.append(_Rerun(wave, crashed_before=False))
+                    self.cond.notify_all()
+                return
+            runner_output = BatchRunnerOutput.failed(wave.req_ids, RequestError(
+                "the worker process died while this request was in the running batch "
+                f"({exc.message}); it was not re-run"))
+        except Exception as exc:
+            runner_output = BatchRunnerOutput.failed(wave.req_ids,
+                                                     self._executor_error(wave, exc))
+        self._observe_ticks(runner_output)
+        with self.cond:
+            finished = self.scheduler.update_from_output(wave, runner_output)
+            self.cond.notify_all()
+        now = time.monotonic()
+        for request, output in finished:
+            started = max(record.dispatched, now - output.execute_time_ms / 1000.0)
+            output.queue_time_ms = (started - request.arrival_time) * 1000.0
+            self._outbox.put((request, output))
+
+    def _observe_ticks(self, runner_output: BatchRunnerOutput) -> None:
+        if self.metrics is not None and self.serving:
+            for tick in runner_output.ticks:
+                self.metrics.observe_tick(tick)

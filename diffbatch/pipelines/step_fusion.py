@@ -1,0 +1,235 @@
+"""Step-wise execution for any pipeline: one call per request, fused module calls.
+
+In step mode every request runs its own, ordinary pipeline call (a batch of one
+through `forward`), each in its own greenlet, with its own scheduler state, timesteps
+and generators. The pipeline's heavy modules are wrapped at their *fusion points*
+(`FusionPoint`: the denoiser's `forward`, the text encoders' `forward`, the VAE's
+`decode`): called inside a request's greenlet, a wrapped module does not run but
+hands its arguments to the coordinator (`ModuleCall`) and waits. The coordinator
+(`diffbatch.worker.step_runner`) collects the calls every running request is waiting
+on, runs each fusion point ONCE on the requests' arguments concatenated along the
+batch dimension, splits the result back, and resumes each greenlet with its own
+slice. One denoiser call per tick therefore serves every running request, each at
+its own timestep, whatever its step count; a request that finished leaves at once,
+one that joins starts at the next tick.
+
+Fusing the arguments (`fuse_arguments`): the first tensor argument's first dimension
+is a call's batch size b_i (2 for a CFG request: the pipeline doubled it itself).
+Tensors whose first dimension is b_i are concatenated; 0-d tensors (a timestep
+`t`) are expanded to b_i, so the fused call gets one timestep per sample; lists of
+length b_i (generators) are concatenated; dicts are fused key by key; anything else
+must be equal across the calls (names in `FusionPoint.shared`, e.g. Flux's position
+ids, are always taken from the first call after checking they are equal). Calls that
+cannot be fused (other shapes, other option values) run in smaller groups: results
+stay right, only slower. Outputs are split the same way (`split_result`): tensors,
+tuples, dicts and `ModelOutput`s whose batch dimension is the fused size.
+
+Correctness rests on the modules treating samples independently (as batching in
+request mode already does): a request's image in step mode equals its solo run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import greenlet
+import torch
+
+FusionKind = Literal["step", "boundary"]
+
+
+@dataclass(frozen=True)
+class FusionPoint:
+    """A module method whose calls are fused across the running requests.
+
+    `kind` "step" marks the denoiser: one fused call of it is one tick. "boundary"
+    marks what runs when a request joins or leaves (text encoders, VAE decode);
+    those calls are fused among the requests that reach them at the same boundary.
+    """
+
+    owner: Any  # the module (or any object) whose method is wrapped
+    method: str  # "forward", "decode", ...
+    kind: FusionKind
+    name: str  # for logs and metrics, e.g. "unet", "text_encoder", "vae.decode"
+    shared: frozenset[str] = frozenset()  # keyword arguments with no batch dimension
+
+
+@dataclass
+class ModuleCall:
+    """A call a request's greenlet waits on: `run(*args, **kwargs)` at `point`."""
+
+    point: FusionPoint
+    run: Callable[..., Any]  # the original (unwrapped) method
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batch_size = _leading_size(self.args, self.kwargs)
+
+
+class TaskGreenlet(greenlet.greenlet):
+    """The greenlet a request's pipeline call runs in; wrapped modules called in one
+    hand their call to the parent (the coordinator) instead of running."""
+
+
+class Unfusable(Exception):
+    """The calls' arguments cannot be fused into one call (shapes or options differ)."""
+
+
+def install(points: Sequence[FusionPoint]) -> None:
+    """Wrap each point's method on its owner (once; installing twice is harmless).
+
+    Outside a `TaskGreenlet` (request mode, the coordinator's own fused call) the
+    wrapper calls the original method directly.
+    """
+    for point in points:
+        current = getattr(point.owner, point.method)
+        if getattr(current, "_diffbatch_fusion_point", None) is not None:
+            continue
+        setattr(point.owner, point.method, _wrap(point, current))
+
+
+def _wrap(point: FusionPoint, original: Callable[..., Any]) -> Callable[..., Any]:
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        current = greenlet.getcurrent()
+        if isinstance(current, TaskGreenlet):
+            return current.parent.switch(ModuleCall(point, original, args, kwargs))
+        return original(*args, **kwargs)
+
+    fused._diffbatch_fusion_point = point  # type: ignore[attr-defined]
+    fused._diffbatch_original = original  # type: ignore[attr-defined]
+    return fused
+
+
+def _leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            return int(value.shape[0])
+    raise Unfusable("a fused module call needs a tensor argument with a batch dimension")
+
+
+# -- fusing arguments ------------------------------------------------------------------
+def fuse_arguments(calls: Sequence[ModuleCall]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """One call's (args, kwargs) for all `calls` (same point); raises `Unfusable`."""
+    first = calls[0]
+    sizes = [c.batch_size for c in calls]
+    if any(len(c.args) != len(first.args) or c.kwargs.keys() != first.kwargs.keys()
+           for c in calls):
+        raise Unfusable("the calls pass different arguments")
+    args = tuple(_fuse([c.args[i] for c in calls], sizes, shared=False)
+                 for i in range(len(first.args)))
+    kwargs = {name: _fuse([c.kwargs[name] for c in calls], sizes,
+                          shared=name in first.point.shared)
+              for name in first.kwargs}
+    return args, kwargs
+
+
+def _fuse(values: list[Any], sizes: list[int], *, shared: bool) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise Unfusable("a tensor argument is not a tensor in every call")
+        if not shared and all(v.ndim == 0 for v in values):  # a per-call scalar (timestep)
+            return torch.cat([v.reshape(1).expand(n) for v, n in zip(values, sizes, strict=True)])
+        if not shared and all(v.ndim >= 1 and v.shape[0] == n and v.shape[1:] == first.shape[1:]
+                              for v, n in zip(values, sizes, strict=True)):
+            return torch.cat(values)
+        if all(v.shape == first.shape and torch.equal(v, first) for v in values[1:]):
+            return first  # the same for every call (e.g. position ids)
+        raise Unfusable("tensor arguments differ in shape beyond the batch dimension")
+    if first is None:
+        if any(v is not None for v in values):
+            raise Unfusable("an argument is None in some calls only")
+        return None
+    if isinstance(first, dict):
+        if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+            raise Unfusable("dict arguments have different keys")
+        return {k: _fuse([v[k] for v in values], sizes, shared=shared) for k in first}
+    if isinstance(first, list | tuple) and not shared \
+            and all(isinstance(v, list | tuple) and len(v) == n
+                    for v, n in zip(values, sizes, strict=True)) \
+            and not any(isinstance(x, torch.Tensor) for x in first):
+        return [x for v in values for x in v]  # per-sample objects, e.g. generators
+    if all(_equal(v, first) for v in values[1:]):
+        return first
+    raise Unfusable(f"a {type(first).__name__} argument differs between the calls")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # objects whose == is not a plain bool
+        return a is b
+
+
+# -- splitting results -----------------------------------------------------------------
+def split_result(result: Any, sizes: list[int]) -> list[Any]:
+    """Cut one fused call's result into one result per call (batch sizes `sizes`)."""
+    total = sum(sizes)
+    if isinstance(result, torch.Tensor):
+        if result.ndim >= 1 and result.shape[0] == total:
+            return list(torch.split(result, sizes))
+        return [result] * len(sizes)
+    if isinstance(result, dict):  # ModelOutput is an OrderedDict too
+        parts = {k: split_result(v, sizes) for k, v in result.items()}
+        return [_rebuild(result, {k: p[i] for k, p in parts.items()}) for i in range(len(sizes))]
+    if isinstance(result, list | tuple):
+        parts_list = [split_result(v, sizes) for v in result]
+        return [type(result)(p[i] for p in parts_list) for i in range(len(sizes))]
+    return [result] * len(sizes)
+
+
+def _rebuild(template: dict[str, Any], values: dict[str, Any]) -> Any:
+    if type(template) is dict:
+        return values
+    try:
+        return type(template)(**values)  # ModelOutput dataclasses
+    except TypeError:
+        rebuilt = type(template)()
+        rebuilt.update(values)
+        return rebuilt
+
+
+def run_fused(calls: Sequence[ModuleCall],
+              module_ms: list[float] | None = None) -> list[tuple[bool, Any]]:
+    """Run calls of one point as few module calls as possible; one (ok, value) each.
+
+    Fusable calls run as one; a group that cannot be fused is split in halves until
+    it can (one call always can). A fused call that raises is bisected the same way
+    (error isolation): the calls whose own run raises get (False, exception), the
+    others their result, exactly as if they had run without the failing ones.
+    `module_ms`, if given, gets the wall time of each module call made.
+    """
+    if len(calls) == 1:
+        call = calls[0]
+        try:
+            return [(True, _timed(call.run, call.args, call.kwargs, module_ms))]
+        except Exception as exc:
+            return [(False, exc)]
+    try:
+        args, kwargs = fuse_arguments(calls)
+        result = _timed(calls[0].run, args, kwargs, module_ms)
+        return [(True, part) for part in split_result(result, [c.batch_size for c in calls])]
+    except Exception:
+        mid = len(calls) // 2
+        return run_fused(calls[:mid], module_ms) + run_fused(calls[mid:], module_ms)
+
+
+def _timed(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           module_ms: list[float] | None) -> Any:
+    if module_ms is None:
+        return run(*args, **kwargs)
+    start = time.perf_counter()
+    try:
+        return run(*args, **kwargs)
+    finally:
+        module_ms.append((time.perf_counter() - start) * 1000.0)

@@ -1,0 +1,237 @@
+"""The running batch of step mode: requests join and leave between denoising steps.
+
+`StepRunner` sits beside the `ModelRunner` (whose pipeline, LoRA handling and output
+conversion it uses) and owns the worker's running batch. Each request runs its own
+pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
+`tick()` advances the whole batch by one denoising step:
+
+1. admit: joined requests enter while there is room (`capacity`) and their key is
+   the running batch's (a request of another key waits until the batch drained; the
+   engine stops sending joiners of the old key once it wants to switch);
+2. boundary: the calls joiners make before their first step (text encoders) run,
+   fused across the joiners, until every request waits at the denoiser;
+3. step: ONE fused denoiser call for every running request, each at its own timestep;
+4. boundary again: requests past their last step decode, fused across the leavers,
+   and leave at once (returned by `tick()`); their slots are free for the next tick.
+
+`cancel(call_id)` takes a request out at the next step boundary (its greenlet is
+unwound with `WaveInterrupted`, so its compute stops). A module call that raises is
+bisected by `run_fused`: only the request whose own call raises errors, its mates go
+on from the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffbatch.errors import ConfigError, WaveInterrupted
+from diffbatch.outputs import DiffusionOutput, TickStats
+from diffbatch.pipelines.interface import DiffusionRequestBatch
+from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
+from diffbatch.worker.model_runner import check_outputs, make_generators, to_output_type
+
+if TYPE_CHECKING:
+    from diffbatch.ipc.messages import StepJoin
+    from diffbatch.request import DiffusionRequest
+    from diffbatch.sampling_params import SamplingParamsKey
+    from diffbatch.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Task:
+    call_id: int
+    request: DiffusionRequest
+    key: SamplingParamsKey | None
+    joined: float = field(default_factory=time.perf_counter)
+    greenlet: TaskGreenlet | None = None
+    pending: ModuleCall | None = None
+    output: DiffusionOutput | None = None
+    max_batch: int = 1  # the largest denoiser batch this request was part of
+
+    @property
+    def done(self) -> bool:
+        return self.output is not None
+
+
+class StepRunner:
+    """The worker's running batch in step mode; see the module docstring."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        pipeline = runner.pipeline
+        if not getattr(pipeline, "supports_step_execution", False):
+            raise ConfigError(
+                f"pipeline {runner.info().name} cannot run in step mode "
+                "(supports_step_execution=False); serve it without step execution, or "
+                "implement the step contract (see diffbatch.pipelines.interface)"
+            )
+        self.runner = runner
+        self.pipeline = pipeline
+        install(pipeline.step_fusion_points())
+        self.ready: deque[_Task] = deque()  # joined, not admitted yet
+        self.running: list[_Task] = []
+        self.capacity = 1
+        self.key: SamplingParamsKey | None = None  # the running batch's key
+        self.ticks: list[TickStats] = []  # since the caller last took them
+
+    # -- the engine's side -----------------------------------------------------------
+    def join(self, join: StepJoin) -> None:
+        self.capacity = max(1, join.capacity)
+        for call_id, request in zip(join.call_ids, join.wave.requests, strict=True):
+            self.ready.append(_Task(call_id, request, join.wave.key))
+
+    def call_ids(self) -> set[int]:
+        return {t.call_id for t in self.ready} | {t.call_id for t in self.running}
+
+    def cancel(self, call_id: int) -> DiffusionOutput | None:
+        """Take a request out now (between ticks); its aborted output, or None if unknown."""
+        for task in self.ready:
+            if task.call_id == call_id:
+                self.ready.remove(task)
+                return DiffusionOutput.make_aborted(task.request.request_id)
+        for task in self.running:
+            if task.call_id == call_id:
+                self.running.remove(task)
+                self._unwind(task)
+                return DiffusionOutput.make_aborted(task.request.request_id)
+        return None
+
+    @property
+    def idle(self) -> bool:
+        return not self.ready and not self.running
+
+    def take_ticks(self) -> list[TickStats]:
+        ticks, self.ticks = self.ticks, []
+        return ticks
+
+    # -- one tick --------------------------------------------------------------------
+    def tick(self) -> list[tuple[int, DiffusionOutput]]:
+        """Advance the batch by one step; returns (call id, output) of those that left."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            joins = self._admit()
+            self._run_boundaries()
+            batch = [t for t in self.running if t.pending is not None]
+            module_ms: list[float] = []
+            if batch:
+                size = len(batch)
+                for task in batch:
+                    task.max_batch = max(task.max_batch, size)
+                self._resolve(batch, module_ms)
+                self._run_boundaries()
+        left = [t for t in self.running if t.done]
+        self.running = [t for t in self.running if not t.done]
+        if not self.running:
+            self.key = None
+        finished = []
+        for task in left:
+            output = task.output
+            assert output is not None
+            output.batch_size = task.max_batch
+            output.execute_time_ms = (time.perf_counter() - task.joined) * 1000.0
+            finished.append((task.call_id, output))
+        if batch or left or joins:
+            self.ticks.append(TickStats(len(batch), (time.perf_counter() - start) * 1000.0,
+                                        sum(module_ms), joins, len(left)))
+        return finished
+
+    def _admit(self) -> int:
+        joined = 0
+        while self.ready and len(self.running) < self.capacity:
+            task = self.ready[0]
+            if self.running and task.key != self.key:
+                break  # another key waits for the running batch to drain
+            self.ready.popleft()
+            if not self.running:
+                self.key = task.key
+                params = task.request.sampling_params
+                try:
+                    self.runner._activate_lora(params.lora, params.lora_scale)
+                except Exception as exc:
+                    task.output = DiffusionOutput.from_error(task.request.request_id, exc)
+                    self.running.append(task)
+                    joined += 1
+                    continue
+            self._start(task)
+            self.running.append(task)
+            joined += 1
+        return joined
+
+    def _start(self, task: _Task) -> None:
+        task.greenlet = TaskGreenlet(self._task_main)
+        self._advance(task, task.greenlet.switch, task.request)
+
+    def _task_main(self, request: DiffusionRequest) -> DiffusionOutput:
+        """A request's whole pipeline call (runs in its greenlet)."""
+        try:
+            generators = make_generators([request], self.runner.info().device)
+            batch = DiffusionRequestBatch(requests=[request], generators=generators)
+            with torch.inference_mode():
+                outputs = self.pipeline.forward(batch)
+            check_outputs(self.runner.info().name, batch, outputs)
+            output = outputs[0]
+            output.seed = request.sampling_params.seed
+            if output.error is None and not output.aborted:
+                output.images = to_output_type(output.images,
+                                               request.sampling_params.output_type)
+            return output
+        except WaveInterrupted:
+            return DiffusionOutput.make_aborted(request.request_id)
+        except Exception as exc:
+            logger.warning("request %s failed in step mode: %s: %s", request.request_id,
+                           type(exc).__name__, exc)
+            return DiffusionOutput.from_error(request.request_id, exc)
+
+    def _advance(self, task: _Task, resume: Any, value: Any) -> None:
+        """Resume a task's greenlet (switch or throw) until its next module call or end."""
+        result = resume(value)
+        assert task.greenlet is not None
+        if task.greenlet.dead:
+            task.pending = None
+            task.output = result
+        else:
+            task.pending = result
+
+    def _run_boundaries(self) -> None:
+        """Run the boundary calls (encoders, decoders), fused per point, until every
+        running request waits at the denoiser or is done."""
+        while True:
+            calls = [t for t in self.running if t.pending is not None
+                     and t.pending.point.kind == "boundary"]
+            if not calls:
+                return
+            self._resolve(calls)
+
+    def _resolve(self, tasks: list[_Task], module_ms: list[float] | None = None) -> None:
+        """Run the tasks' pending calls, fused per fusion point, and resume each
+        (`module_ms` gets the module calls' wall times)."""
+        groups: dict[int, list[_Task]] = {}
+        for task in tasks:
+            assert task.pending is not None
+            groups.setdefault(id(task.pending.point), []).append(task)
+        for group in groups.values():
+            results = run_fused([t.pending for t in group], module_ms)  # type: ignore[misc]
+            for task, (ok, value) in zip(group, results, strict=True):
+                assert task.greenlet is not None
+                if ok:
+                    self._advance(task, task.greenlet.switch, value)
+                else:
+                    self._advance(task, task.greenlet.throw, value)
+
+    def _unwind(self, task: _Task) -> None:
+        """Stop a running task's pipeline call (its `finally` blocks run)."""
+        if task.greenlet is not None and not task.greenlet.dead:
+            try:
+                task.greenlet.throw(WaveInterrupted("request cancelled"))
+            except WaveInterrupted:
+                pass
+            except Exception:  # a pipeline that turned the interrupt into something else
+                logger.debug("request %s raised while being cancelled",
+                             task.request.request_id, exc_info=True)

@@ -1,0 +1,191 @@
+"""Step mode's running batch, in process: each request's image equals its solo run.
+
+The `StepRunner` is driven tick by tick here, so where a request joins, when it
+leaves and what a cancel frees are exact, not timed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from diffbatch.config import EngineConfig
+from diffbatch.errors import ConfigError
+from diffbatch.ipc.messages import StepJoin
+from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.registry import load_pipeline
+from diffbatch.sched.output import SchedulerOutput
+from diffbatch.worker.model_runner import ModelRunner
+from diffbatch.worker.step_runner import StepRunner
+from tests.pipelines.conftest import TOLERANCE, make_request
+
+FAMILIES = ["tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", "shapes"]
+
+
+def step_request(pipeline: Any, index: int, steps: int, **params: Any) -> Any:
+    request = make_request(pipeline, f"r{index}", f"a prompt number {index}", seed=100 + index,
+                           num_inference_steps=steps, **params)
+    solo_key = request.key
+    request.key = request.key.for_step_execution()
+    return request, solo_key
+
+
+def solo_image(runner: ModelRunner, request: Any, key: Any) -> torch.Tensor:
+    """The request run alone in request mode (its own wave of one)."""
+    solo = type(request)(request.request_id, request.prompt, request.sampling_params)
+    solo.key = key
+    out = runner.execute_batch(SchedulerOutput(1, [solo], key)).outputs[solo.request_id]
+    assert out.error is None, out.error
+    return out.images
+
+
+def join(steps: StepRunner, requests: list[Any], first_call_id: int, capacity: int) -> None:
+    ids = list(range(first_call_id, first_call_id + len(requests)))
+    steps.join(StepJoin(SchedulerOutput(1, requests, requests[0].key), ids, capacity))
+
+
+def run_until_idle(steps: StepRunner, on_tick: Any = None) -> dict[str, tuple[int, Any]]:
+    """Tick until the batch is empty; request id -> (tick it left at, its output)."""
+    left: dict[str, tuple[int, Any]] = {}
+    tick = 0
+    while not steps.idle:
+        if on_tick is not None:
+            on_tick(tick)
+        for _call_id, output in steps.tick():
+            left[output.request_id] = (tick, output)
+        tick += 1
+        assert tick < 1000, "the running batch never drained"
+    return left
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_each_image_equals_its_solo_run_whether_it_joined_at_step_zero_or_midway(
+        model: str, load_tiny: Any) -> None:
+    pipeline = load_tiny(model)
+    runner = ModelRunner(EngineConfig(model=model), pipeline=pipeline)
+    steps = StepRunner(runner)
+    specs = [(0, 6, {}), (1, 2, {}), (2, 4, {"guidance_scale": 3.0}), (3, 3, {})]
+    made = [step_request(pipeline, i, n, **kw) for i, n, kw in specs]
+    requests = [r for r, _ in made]
+    expected = {r.request_id: solo_image(runner, r, key) for r, key in made}
+    join(steps, requests[:2], 0, capacity=4)  # r0, r1 start together
+
+    def late_joiners(tick: int) -> None:
+        if tick == 1:  # r2, r3 join after the first step
+            join(steps, requests[2:], 2, capacity=4)
+
+    left = run_until_idle(steps, late_joiners)
+    assert set(left) == {r.request_id for r in requests}
+    for request_id, (_tick, output) in left.items():
+        assert output.error is None, output.error
+        diff = (output.images - expected[request_id]).abs().max().item()
+        assert diff <= TOLERANCE, f"{model} {request_id}: max abs difference {diff}"
+    # the 2-step request left first, while its mates kept running; all four shared a step
+    assert left["r1"][0] < min(left[r][0] for r in ("r0", "r2", "r3"))
+    assert max(output.batch_size for _t, output in left.values()) == 4
+
+
+def test_a_cancelled_request_leaves_at_the_next_boundary_and_its_slot_is_reused(
+        load_tiny: Any) -> None:
+    pipeline = load_tiny("tiny-sd")
+    runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    long_request, _ = step_request(pipeline, 0, 50)
+    next_request, next_key = step_request(pipeline, 1, 3)
+    join(steps, [long_request], 0, capacity=1)
+    join(steps, [next_request], 1, capacity=1)
+    for _ in range(3):
+        assert steps.tick() == []
+    assert [t.request.request_id for t in steps.running] == ["r0"]  # capacity 1: r1 waits
+    steps.take_ticks()
+    aborted = steps.cancel(0)
+    assert aborted is not None and aborted.aborted
+    steps.tick()
+    (tick,) = steps.take_ticks()
+    assert (tick.joins, tick.batch_size) == (1, 1)  # r1 ran its first step on the next tick
+    left = run_until_idle(steps)
+    assert left["r1"][1].error is None
+    diff = (left["r1"][1].images - solo_image(runner, next_request, next_key)).abs().max()
+    assert diff.item() <= TOLERANCE
+
+
+class NaNCheckingSD(DiffusersT2IPipeline):
+    """tiny-sd whose denoiser raises on a batch holding NaN latents, and which gives a
+    request whose prompt says "poison" NaN latents: the failure happens inside the
+    fused denoiser call, for the whole batch, as a numerical fault would."""
+
+    def step_fusion_points(self) -> list[Any]:
+        unet = self.pipe.unet
+        original = unet.forward
+
+        def checking_forward(sample: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if torch.isnan(sample).any():
+                raise RuntimeError("NaN latents in the denoiser batch")
+            return original(sample, *args, **kwargs)
+
+        unet.forward = checking_forward
+        return super().step_fusion_points()
+
+    def call_kwargs(self, batch: Any) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        if any("poison" in p for p in batch.prompts):
+            channels = self.pipe.unet.config.in_channels
+            side = batch.sampling_params.height // self.pipe.vae_scale_factor
+            kwargs["latents"] = torch.full((1, channels, side, side), float("nan"))
+        return kwargs
+
+
+def test_a_request_failing_inside_the_fused_denoiser_errors_alone(load_tiny: Any) -> None:
+    clean = load_tiny("tiny-sd")
+    reference = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=clean)
+    pipeline = load_pipeline("tiny-sd", NaNCheckingSD)
+    steps = StepRunner(ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline))
+    made = [step_request(clean, i, 4) for i in range(3)]
+    poisoned, _ = step_request(clean, 9, 4)
+    poisoned.prompt = "poison in this prompt"
+    join(steps, [r for r, _ in made[:2]], 0, capacity=4)
+    steps.tick()  # r0 and r1 are one step in when the poisoned request joins
+    join(steps, [poisoned, made[2][0]], 2, capacity=4)
+    left = run_until_idle(steps)
+    assert left["r9"][1].error is not None
+    assert "NaN latents" in left["r9"][1].error.message
+    for request, key in made:
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        diff = (output.images - solo_image(reference, request, key)).abs().max().item()
+        assert diff <= TOLERANCE
+
+
+def test_a_pipeline_without_the_step_contract_is_refused_by_name() -> None:
+    from tests.fake_pipelines import FakeBatchPipeline
+
+    runner = ModelRunner(EngineConfig(model="tiny-sd"),
+                         pipeline=FakeBatchPipeline.from_pretrained("fake"))
+    with pytest.raises(ConfigError, match=r"FakeBatchPipeline.*cannot run in step mode"):
+        StepRunner(runner)
+
+
+@pytest.mark.parametrize("task", ["image-to-image", "inpaint"])
+def test_edits_with_different_strengths_and_n_share_the_batch_and_equal_their_solo_runs(
+        task: str, load_tiny: Any) -> None:
+    from tests.pipelines.test_diffusers_edit import _image, _mask
+
+    pipeline = load_tiny("tiny-sd")
+    runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    made = [step_request(pipeline, i, 8, image=_image(i), strength=strength, n=2,
+                         **({"mask": _mask(4 * i)} if task == "inpaint" else {}))
+            for i, strength in enumerate([0.5, 0.75, 1.0])]
+    requests = [r for r, _ in made]
+    assert len({r.key for r in requests}) == 1  # strength is not in the step key
+    join(steps, requests, 0, capacity=4)
+    left = run_until_idle(steps)
+    for request, key in made:
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        assert output.images.shape[0] == 2
+        diff = (output.images - solo_image(runner, request, key)).abs().max().item()
+        assert diff <= TOLERANCE, f"{task} {request.request_id}: {diff}"
+    assert left["r0"][0] < left["r2"][0]  # strength 0.5 runs 4 steps, 1.0 all 8

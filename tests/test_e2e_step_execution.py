@@ -1,0 +1,188 @@
+"""Step mode end to end: a real worker process running the batch, a real tiny model.
+
+Arrivals are ordered by events (the engine reports the request running), never by
+sleeping; outputs are compared with request mode's solo runs of the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+
+from diffbatch import Engine, SamplingParams
+from diffbatch.errors import ConfigError
+from tests.fake_pipelines import FakeBatchPipeline
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-4
+
+
+def pt(seed: int, steps: int) -> SamplingParams:
+    return SamplingParams(num_inference_steps=steps, seed=seed, output_type="pt")
+
+
+def wait_until(condition, timeout_s: float = 120.0) -> None:
+    """Wait for a condition the engine reports (re-checked every 10 ms)."""
+    pause = threading.Event()
+    for _ in range(int(timeout_s * 100)):
+        if condition():
+            return
+        pause.wait(0.01)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture(scope="module")
+def step_engine():
+    with Engine("tiny-sd", step_execution=True, max_num_seqs=4, executor="mp",
+                max_request_work=0) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def request_engine():
+    """Request mode, in process: the reference outputs."""
+    with Engine("tiny-sd", max_num_seqs=8, request_batch_max_wait_ms=0, executor="inproc",
+                warmup=False) as engine:
+        yield engine
+
+
+def ticks(engine: Engine) -> float:
+    return engine.metrics.registry.get_sample_value(
+        "diffbatch_step_batch_size_requests_count") or 0.0
+
+
+def test_mixed_step_counts_share_the_batch_and_the_short_request_leaves_first(
+        step_engine, request_engine):
+    steps = [200, 4, 36, 24]
+    finished: list[int] = []
+
+    async def run():
+        tasks = []
+        for i, n in enumerate(steps):
+            tasks.append(asyncio.ensure_future(
+                step_engine.generate_async(f"prompt {i}", pt(i, n))))
+            tasks[-1].add_done_callback(lambda _t, i=i: finished.append(i))
+            # the next one arrives once this one is in the running batch
+            while step_engine.num_running < i + 1 and not tasks[-1].done():
+                await asyncio.sleep(0.005)
+        return await asyncio.gather(*tasks)
+
+    outputs = asyncio.run(run())
+    assert finished[0] == 1, f"completion order {finished}: the 4-step request should lead"
+    assert finished[-1] == 0
+    references = request_engine.generate([f"prompt {i}" for i in range(4)],
+                                         [pt(i, n) for i, n in enumerate(steps)])
+    for i, (out, ref) in enumerate(zip(outputs, references, strict=True)):
+        assert out.ok, out.error
+        assert (out.images - ref.images).abs().max().item() <= TOLERANCE, f"request {i}"
+    assert outputs[0].batch_size == 4  # all four were in one step together
+
+
+def test_two_hundred_concurrent_requests_each_get_their_own_image(step_engine, request_engine):
+    prompts = [f"a shape number {i}" for i in range(200)]
+    params = [pt(1000 + i, 2 + i % 5) for i in range(200)]
+    outputs = step_engine.generate(prompts, params, use_tqdm=False)
+    references = request_engine.generate(prompts, params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outputs, references, strict=True)):
+        assert out.ok, out.error
+        assert (out.images - ref.images).abs().max().item() <= TOLERANCE, f"request {i}"
+    assert max(o.batch_size for o in outputs) == 4
+
+
+def test_an_abort_stops_the_requests_compute_and_frees_its_slot(step_engine):
+    before = ticks(step_engine)
+
+    async def run():
+        long_task = asyncio.ensure_future(step_engine.generate_async("long", pt(1, 1000)))
+        while step_engine.num_running < 1:
+            await asyncio.sleep(0.005)
+        long_task.cancel()  # the caller went away: the request is aborted
+        short = await step_engine.generate_async("short", pt(2, 4))
+        with pytest.raises(asyncio.CancelledError):
+            await long_task
+        return short
+
+    short = asyncio.run(run())
+    assert short.ok, short.error
+    wait_until(lambda: step_engine.num_running == 0)
+    assert ticks(step_engine) - before < 500  # the 1000-step request stopped early
+
+
+def test_start_up_refuses_a_pipeline_without_the_step_contract():
+    with pytest.raises(ConfigError, match="FakeBatchPipeline"):
+        Engine(pipeline_class=FakeBatchPipeline, step_execution=True, executor="inproc")
+
+
+def test_a_worker_killed_mid_tick_fails_the_running_requests_clearly_then_serves(step_engine):
+    async def run():
+        tasks = [asyncio.ensure_future(step_engine.generate_async(f"p{i}", pt(i, 1000)))
+                 for i in range(2)]
+        while step_engine.num_running < 2:
+            await asyncio.sleep(0.005)
+        os.kill(step_engine.executor.worker_pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    outputs = asyncio.run(run())
+    for out in outputs:
+        assert out.error is not None
+        assert "worker process died" in out.error.message
+    assert step_engine.executor.wait_healthy(120)
+    after = step_engine.generate(["after the crash"], [pt(5, 3)], use_tqdm=False)[0]
+    assert after.ok, after.error
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_diffbatch_serve_step_execution_shares_steps_across_step_counts(tmp_path):
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.entrypoints.test_cli_serve import free_port, wait_ready
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", "tiny-sd", "--port",
+         str(port), "--step-execution", "--max-num-seqs", "4", "--max-request-work", "0"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, url)
+        joins_before = metric(url, "diffbatch_step_joins_total")
+
+        def generate(steps: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/images/generations", timeout=300, json={
+                "prompt": f"a circle in {steps} steps", "num_inference_steps": steps,
+                "seed": steps})
+
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(generate, 400)
+            wait_until(lambda: metric(url, "diffbatch_num_requests_running") == 1)
+            short = generate(4)
+            assert short.status_code == 200, short.text
+            assert short.headers["x-diffbatch-batch-size"] == "2"
+            assert not long.done()  # the 4-step request left while the 400-step one ran
+            assert long.result().status_code == 200
+            assert long.result().headers["x-diffbatch-batch-size"] == "2"
+        assert metric(url, "diffbatch_step_joins_total") - joins_before == 2
+        assert metric(url, "diffbatch_step_leaves_total") - joins_before == 2
+        assert metric(url, "diffbatch_step_batch_size_requests_count") >= 400
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
