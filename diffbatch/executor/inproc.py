@@ -48,6 +48,8 @@ class InprocExecutor(Executor):
         self._step_thread: threading.Thread | None = None
         if config.step_execution:
             self._steps = StepRunner(self.runner)
+            self._steps.send_partial_images_to(
+                lambda _call_id, partial: self._notify_partial_image(partial))
             self._step_thread = threading.Thread(
                 target=self._serve_steps, name="diffbatch-steps", daemon=True)
             self._step_thread.start()

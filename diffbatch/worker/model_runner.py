@@ -178,7 +178,7 @@ class ModelRunner:
         if should_stop():  # dropped before it started: no forward at all
             return BatchRunnerOutput.aborted(scheduler_output.req_ids)
         self._should_stop = should_stop
-        self._on_partial_image = _converting(on_partial_image, requests)
+        self._on_partial_image = partial_image_sender(on_partial_image, requests)
         start = time.perf_counter()
         self._num_forwards = 0
         try:
@@ -277,10 +277,11 @@ class ModelRunner:
         self._active_lora = wanted
 
 
-def _converting(
+def partial_image_sender(
     on_partial_image: Callable[[PartialImage], None] | None, requests: list[DiffusionRequest]
 ) -> Callable[[PartialImage], None] | None:
-    """`on_partial_image`, handed each image converted as its request's outputs are."""
+    """`on_partial_image`, handed each partial image of `requests` converted as its
+    request's outputs are (`to_output_type`); None for None."""
     if on_partial_image is None:
         return None
     output_types = {r.request_id: r.sampling_params.output_type for r in requests}

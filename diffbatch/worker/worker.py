@@ -297,6 +297,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
     accepted = _accepted_kwargs(runner)
     try:
         if steps is not None:
+            steps.send_partial_images_to(functools.partial(_send_partial_image, channel,
+                                                           threshold_bytes=threshold_bytes))
             serve_steps(steps, runner, inbox,
                         lambda reply: _send_reply(channel, reply), threshold_bytes)
             return
@@ -311,7 +313,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
             else:
                 should_stop = functools.partial(inbox.is_cancelled, call.call_id)
                 on_partial_image = functools.partial(_send_partial_image, channel,
-                                                     call.call_id, threshold_bytes)
+                                                     call.call_id,
+                                                     threshold_bytes=threshold_bytes)
                 reply = _handle(runner, call, threshold_bytes, should_stop, on_partial_image,
                                 accepted)
                 inbox.done(call.call_id)
@@ -391,8 +394,8 @@ def _accepted_kwargs(runner: Any) -> frozenset[str]:
     return frozenset(name for name in _RUNNER_KWARGS if name in parameters)
 
 
-def _send_partial_image(channel: _Channel, call_id: int, threshold_bytes: int,
-                        partial: PartialImage) -> None:
+def _send_partial_image(channel: _Channel, call_id: int, partial: PartialImage, *,
+                        threshold_bytes: int) -> None:
     """Send one partial image of call `call_id` now (from the forward's thread).
 
     A preview that cannot be sent is dropped: the call's reply still comes, and it is
