@@ -221,9 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"decode {decode['vae']} {decode['image']}: {decode['ms']:.2f} ms")
     for step in report["unet_steps"]:
         print(f"unet step {step['unet']} {step['image']}: {step['ms']:.2f} ms")
-    harness.write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, harness.plot_path(args.out))
+    harness.finish_report(report, args, plot)
 
 
 if __name__ == "__main__":
