@@ -667,5 +667,4 @@ class Engine:
         self.close()
 
 
-
 __all__ = ["ArrivalNotice", "Engine", "RequestStatus", "resolve_request_batch_support"]
