@@ -20,7 +20,7 @@ from diffbatch.errors import (
     RequestAbortedError,
     RequestTimeoutError,
 )
-from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage, RequestError
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -42,6 +42,7 @@ __all__ = [
     "EngineDeadError",
     "InvalidRequestError",
     "ModelNotFoundError",
+    "PartialImage",
     "PayloadTooLargeError",
     "PipelineError",
     "PipelineInfo",

@@ -69,6 +69,27 @@ class DiffusionOutput:
 
 
 @dataclass
+class PartialImage:
+    """One preview of one of a request's images, taken while its wave still runs.
+
+    It is the image the sample's predicted clean latents (x0) decode to after `step` of
+    `num_steps` denoising steps. A request asks for up to `partial_images` of them per
+    image (`SamplingParams.partial_images`), taken at evenly spaced steps before the
+    last. Like `DiffusionOutput.images`, `image` is what the request's `output_type`
+    asks for once the engine hands it out: a PIL image ("pil"), a float tensor
+    [C, H, W] ("pt") or a float array [H, W, C] ("np"), in [0, 1]; in between it
+    crosses processes as the runner ships it (a uint8 tensor [H, W, C] for "pil").
+    """
+
+    request_id: str
+    index: int  # 0-based, per image of the request: OpenAI's `partial_image_index`
+    image_index: int  # which of the request's n images it previews (0-based)
+    step: int  # denoising steps done when it was taken (1-based)
+    num_steps: int  # denoising steps the wave runs
+    image: Any = None  # see the class docstring
+
+
+@dataclass
 class TickStats:
     """One tick of the running batch (crosses to the engine for metrics)."""
 
@@ -109,3 +130,19 @@ class BatchRunnerOutput:
     @property
     def req_ids(self) -> list[str]:
         return list(self.outputs)
+
+
+def finalize_images(images: Any, output_type: str) -> Any:
+    """Turn what the runner shipped ([n, ...] tensors, see `DiffusionOutput`) into the
+    requested output type, in the engine's process."""
+    import torch
+
+    if not isinstance(images, torch.Tensor):
+        return images
+    if output_type == "pt":
+        return images
+    if output_type == "np":
+        return images.numpy()
+    from PIL import Image
+
+    return [Image.fromarray(img) for img in images.numpy()]  # uint8 [n, H, W, C]

@@ -171,6 +171,11 @@ class SamplingParams:
             of the denoising schedule that runs, at least one step (1 ignores the
             image's content where it paints). None takes the pipeline's default for
             the task. Edits only.
+        partial_images: Previews to stream per image while the request runs (0: none),
+            at evenly spaced denoising steps before the last; fewer when the request
+            runs fewer steps. Only `Engine.generate_stream` hands them out (the other
+            entry points drop the field). Not part of the batch key: a request that
+            asks for previews shares waves with requests that do not.
     """
 
     height: int | None = None
@@ -191,6 +196,7 @@ class SamplingParams:
     image: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [H, W, 3]
     mask: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [H, W]
     strength: float | None = None
+    partial_images: int = 0
 
     def __post_init__(self) -> None:
         for name in ("height", "width"):
@@ -238,6 +244,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "give at most one of `sigmas` and `timesteps`", param="sigmas"
             )
+        _check_int("partial_images", self.partial_images, 0, MAX_NUM_INFERENCE_STEPS)
         if not isinstance(self.extra, dict):
             raise InvalidRequestError(
                 f"`extra` must be a dict, got {type(self.extra).__name__}", param="extra"
@@ -300,7 +307,8 @@ class SamplingParamsKey:
 
     Built from *resolved* params (pipeline defaults filled in), so a default value
     and an explicitly given equal value make the same key. It never holds the prompt,
-    the negative prompt text, the seed or a generator.
+    the negative prompt text, the seed, a generator or `partial_images` (previews are
+    taken per request inside the shared forward).
     """
 
     height: int

@@ -6,6 +6,8 @@ installs) and saves each state under docs/images/:
 
 - playground-generate.png: 4 requests sent at once, one wave of 4, each image with
   its seed, wave size, queue and forward time, and the live wave strip;
+- playground-stream.png: 4 more, streamed at 120 steps, caught while their cards
+  show their second partial image;
 - playground-edit.png: "Edit" on a result, image-to-image towards another prompt
   (`shapes` cannot inpaint: diffusers' SD inpainting takes a UNet of 4 or 9 input
   channels, and its UNet has 8);
@@ -37,6 +39,8 @@ from diffbatch.entrypoints.openai.api_server import build_app, uvicorn_config  #
 TIMEOUT_MS = 120_000
 PROMPT = "a large red circle on a white background"
 EDIT_PROMPT = "a large blue circle on a white background"
+STREAM_PROMPT = "a large green triangle on a black background"
+FINAL = ".card[data-state='final']"  # a card showing its image (not a partial one)
 
 
 @contextlib.contextmanager
@@ -79,9 +83,20 @@ def generate_and_edit(browser: object, url: str, out: Path) -> None:
     page.fill("#steps", "15")
     page.fill("#requests", "4")
     page.click("#submit")
-    expect(page.locator(".card")).to_have_count(4)
+    expect(page.locator(FINAL)).to_have_count(4)
     expect(page.locator("#waves li")).not_to_have_count(0)
     page.screenshot(path=str(out / "playground-generate.png"))
+    # The same, streamed slowly enough to catch the partial images.
+    page.fill("#prompt", STREAM_PROMPT)
+    page.fill("#seed", "11")
+    page.fill("#steps", "120")
+    page.fill("#previews", "3")
+    page.click("#submit")
+    expect(page.locator(".card[data-state='partial'][data-partial-index='1']")
+           ).to_have_count(4)
+    page.screenshot(path=str(out / "playground-stream.png"))
+    expect(page.locator(FINAL)).to_have_count(8)
+    page.fill("#steps", "15")
     # Edit the first result towards another prompt.
     page.locator(".card .edit-this").last.click()
     page.wait_for_selector("#edit-stage:not([hidden])")
@@ -92,7 +107,7 @@ def generate_and_edit(browser: object, url: str, out: Path) -> None:
     page.wait_for_selector("#status:has-text('1 of 1'), #error:not([hidden])")
     if page.is_visible("#error"):
         raise SystemExit(f"the edit failed: {page.text_content('#error')}")
-    expect(page.locator(".card")).to_have_count(5)
+    expect(page.locator(FINAL)).to_have_count(9)
     page.locator("header").scroll_into_view_if_needed()
     page.screenshot(path=str(out / "playground-edit.png"), full_page=True)
     page.close()

@@ -7,9 +7,13 @@ real batch-invariant pipeline.
 Edits (an input image, a mask) are supported: the output mixes the request's noise
 with its image, only where its mask paints.
 
+Partial images: a request that asks for them gets, after step s of its S steps, its
+final images scaled by s / S (`send_partial_images`).
+
 A prompt containing `POISON` makes `FakeBatchPipeline` and `PoisonTinySD` (the real
 diffusers adapter, for end-to-end tests with model "tiny-sd") fail the whole wave
-that holds it, the way a request with bad input breaks a fused forward.
+that holds it, the way a request with bad input breaks a fused forward; one with
+`LATE_POISON` fails `FakeBatchPipeline`'s wave once its partial images are sent.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 POISON = "poison"  # a prompt containing it fails its wave
+LATE_POISON = "fails late"  # ...after the wave sent its partial images
 
 
 def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) -> torch.Tensor:
@@ -35,6 +40,18 @@ def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) 
     offset = (zlib.crc32(prompt.encode()) % 1000) / 1000.0
     images = [torch.rand(3, h, w, generator=g) * 0.5 + offset * 0.5 for g in generators]
     return torch.stack(images)
+
+
+def send_partial_images(batch: DiffusionRequestBatch, images: torch.Tensor,
+                        num_steps: int) -> bool:
+    """Send the previews the wave owes: after step s, rows of `images` [B*n, 3, H, W]
+    (the final images) times s / num_steps. False when it owes none."""
+    plan = batch.partial_image_plan(num_steps)
+    if plan is None:
+        return False
+    for step in sorted(plan.rows):
+        plan.send(step, images[plan.rows_at(step)] * (step / num_steps))
+    return True
 
 
 class FakeBatchPipeline(BasePipeline):
@@ -78,6 +95,15 @@ class FakeBatchPipeline(BasePipeline):
             "DIFFBATCH_FAKE_FAIL_WARMUP"
         ):
             raise RuntimeError("warm-up refused")
+        outputs = self.make_outputs(batch)
+        send_partial_images(batch, torch.cat([o.images for o in outputs]),
+                            batch.requests[0].sampling_params.num_inference_steps or 1)
+        if any(LATE_POISON in p for p in batch.prompts):
+            raise RuntimeError("poisoned prompt in this wave, found late")
+        return outputs
+
+    def make_outputs(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        """The wave's outputs, one per request (the rule of the module docstring)."""
         n = batch.num_outputs_per_prompt
         outputs = []
         for i, request in enumerate(batch.requests):
@@ -118,6 +144,38 @@ class GatedPipeline(FakeBatchPipeline):
         type(self).entered.set()
         type(self).release.wait(timeout=60)
         return super().forward(batch)
+
+
+class PreviewGatedPipeline(GatedPipeline):
+    """A `GatedPipeline` that, once released, sends its wave's partial images and, if
+    it owed any, sets `previewed` and holds the wave until `finish` is set: a stream
+    stays at its partial images for as long as a test needs."""
+
+    previewed = threading.Event()
+    finish = threading.Event()
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        gate = type(self)
+        if batch.prompts == ["warm-up"]:
+            return self.make_outputs(batch)
+        gate.entered.set()
+        gate.release.wait(timeout=60)
+        outputs = self.make_outputs(batch)
+        if send_partial_images(batch, torch.cat([o.images for o in outputs]),
+                               batch.requests[0].sampling_params.num_inference_steps or 1):
+            gate.previewed.set()
+            gate.finish.wait(timeout=60)
+        return outputs
+
+
+def make_gate(base: type[GatedPipeline] = GatedPipeline,
+              module: str = __name__) -> type[GatedPipeline]:
+    """A subclass of `base` with fresh events (`entered`, `release`, and the others
+    `base` declares), so tests do not share a gate's state."""
+    events = {name for cls in base.__mro__ for name, value in vars(cls).items()
+              if isinstance(value, threading.Event)}
+    return type("TestGate", (base,), {**{name: threading.Event() for name in events},
+                                      "__module__": module})
 
 
 class WrongCountPipeline(FakeBatchPipeline):
@@ -187,9 +245,10 @@ class FaultyPipeline(FakeBatchPipeline):
     """Faults on demand, chosen by a wave's prompts. Marker files go to
     $DIFFBATCH_FAKE_MARKER_DIR, named by the prompt's last word (NAME):
 
-    - "steps NAME": touch NAME, then run "denoising steps" (10 ms each, up to ten
-      minutes), checking `batch.check_interrupt()` between them; touch
-      NAME.interrupted when the wave was stopped that way;
+    - "steps NAME": touch NAME, send a gray partial image to each request of the wave
+      that asked for one, then run "denoising steps" (10 ms each, up to ten minutes),
+      checking `batch.check_interrupt()` between them; touch NAME.interrupted when the
+      wave was stopped that way;
     - "hang-once NAME": if NAME does not exist, touch it and hang (a wave for a test
       to kill or freeze the worker in); once it exists, run normally (the re-run);
     - "crash ...": kill the worker process (SIGKILL), every time, alone or batched, as
@@ -213,6 +272,12 @@ class FaultyPipeline(FakeBatchPipeline):
 
     @staticmethod
     def _step(batch: DiffusionRequestBatch, marker: str) -> None:
+        params = batch.requests[0].sampling_params
+        gray = torch.full((len(batch) * batch.num_outputs_per_prompt, 3, params.height,
+                           params.width), 0.5)
+        plan = batch.partial_image_plan(2)  # one preview (after step 1 of 2), sent now
+        if plan is not None:
+            plan.send(1, gray[plan.rows_at(1)])
         idle = threading.Event()
         try:
             for _ in range(60_000):

@@ -40,6 +40,24 @@ def test_each_request_gets_an_image_of_its_own_colour_in_one_wave():
     assert sum(d == s for d, s in zip(drawn, shapes, strict=True)) >= 6, drawn
 
 
+async def test_a_streamed_request_previews_its_own_image():
+    """The last partial image already shows the asked-for colour, and streaming it
+    changes nothing in the image."""
+    import numpy as np
+
+    with Engine(None, executor="inproc", torch_num_threads=1, max_num_seqs=1,
+                request_batch_max_wait_ms=0) as engine:  # fixed: no start-up calibration
+        params = SamplingParams(seed=5, partial_images=3)
+        items = [item async for item in engine.generate_stream(
+            "a large blue square on a white background", params)]
+        [plain] = engine.generate(["a large blue square on a white background"],
+                                  params.clone(partial_images=0), use_tqdm=False)
+    *partials, output = items
+    assert [p.step for p in partials] == [4, 8, 11]  # of 15: evenly spaced, before the last
+    assert judge_colour(partials[-1].image) == judge_colour(output.images[0]) == "blue"
+    assert np.array_equal(np.asarray(output.images[0]), np.asarray(plain.images[0]))
+
+
 def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
     from diffbatch import InvalidRequestError
 

@@ -113,6 +113,21 @@ def test_an_abort_stops_the_requests_compute_and_frees_its_slot(step_engine):
     assert ticks(step_engine) - before < 500  # the 1000-step request stopped early
 
 
+def test_a_streamed_request_gets_its_partial_images_through_the_worker(step_engine,
+                                                                      request_engine):
+    async def stream(engine):
+        params = pt(7, 4).clone(partial_images=3)
+        return [item async for item in engine.generate_stream("a streamed cat", params)]
+
+    *partials, output = asyncio.run(stream(step_engine))
+    *expected, reference = asyncio.run(stream(request_engine))
+    assert [p.step for p in partials] == [p.step for p in expected] == [1, 2, 3]
+    for got, want in zip([*partials, output], [*expected, reference], strict=True):
+        image = got.image if hasattr(got, "image") else got.images
+        wanted = want.image if hasattr(want, "image") else want.images
+        assert (image - wanted).abs().max().item() <= TOLERANCE
+
+
 def test_start_up_refuses_a_pipeline_without_the_step_contract():
     with pytest.raises(ConfigError, match="FakeBatchPipeline"):
         Engine(pipeline_class=FakeBatchPipeline, step_execution=True, executor="inproc")

@@ -192,8 +192,18 @@ def test_a_pil_image_and_mask_become_uint8_tensors():
 
 def test_params_with_images_compare_and_print_without_pixels():
     a = SamplingParams(image=image(), seed=1)
-    assert a == a.clone() and "image" not in repr(a)
+    assert a == a.clone() and " image=" not in repr(a) and "tensor" not in repr(a)
     assert a.clone(seed=2).image is a.image
+
+
+def test_partial_images_are_checked_and_stay_out_of_the_key():
+    with pytest.raises(InvalidRequestError, match="`partial_images` must be between 0") as info:
+        SamplingParams(partial_images=-1)
+    assert info.value.param == "partial_images"
+    resolved = SamplingParams(height=64, width=64, num_inference_steps=4, guidance_scale=5.0)
+    key = SamplingParamsKey.from_params(resolved, cfg_enabled=True)
+    assert SamplingParamsKey.from_params(resolved.clone(partial_images=3),
+                                         cfg_enabled=True) == key
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,15 @@
 batch key), hands it to the `EngineCore` loop, and resolves one future per
 request exactly once: with its output, its abort, or the engine's closing. Sync
 callers (`generate`) wait on those futures; async callers (`generate_async`) await
-them, and cancelling the await aborts the request.
+them, and cancelling the await aborts the request. `generate_stream` also yields the
+request's partial images while its wave runs (`partial_images.py` routes them).
 
     from diffbatch import Engine, SamplingParams
     with Engine("tiny-sd", max_num_seqs=4, request_batch_max_wait_ms=20) as engine:
         outs = engine.generate(["a cat", "a dog"], SamplingParams(seed=7))
+
+    async for item in engine.generate_stream("a cat", SamplingParams(partial_images=2)):
+        ...  # PartialImage, PartialImage, then the DiffusionOutput
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
+from diffbatch.engine.partial_images import PartialImageRouter
 from diffbatch.engine.step_core import StepEngineCore
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
@@ -43,7 +48,7 @@ from diffbatch.errors import (
 from diffbatch.executor.abstract import Executor
 from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.metrics import EngineMetrics
-from diffbatch.outputs import DiffusionOutput, RequestError
+from diffbatch.outputs import DiffusionOutput, PartialImage, RequestError, finalize_images
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus, validate_prompt
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -109,9 +114,12 @@ class Engine:
                 f"`supports_request_batch = True`, but {self.pipeline_class.__name__} does "
                 "not declare it; use max_num_seqs=1 or a batch-capable pipeline class"
             )
-        # 2. The executor loads the pipeline (in a worker process for "mp").
+        # 2. The executor loads the pipeline (in a worker process for "mp"); partial
+        #    images it receives go to the streams that asked for them.
         self.executor = Executor.get_class(config.executor)(config)
         self.info: PipelineInfo = self.executor.info
+        self.partial_images = PartialImageRouter()
+        self.executor.set_partial_image_listener(self.partial_images.deliver)
         if config.step_execution and not self.info.supports_step_execution:
             self.executor.shutdown()
             raise ConfigError(
@@ -312,15 +320,19 @@ class Engine:
         return path
 
     def _prepare(
-        self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int
+        self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int,
+        *, streamed: bool = False,
     ) -> DiffusionRequest:
-        """Validate and resolve one request (no side effects)."""
+        """Validate and resolve one request (no side effects). Only a `streamed` request
+        keeps its `partial_images`: elsewhere nobody would receive them."""
         if self._closed:
             raise EngineClosedError("engine is closed")
         if self._draining:
             raise EngineClosedError(_SHUTTING_DOWN + " and takes no new requests; retry")
         validate_prompt(prompt)
         resolved = self.resolve_params(params)
+        if resolved.partial_images and not streamed:
+            resolved = resolved.clone(partial_images=0)
         request_id = uuid.uuid4().hex if request_id is None else request_id
         request = DiffusionRequest(request_id, prompt, resolved, priority=priority)
         cfg_enabled = self.info.cfg_enabled(resolved)
@@ -383,7 +395,7 @@ class Engine:
         if output.ok:
             try:
                 output_type = request.sampling_params.output_type
-                output.images = _finalize_images(output.images, output_type)
+                output.images = finalize_images(output.images, output_type)
             except Exception as exc:  # a malformed result fails only this request
                 output.images, output.error = None, RequestError.from_exception(exc)
         if self.core.serving:  # the warm-up request is not served traffic
@@ -476,6 +488,54 @@ class Engine:
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
+
+    async def generate_stream(
+        self,
+        prompt: str,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_notice: ArrivalNotice | None = None,
+    ) -> AsyncIterator[PartialImage | DiffusionOutput]:
+        """Submit one request; yield its partial images as its wave makes them, then its
+        output, last. Leaving the iteration early (or cancelling it) aborts the request.
+
+        The request gets up to `sampling_params.partial_images` previews of each image
+        (`PartialImage`: `index`, `image_index`, `step`, and `image` in the request's
+        output type), taken at evenly spaced steps while it shares its wave with any
+        other requests. Raises at once as `generate_async` does; otherwise the last
+        item is the `DiffusionOutput`, with `error` set if the request failed.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[PartialImage | None] = asyncio.Queue()
+
+        def put(item: PartialImage | None) -> None:  # from the executor's or delivery thread
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        with self._counting_rejections(1):
+            request = self._prepare(prompt, sampling_params, request_id, priority,
+                                    streamed=True)
+            self.partial_images.open(request.request_id,
+                                     request.sampling_params.output_type, put)
+            try:
+                future = self._add([request], arrival_notice)[0]
+            except BaseException:
+                self.partial_images.close(request.request_id)
+                raise
+        # NOTE: the output comes after every preview: the executor hands previews out
+        # before it returns the wave, and both reach the event loop through its FIFO
+        # `call_soon_threadsafe` queue.
+        future.add_done_callback(lambda _: put(None))
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+            yield future.result()
+        finally:
+            self.partial_images.close(request.request_id)
+            if not future.done():
+                self.abort(request.request_id)
 
     def expect_request(self) -> ArrivalNotice:
         """Announce a request that is on its way, for the admission wait.
@@ -605,21 +665,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _finalize_images(images: Any, output_type: str) -> Any:
-    """Turn what the runner shipped into the requested output type."""
-    import torch
-
-    if not isinstance(images, torch.Tensor):
-        return images
-    if output_type == "pt":
-        return images
-    if output_type == "np":
-        return images.numpy()
-    from PIL import Image
-
-    return [Image.fromarray(img) for img in images.numpy()]  # uint8 [n, H, W, C]
 
 
 __all__ = ["ArrivalNotice", "Engine", "RequestStatus", "resolve_request_batch_support"]

@@ -8,6 +8,10 @@ returns at once, so the engine can queue the next wave behind a running one
 (`max_concurrent_waves` > 1); the base class runs the call in the caller's thread
 and returns a finished future.
 
+Partial images (previews a request asked for) come back while their wave still runs:
+the executor hands each to its partial-image listener (`set_partial_image_listener`),
+before the wave's output.
+
 Implementations sit beside this file: `inproc.py` (the runner in this process) and
 `multiproc.py` (the runner in a worker process, results through shared memory).
 """
@@ -24,7 +28,7 @@ from diffbatch.imports import import_by_name
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
-    from diffbatch.outputs import BatchRunnerOutput
+    from diffbatch.outputs import BatchRunnerOutput, PartialImage
     from diffbatch.pipelines.interface import PipelineInfo
     from diffbatch.sched.output import SchedulerOutput
 
@@ -52,6 +56,7 @@ class Executor(ABC):
     max_concurrent_waves: int = 1
 
     _ready_listener: Callable[[], None] | None = None
+    _partial_image_listener: Callable[[PartialImage], None] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -101,6 +106,15 @@ class Executor(ABC):
     def _notify_ready(self) -> None:
         if self._ready_listener is not None:
             self._ready_listener()
+
+    def set_partial_image_listener(self, listener: Callable[[PartialImage], None]) -> None:
+        """Call `listener` with each partial image a running wave sends, from the thread
+        that receives it (it must not block), before that wave's output is returned."""
+        self._partial_image_listener = listener
+
+    def _notify_partial_image(self, partial: PartialImage) -> None:
+        if self._partial_image_listener is not None:
+            self._partial_image_listener(partial)
 
     def health_stats(self) -> dict[str, float]:
         """Numbers for /metrics: `up` (1 or 0), `heartbeat_age_s`, and the counts

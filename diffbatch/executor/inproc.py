@@ -48,6 +48,8 @@ class InprocExecutor(Executor):
         self._step_thread: threading.Thread | None = None
         if config.step_execution:
             self._steps = StepRunner(self.runner)
+            self._steps.send_partial_images_to(
+                lambda _call_id, partial: self._notify_partial_image(partial))
             self._step_thread = threading.Thread(
                 target=self._serve_steps, name="diffbatch-steps", daemon=True)
             self._step_thread.start()
@@ -58,7 +60,8 @@ class InprocExecutor(Executor):
         return self.runner
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return self._runner().execute_batch(scheduler_output)
+        return self._runner().execute_batch(scheduler_output,
+                                            on_partial_image=self._notify_partial_image)
 
     # -- step mode -------------------------------------------------------------------
     def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:

@@ -27,13 +27,15 @@ worker's life, as the serving worker of one executor:
   with aborted outputs;
 - one reader thread per worker waits on the pipe *and* the process's pidfd (no
   polling), unpacks each reply's shared-memory tensors and resolves the future of
-  the call it answers. It also watches for a worker that stopped making progress
-  (stalled): the worker sends a heartbeat every second or so from a thread of its
-  own, so when none came for `worker_stall_timeout_s` the process is stopped or
-  starved ("frozen"); when the heartbeat lives but the running wave is past the
-  stall bound it was submitted with (`submit_batch(stall_after_s=...)`, a multiple
-  of its expected time), its forward hangs ("stuck"). Either way the reader kills
-  it (SIGKILL) and handles the death below;
+  the call it answers; a `WorkerPartialImage` (sent while a wave runs, before its
+  reply) is unpacked the same way and handed to the partial-image listener. It also
+  watches for a worker that stopped making progress (stalled): the worker sends a
+  heartbeat every second or so from a thread of its own, so when none came for
+  `worker_stall_timeout_s` the process is stopped or starved ("frozen"); when the
+  heartbeat lives but the running wave is past the stall bound it was submitted with
+  (`submit_batch(stall_after_s=...)`, a multiple of its expected time), its forward
+  hangs ("stuck"). Either way the reader kills it (SIGKILL) and handles the death
+  below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
   oldest with `started=True`: it was running; the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor
@@ -80,6 +82,7 @@ from diffbatch.ipc.messages import (
     WorkerError,
     WorkerHeartbeat,
     WorkerMethod,
+    WorkerPartialImage,
     WorkerReady,
     WorkerReply,
     WorkerStart,
@@ -600,6 +603,9 @@ class MultiprocExecutor(Executor):
             if isinstance(reply, WorkerHeartbeat):
                 self._check_running_call(worker, now)
                 continue
+            if isinstance(reply, WorkerPartialImage):  # its call runs on
+                self._partial_image(reply)
+                continue
             worker.last_reply = now
             call_id = getattr(reply, "call_id", None)
             pending = worker.pop_pending(call_id)
@@ -617,6 +623,18 @@ class MultiprocExecutor(Executor):
                 logger.debug("worker traceback:\n%s", reply.error.traceback)
             pending.resolve(reply)
         self._on_death(worker)
+
+    def _partial_image(self, message: WorkerPartialImage) -> None:
+        """(Reader thread.) Unpack a partial image and hand it to the listener."""
+        try:
+            partial = shm.unpack(message.partial)
+        except Exception as exc:  # e.g. a segment that is gone: only a preview is lost
+            logger.warning("dropping a partial image of call %d: %s", message.call_id, exc)
+            return
+        try:
+            self._notify_partial_image(partial)
+        except Exception:  # a listener's bug must not stop the reader
+            logger.exception("the partial-image listener failed")
 
     def _check_running_call(self, worker: _Worker, now: float) -> None:
         """(Reader thread.) Kill the worker if the call it runs is past its stall bound."""

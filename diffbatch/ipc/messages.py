@@ -1,6 +1,6 @@
 """What crosses the pipe between the executor (engine process) and its worker process.
 
-Six messages, one plain dataclass each (and `StepJoin`, the argument of a step-mode
+Seven messages, one plain dataclass each (and `StepJoin`, the argument of a step-mode
 "join" call):
 
 - `WorkerStart` engine -> worker, once: what to load (the engine's config);
@@ -9,6 +9,9 @@ Six messages, one plain dataclass each (and `StepJoin`, the argument of a step-m
   next denoising step, or drop it before it starts;
 - `WorkerReady` worker -> engine, once: the pipeline is loaded (its `PipelineInfo`),
   or why it could not be;
+- `WorkerPartialImage` worker -> engine, while a call runs: one preview a request
+  asked for (`SamplingParams.partial_images`), packed like results, sent before the
+  call's reply;
 - `WorkerReply` worker -> engine, one per call: the packed result or the error;
 - `WorkerHeartbeat` worker -> engine, every `heartbeat_interval_s(config)` once
   ready: the worker's process is alive and scheduled (a frozen one stops sending).
@@ -143,6 +146,14 @@ class WorkerReady:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass
+class WorkerPartialImage:
+    """Worker -> engine, from the forward's thread while call `call_id` runs."""
+
+    call_id: int  # the call whose wave made it
+    partial: Any  # a shm-packed `PartialImage` (a large image travels in shared memory)
 
 
 @dataclass

@@ -12,6 +12,10 @@ For pipelines whose CFG combine is `uncond + guidance_scale * (text - uncond)`
 `guidance_scale` per sample (`PerSampleGuidance`), so requests that differ only in
 their guidance scale share a wave (tests/pipelines/test_per_request_guidance.py).
 
+Partial images (previews of requests that asked for them, `SamplingParams.partial_images`)
+are taken from the per-step callback the adapter installs anyway, inside the same call
+(`diffusers_previews.py`).
+
 Edits (image-to-image and inpainting) run on pipelines built from the loaded one's
 own components (`diffusers_edit.py`), one call per wave as well, on the pipeline of
 the wave's task.
@@ -22,6 +26,7 @@ forward; the registry binds it to a raw diffusers class given as `pipeline_class
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -41,6 +46,7 @@ from diffbatch.pipelines.diffusers_edit import (
     edit_inputs,
     edit_pipes,
 )
+from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.step_fusion import FusionPoint
 
@@ -384,10 +390,12 @@ class DiffusersT2IPipeline(BasePipeline):
         if self._copy_per_call:
             pipe = copy.copy(pipe)
             pipe.scheduler = copy.deepcopy(pipe.scheduler)
-        kwargs = self.call_kwargs(batch)
-        if not self._copy_per_call:  # step mode takes a cancelled request out itself
-            kwargs.update(self._interrupt_kwargs(batch, pipe))
-        images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
+        previews = DiffusersPreviews.for_wave(batch, pipe)
+        kwargs = {**self.call_kwargs(batch),
+                  # step mode takes a cancelled request out itself
+                  **self._step_hooks(batch, pipe, previews, interrupt=not self._copy_per_call)}
+        with previews.capturing() if previews is not None else contextlib.nullcontext():
+            images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
             raise ValueError(
                 f"{self._info.name} returned {getattr(images, 'shape', type(images))}, "
@@ -480,25 +488,37 @@ class DiffusersT2IPipeline(BasePipeline):
         self._apply_quirks(kwargs, extra, call_params)
         return kwargs
 
-    def _interrupt_kwargs(self, batch: DiffusionRequestBatch, pipe: Any) -> dict[str, Any]:
-        """The per-step hook that stops the diffusers loop once nobody waits for the wave.
+    def _step_hooks(self, batch: DiffusionRequestBatch, pipe: Any,
+                    previews: DiffusersPreviews | None, *, interrupt: bool = True,
+                    ) -> dict[str, Any]:
+        """The per-step hook: it stops the diffusers loop once nobody waits for the wave
+        (with `interrupt`), and sends the partial images owed after the step
+        (`diffusers_previews.py`); none when it has neither to do.
 
         NOTE: the hook raises `WaveInterrupted` rather than setting the pipeline's
         `_interrupt` flag: with the flag, diffusers skips the remaining steps but still
         decodes the latents and returns images nobody wants; raising stops at once, and
         the runner turns it into aborted outputs (never a bisected error).
         """
+        def after_step(step: int) -> None:  # `step`: 0-based, as diffusers counts
+            if interrupt:
+                batch.check_interrupt()
+            if previews is not None:
+                previews.after_step(step + 1)
+
+        if not interrupt and previews is None:
+            return {}
         call_params = call_parameters(pipe)
         if "callback_on_step_end" in call_params:
             def on_step_end(pipe: Any, step: int, timestep: Any,
                             callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-                batch.check_interrupt()
+                after_step(step)
                 return callback_kwargs
 
             return {"callback_on_step_end": on_step_end}
         if "callback" in call_params and "callback_steps" in call_params:
             # the older per-step hook (PixArt-Sigma): callback(step, timestep, latents)
-            return {"callback": lambda *_: batch.check_interrupt(), "callback_steps": 1}
+            return {"callback": lambda step, *_: after_step(step), "callback_steps": 1}
         return {}
 
     def _guidance_scale(self, batch: DiffusionRequestBatch) -> float | None:

@@ -12,6 +12,12 @@ Which tasks a pipeline runs besides text-to-image (image-to-image, inpainting) i
 declared by the loaded pipeline in `PipelineInfo.default_strengths`; the engine refuses
 an edit the pipeline does not declare before it reaches a wave.
 
+A pipeline that loops over denoising steps may also stream partial images: it asks
+`batch.partial_image_plan(num_steps)` for the previews its requests asked for
+(`SamplingParams.partial_images`; None: none in this wave) and, after each step,
+decodes the predicted clean image of the rows that owe one and hands it back
+(`partial_images.py`). The diffusers adapter does this through its per-step callback.
+
 A pipeline that loops over denoising steps calls `batch.check_interrupt()` between
 steps: it raises `WaveInterrupted` once nobody waits for the wave any more (every
 request aborted, timed out or disconnected), so the wave stops at the next step
@@ -30,11 +36,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffbatch.errors import WaveInterrupted
+from diffbatch.pipelines.partial_images import PartialImagePlan
 
 if TYPE_CHECKING:
     import torch
 
-    from diffbatch.outputs import DiffusionOutput
+    from diffbatch.outputs import DiffusionOutput, PartialImage
     from diffbatch.pipelines.step_fusion import FusionPoint
     from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -54,6 +61,8 @@ class DiffusionRequestBatch:
     generators: list[torch.Generator] = field(default_factory=list)  # [B * n]
     # True once nobody waits for this wave (the runner's view of aborts); cheap to call
     should_stop: Callable[[], bool] = field(default=lambda: False, repr=False)
+    # Where the wave's partial images go while it runs (the runner's); None: nowhere
+    on_partial_image: Callable[[PartialImage], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -65,6 +74,11 @@ class DiffusionRequestBatch:
         if self.should_stop():
             raise WaveInterrupted(f"wave of {len(self.requests)} request(s) stopped: "
                                   "none of its requests is wanted any more")
+
+    def partial_image_plan(self, num_steps: int) -> PartialImagePlan | None:
+        """Which previews a loop of `num_steps` steps owes to which requests; None when no
+        request of the wave asked for one (or nobody listens). See `partial_images.py`."""
+        return PartialImagePlan.for_batch(self, num_steps)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -7,6 +7,10 @@ caches, activates the wave's single LoRA (adapter, scale), and calls
 one `DiffusionOutput` per request, in order) and never raises for a failing
 pipeline: every request of the wave gets an output, with `error` set if need be.
 
+Partial images a pipeline sends while the wave runs (requests that asked for them,
+`SamplingParams.partial_images`) go to the caller's `on_partial_image` at once,
+converted like the outputs (`to_output_type`).
+
 A wave nobody waits for any more (`should_stop`: the worker's cancel flag, or, in
 process, every request of the wave finished) is not started, and a pipeline that
 checks `batch.check_interrupt()` between steps stops at the next one; either way
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffbatch.errors import ModelNotFoundError, PipelineError, WaveInterrupted
-from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage, RequestError
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.sched.output import SchedulerOutput
 
@@ -146,6 +150,8 @@ class ModelRunner:
         self._active_lora: tuple[str | None, float | None] = (None, None)
         self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
         self._should_stop: Callable[[], bool] = lambda: False  # the current wave's
+        # where the current wave's partial images go; None: nobody listens
+        self._on_partial_image: Callable[[PartialImage], None] | None = None
 
     def info(self) -> PipelineInfo:
         return self._info
@@ -154,12 +160,14 @@ class ModelRunner:
     def execute_batch(
         self, scheduler_output: SchedulerOutput, *,
         should_stop: Callable[[], bool] | None = None,
+        on_partial_image: Callable[[PartialImage], None] | None = None,
     ) -> BatchRunnerOutput:
         """Run one wave with one forward; every request gets exactly one output.
 
         `should_stop` says when nobody waits for the wave any more; None: when every
         request of the wave is finished (aborted), which only an in-process caller
-        sees (a worker's requests are copies).
+        sees (a worker's requests are copies). `on_partial_image` gets the partial
+        images the pipeline sends while it runs (None: the pipeline makes none).
         """
         requests = scheduler_output.requests
         if not requests:
@@ -170,6 +178,7 @@ class ModelRunner:
         if should_stop():  # dropped before it started: no forward at all
             return BatchRunnerOutput.aborted(scheduler_output.req_ids)
         self._should_stop = should_stop
+        self._on_partial_image = partial_image_sender(on_partial_image, requests)
         start = time.perf_counter()
         self._num_forwards = 0
         try:
@@ -235,7 +244,8 @@ class ModelRunner:
         # 1. Per-request set-up: generators from each request's own seed.
         generators = make_generators(requests, self._info.device)
         batch = DiffusionRequestBatch(requests=requests, generators=generators,
-                                      should_stop=self._should_stop)
+                                      should_stop=self._should_stop,
+                                      on_partial_image=self._on_partial_image)
         # 2. Once per wave: cache refresh and the wave's single LoRA.
         self.pipeline.refresh_cache()
         params = requests[0].sampling_params
@@ -265,6 +275,25 @@ class ModelRunner:
             self._loaded_loras.add(lora)
         self.pipeline.set_lora(_adapter_name(lora) if lora is not None else None, scale)
         self._active_lora = wanted
+
+
+def partial_image_sender(
+    on_partial_image: Callable[[PartialImage], None] | None, requests: list[DiffusionRequest]
+) -> Callable[[PartialImage], None] | None:
+    """`on_partial_image`, handed each partial image of `requests` converted as its
+    request's outputs are (`to_output_type`); None for None."""
+    if on_partial_image is None:
+        return None
+    output_types = {r.request_id: r.sampling_params.output_type for r in requests}
+
+    def send(partial: PartialImage) -> None:
+        image = partial.image
+        if isinstance(image, torch.Tensor):  # [C, H, W] in [0, 1]
+            output_type = output_types.get(partial.request_id, "pil")
+            partial.image = to_output_type(image.unsqueeze(0), output_type)[0]
+        on_partial_image(partial)
+
+    return send
 
 
 def _adapter_name(path: str) -> str:

@@ -14,6 +14,10 @@ pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
 4. boundary again: requests past their last step decode, fused across the leavers,
    and leave at once (returned by `tick()`); their slots are free for the next tick.
 
+A request that asks for partial images gets them as in request mode, from its own
+pipeline call (the preview's VAE decode is a boundary call, fused like the others),
+handed to `send_partial_images_to`'s callback with the request's call id.
+
 `cancel(call_id)` takes a request out at the next step boundary (its greenlet is
 unwound with `WaveInterrupted`, so its compute stops). A module call that raises is
 bisected by `run_fused`: only the request whose own call raises errors, its mates go
@@ -22,19 +26,26 @@ on from the same step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffbatch.errors import ConfigError, WaveInterrupted
-from diffbatch.outputs import DiffusionOutput, TickStats
+from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
-from diffbatch.worker.model_runner import check_outputs, make_generators, to_output_type
+from diffbatch.worker.model_runner import (
+    check_outputs,
+    make_generators,
+    partial_image_sender,
+    to_output_type,
+)
 
 if TYPE_CHECKING:
     from diffbatch.ipc.messages import StepJoin
@@ -80,6 +91,12 @@ class StepRunner:
         self.capacity = 1
         self.key: SamplingParamsKey | None = None  # the running batch's key
         self.ticks: list[TickStats] = []  # since the caller last took them
+        # where partial images go: (the request's call id, the image); None: nowhere
+        self._send_partial: Callable[[int, PartialImage], None] | None = None
+
+    def send_partial_images_to(self, send: Callable[[int, PartialImage], None]) -> None:
+        """Hand the running requests' partial images to `send(call_id, partial)`."""
+        self._send_partial = send
 
     # -- the engine's side -----------------------------------------------------------
     def join(self, join: StepJoin) -> None:
@@ -166,13 +183,18 @@ class StepRunner:
 
     def _start(self, task: _Task) -> None:
         task.greenlet = TaskGreenlet(self._task_main)
-        self._advance(task, task.greenlet.switch, task.request)
+        self._advance(task, task.greenlet.switch, task)
 
-    def _task_main(self, request: DiffusionRequest) -> DiffusionOutput:
+    def _task_main(self, task: _Task) -> DiffusionOutput:
         """A request's whole pipeline call (runs in its greenlet)."""
+        request = task.request
+        send = None if self._send_partial is None else \
+            functools.partial(self._send_partial, task.call_id)
         try:
             generators = make_generators([request], self.runner.info().device)
-            batch = DiffusionRequestBatch(requests=[request], generators=generators)
+            batch = DiffusionRequestBatch(
+                requests=[request], generators=generators,
+                on_partial_image=partial_image_sender(send, [request]))
             with torch.inference_mode():
                 outputs = self.pipeline.forward(batch)
             check_outputs(self.runner.info().name, batch, outputs)

@@ -16,8 +16,10 @@ runs `worker_main`, which
    `WorkerHeartbeat` every `heartbeat_interval_s` (a frozen worker falls silent),
    and the main thread takes calls from the inbox in order, runs each on the runner
    with a `should_stop` that reads its cancel flag (a cancelled call that has not
-   started is answered with aborted outputs without running), packs the result's
-   large tensors into shared memory (`diffbatch.ipc.shm`) and sends a `WorkerReply`.
+   started is answered with aborted outputs without running) and an
+   `on_partial_image` that sends each partial image as a `WorkerPartialImage` while
+   the wave runs, packs the result's large tensors into shared memory
+   (`diffbatch.ipc.shm`) and sends a `WorkerReply`.
 
 An exception while handling one call becomes an error reply; it never ends the
 loop. The loop ends on a "shutdown" call or when the pipe closes (the engine
@@ -49,6 +51,7 @@ from diffbatch.ipc.messages import (
     WorkerCancel,
     WorkerError,
     WorkerHeartbeat,
+    WorkerPartialImage,
     WorkerReady,
     WorkerReply,
     WorkerStart,
@@ -56,7 +59,7 @@ from diffbatch.ipc.messages import (
     recv_message,
     send_message,
 )
-from diffbatch.outputs import BatchRunnerOutput
+from diffbatch.outputs import BatchRunnerOutput, PartialImage
 from diffbatch.worker.malloc import tune_malloc
 from diffbatch.worker.step_runner import StepRunner
 
@@ -291,9 +294,11 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
     if heartbeat_s > 0:
         threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating),
                          daemon=True, name="diffbatch-worker-heartbeat").start()
-    takes_should_stop = _takes_should_stop(runner)
+    accepted = _accepted_kwargs(runner)
     try:
         if steps is not None:
+            steps.send_partial_images_to(functools.partial(_send_partial_image, channel,
+                                                           threshold_bytes=threshold_bytes))
             serve_steps(steps, runner, inbox,
                         lambda reply: _send_reply(channel, reply), threshold_bytes)
             return
@@ -307,7 +312,11 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                 return
             else:
                 should_stop = functools.partial(inbox.is_cancelled, call.call_id)
-                reply = _handle(runner, call, threshold_bytes, should_stop, takes_should_stop)
+                on_partial_image = functools.partial(_send_partial_image, channel,
+                                                     call.call_id,
+                                                     threshold_bytes=threshold_bytes)
+                reply = _handle(runner, call, threshold_bytes, should_stop, on_partial_image,
+                                accepted)
                 inbox.done(call.call_id)
             if not _send_reply(channel, reply):
                 return
@@ -372,17 +381,40 @@ def _run_call(runner: Any, call: WorkerCall) -> WorkerReply:
         return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
 
 
-def _takes_should_stop(runner: Any) -> bool:
-    """Whether the runner's `execute_batch` takes `should_stop` (test runners may not)."""
+_RUNNER_KWARGS = ("should_stop", "on_partial_image")
+
+
+def _accepted_kwargs(runner: Any) -> frozenset[str]:
+    """Which of `should_stop` and `on_partial_image` the runner's `execute_batch` takes
+    (test runners may take neither)."""
     try:
-        return "should_stop" in inspect.signature(runner.execute_batch).parameters
+        parameters = inspect.signature(runner.execute_batch).parameters
     except (AttributeError, TypeError, ValueError):
-        return False
+        return frozenset()
+    return frozenset(name for name in _RUNNER_KWARGS if name in parameters)
+
+
+def _send_partial_image(channel: _Channel, call_id: int, partial: PartialImage, *,
+                        threshold_bytes: int) -> None:
+    """Send one partial image of call `call_id` now (from the forward's thread).
+
+    A preview that cannot be sent is dropped: the call's reply still comes, and it is
+    what the request's caller waits for.
+    """
+    try:
+        packed = shm.pack(partial, threshold_bytes)
+    except Exception as exc:  # e.g. /dev/shm is full; pack() already cleaned up
+        logger.warning("worker %d: dropping a partial image: %s", os.getpid(), exc)
+        return
+    if not _send_quietly(channel, WorkerPartialImage(call_id, packed)):
+        shm.release(packed)
 
 
 def _handle(
     runner: Any, call: WorkerCall, threshold_bytes: int,
-    should_stop: Callable[[], bool] = lambda: False, takes_should_stop: bool = False,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_partial_image: Callable[[PartialImage], None] | None = None,
+    accepted: frozenset[str] = frozenset(),
 ) -> WorkerReply:
     """Run one call and pack its result; any exception becomes an error reply.
 
@@ -393,8 +425,10 @@ def _handle(
             raise ValueError(f"unknown worker method {call.method!r}")
         if call.method == "execute_batch" and should_stop():
             result = BatchRunnerOutput.aborted(call.arg.req_ids)
-        elif call.method == "execute_batch" and takes_should_stop:
-            result = runner.execute_batch(call.arg, should_stop=should_stop)
+        elif call.method == "execute_batch":
+            given = {"should_stop": should_stop, "on_partial_image": on_partial_image}
+            result = runner.execute_batch(
+                call.arg, **{name: given[name] for name in accepted})
         else:
             result = getattr(runner, call.method)(call.arg)
     except Exception as exc:

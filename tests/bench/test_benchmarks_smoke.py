@@ -126,6 +126,17 @@ def test_offline_batch_gain_smoke(tmp_path: Path) -> None:
         assert row["engine_over_raw"] > 0 and "raw_gain" in row
 
 
+def test_partial_images_smoke(tmp_path: Path) -> None:
+    report = run_script(
+        "partial_images.py", tmp_path / "partial.json", "--models", "tiny-sd",
+        "--batch-size", "2", "--rounds", "1", "--decode-repeats", "1", "--sd15-sides",
+    )
+    [wave] = report["waves"]
+    assert wave["previews"] == {"none": 0, "one": 3, "all": 6}  # 3 per request, 4 steps
+    assert set(wave["ms_per_preview"]) == {"one", "all"}
+    assert [d["vae"] for d in report["decodes"]] == ["tiny-sd"]
+
+
 def test_scheduling_policies_smoke(tmp_path: Path) -> None:
     report = run_script(
         "scheduling_policies.py", tmp_path / "sched.json", *MINIMAL, "--num-requests", "4",

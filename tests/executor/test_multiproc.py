@@ -43,7 +43,7 @@ from diffbatch.ipc.messages import (
     send_message,
 )
 from diffbatch.ipc.shm import ShmTensorHandle
-from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput
+from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
@@ -65,7 +65,9 @@ class FakeWorkerPipeline(BasePipeline):
     """Behaviour per prompt: "fail" -> an error output, "raise" -> the forward raises,
     "block" -> touch the marker file in `extra["marker"]` and hang, "steps" -> touch it,
     then step (10 ms each, up to ten minutes) until the wave is stopped; else a 3 MiB
-    image (float, `output_type="pt"`) filled with the request's position in its wave."""
+    image (float, `output_type="pt"`) filled with the request's position in its wave.
+    A wave whose first prompt is "preview" first sends the partial images its requests
+    ask for, as a loop of 3 steps would: 3 MiB each, filled with their step."""
 
     supports_request_batch = True
 
@@ -87,6 +89,11 @@ class FakeWorkerPipeline(BasePipeline):
             for _ in range(60_000):
                 batch.check_interrupt()
                 idle.wait(0.01)
+        plan = batch.partial_image_plan(3)
+        if first.prompt == "preview" and plan is not None:
+            for step in sorted(plan.rows):
+                rows = len(plan.rows_at(step))
+                plan.send(step, torch.full((rows, *IMAGE_SHAPE[1:]), float(step)))
         return [self._one(r, i) for i, r in enumerate(batch.requests)]
 
     def _one(self, request: DiffusionRequest, index: int) -> DiffusionOutput:
@@ -221,6 +228,30 @@ def test_execute_batch_returns_per_request_outputs_through_shm(executor, monkeyp
         assert torch.equal(out.images, torch.full(IMAGE_SHAPE, float(i)))
     assert seen == [[(3 * 512 * 512 * 4, True)] * 3]  # three images crossed in shm
     assert segments_of(executor.worker_pid) == []  # and were unlinked on arrival
+
+
+def test_partial_images_cross_through_shm_before_the_wave_returns(executor):
+    got: list[tuple[PartialImage, bool, list[str]]] = []
+    future = None
+
+    def listener(partial: PartialImage) -> None:  # on the executor's reader thread
+        got.append((partial, future is not None and future.done(),
+                    segments_of(executor.worker_pid)))
+
+    executor.set_partial_image_listener(listener)
+    try:
+        previewing = request("p", "preview")
+        previewing.sampling_params.partial_images = 2  # after steps 1 and 2 of 3
+        future = executor.submit_batch(wave(5, previewing, request("q")))
+        result = future.result(DEADLINE_S)
+    finally:
+        executor.set_partial_image_listener(lambda partial: None)
+    assert result.outputs["p"].ok and result.outputs["q"].ok
+    assert [(p.request_id, p.index, p.step) for p, _, _ in got] == [("p", 0, 1), ("p", 1, 2)]
+    for partial, wave_done, _ in got:
+        assert not wave_done  # handed out while the call was still open
+        assert torch.equal(partial.image, torch.full(IMAGE_SHAPE[1:], float(partial.step)))
+    assert segments_of(executor.worker_pid) == []  # each unlinked on arrival
 
 
 def test_a_wave_of_one(executor):
@@ -496,21 +527,33 @@ def test_real_model_runner_on_tiny_sd_matches_inproc():
     config = EngineConfig(model="tiny-sd", warmup=False, torch_num_threads=1)
     params = SamplingParams(height=64, width=64, num_inference_steps=2, guidance_scale=5.0,
                             seed=3, num_outputs_per_prompt=2, output_type="pt")
-    requests = [DiffusionRequest(f"r{i}", prompt, params.clone(seed=10 + i))
+    requests = [DiffusionRequest(f"r{i}", prompt, params.clone(seed=10 + i,
+                                                               partial_images=1 - i))
                 for i, prompt in enumerate(["a red circle", "a blue square"])]
     ex = MultiprocExecutor(config)
+    got_partials: list[PartialImage] = []
     try:
         assert ex.info.size_multiple >= 1
+        ex.set_partial_image_listener(got_partials.append)
         got = ex.execute_batch(wave(1, *requests))
     finally:
         ex.shutdown()
-    want = InprocExecutor(config).execute_batch(wave(1, *requests))
+    inproc = InprocExecutor(config)
+    want_partials: list[PartialImage] = []
+    inproc.set_partial_image_listener(want_partials.append)
+    want = inproc.execute_batch(wave(1, *requests))
     assert got.req_ids == want.req_ids == ["r0", "r1"]
     for rid in got.req_ids:
         assert got.outputs[rid].ok, got.outputs[rid].error
         assert got.outputs[rid].images.shape == (2, 3, 64, 64)
         torch.testing.assert_close(got.outputs[rid].images, want.outputs[rid].images,
                                    atol=1e-5, rtol=1e-4)
+    # r0's one preview (after step 1 of 2) of each of its two images, from either executor
+    assert [(p.request_id, p.step, p.image_index) for p in got_partials] \
+        == [(p.request_id, p.step, p.image_index) for p in want_partials] \
+        == [("r0", 1, 0), ("r0", 1, 1)]
+    for mine, theirs in zip(got_partials, want_partials, strict=True):
+        torch.testing.assert_close(mine.image, theirs.image, atol=1e-5, rtol=1e-4)
 
 
 def test_cancel_stops_a_running_wave_and_drops_the_queued_one(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from diffbatch.config import EngineConfig
 from diffbatch.errors import ConfigError
 from diffbatch.ipc.messages import StepJoin
+from diffbatch.outputs import PartialImage
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.registry import load_pipeline
 from diffbatch.sched.output import SchedulerOutput
@@ -189,3 +190,28 @@ def test_edits_with_different_strengths_and_n_share_the_batch_and_equal_their_so
         diff = (output.images - solo_image(runner, request, key)).abs().max().item()
         assert diff <= TOLERANCE, f"{task} {request.request_id}: {diff}"
     assert left["r0"][0] < left["r2"][0]  # strength 0.5 runs 4 steps, 1.0 all 8
+
+
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux", "shapes"])
+def test_partial_images_in_step_mode_equal_request_modes(model: str, load_tiny: Any) -> None:
+    """A request streams the previews it asked for from its own call in the running batch
+    (its mate asks for none), the same as it gets alone in request mode."""
+    pipeline = load_tiny(model)
+    runner = ModelRunner(EngineConfig(model=model), pipeline=pipeline)
+    steps = StepRunner(runner)
+    sent: list[tuple[int, PartialImage]] = []
+    steps.send_partial_images_to(lambda call_id, partial: sent.append((call_id, partial)))
+    streamed, key = step_request(pipeline, 0, 4, partial_images=3)
+    plain, _ = step_request(pipeline, 1, 6)
+    solo = type(streamed)(streamed.request_id, streamed.prompt, streamed.sampling_params)
+    solo.key = key
+    want: list[PartialImage] = []
+    runner.execute_batch(SchedulerOutput(1, [solo], key), on_partial_image=want.append)
+    join(steps, [streamed, plain], 10, capacity=4)
+    left = run_until_idle(steps)
+    assert set(left) == {"r0", "r1"}
+    assert [(call_id, p.request_id, p.step) for call_id, p in sent] == [
+        (10, "r0", 1), (10, "r0", 2), (10, "r0", 3)]
+    assert [p.step for p in want] == [1, 2, 3]
+    for (_, got), expected in zip(sent, want, strict=True):
+        assert (got.image - expected.image).abs().max().item() <= TOLERANCE

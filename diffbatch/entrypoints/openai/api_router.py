@@ -2,7 +2,9 @@
 
 Each route lists the error statuses it can answer (and only those: `/openapi.json`
 must say what the server does), and the image routes are wrapped in
-`with_cancellation` so a client disconnect aborts their engine request. The edits
+`with_cancellation` so a client disconnect aborts their engine request. A streamed
+answer (`stream: true`) leaves the route as a `StreamingResponse`, which ends its
+events when the client disconnects, and ending them aborts the request. The edits
 route reads its multipart form itself (`uploads.read_edit_form`) before the
 cancellable part starts: the disconnect listener reads the same ASGI channel.
 """
@@ -16,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -36,6 +44,8 @@ from diffbatch.entrypoints.openai.protocol import (
     WaveList,
 )
 from diffbatch.entrypoints.openai.serving_images import ImageResult
+from diffbatch.entrypoints.openai.serving_stream import MEDIA_TYPE as EVENT_STREAM
+from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, event_schema
 from diffbatch.entrypoints.openai.uploads import EditForm, read_edit_form
 from diffbatch.entrypoints.utils import with_cancellation
 from diffbatch.errors import DiffbatchError, EngineDeadError
@@ -72,6 +82,13 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse} for status in sorted({*statuses, 503})}
 
 
+def _image_responses(kind: EventKind, *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`_errors(*statuses)`, and the image routes' 200: JSON, or events with `stream`."""
+    return {200: {"content": {EVENT_STREAM: {"schema": event_schema(kind)}},
+                  "description": "the images (JSON), or with `stream: true` server-sent "
+                  "events: partial images, then the image"}, **_errors(*statuses)}
+
+
 def _serving(raw_request: Request) -> OpenAIServingImages:
     return raw_request.app.state.serving_images
 
@@ -81,16 +98,16 @@ def _engine(raw_request: Request) -> Engine:
 
 
 @router.post(IMAGES_ROUTE, response_model=ImageGenerationResponse,
-             responses=_errors(400, 401, 404, 413, 415, 500, 504))
+             responses=_image_responses("image_generation", 400, 401, 404, 413, 415, 500, 504))
 @with_cancellation
 async def create_image(request: ImageGenerationRequest, raw_request: Request) -> Response:
     """Generate `n` images for one prompt (OpenAI `images.generate`)."""
     params = _serving(raw_request).prepare_image(request)
-    return await _generate(request, params, raw_request)
+    return await _generate(request, params, raw_request, "image_generation")
 
 
 @router.post(EDITS_ROUTE, response_model=ImageGenerationResponse,
-             responses=_errors(400, 401, 404, 413, 415, 500, 504))
+             responses=_image_responses("image_edit", 400, 401, 404, 413, 415, 500, 504))
 async def edit_image(raw_request: Request) -> Response:
     """Edit one uploaded image (OpenAI `images.edit`): image-to-image, or inpainting with
     a mask. The multipart request body is declared by `openapi.py`."""
@@ -106,25 +123,35 @@ async def edit_image(raw_request: Request) -> Response:
 async def _run_edit(*, request: ImageEditRequest, form: EditForm,
                     raw_request: Request) -> Response:
     params = await _serving(raw_request).prepare_edit(request, form.image, form.mask)
-    return await _generate(request, params, raw_request)
+    return await _generate(request, params, raw_request, "image_edit")
 
 
 async def _generate(request: ImageGenerationRequest, params: SamplingParams,
-                    raw_request: Request) -> Response:
-    """Hand a prepared image request to the engine and answer with its result."""
+                    raw_request: Request, kind: EventKind) -> Response:
+    """Hand a prepared image request to the engine and answer with its result: JSON, or
+    `kind` events for a streamed request."""
     setattr(raw_request.state, SUBMITTED_STATE, True)
     # NOTE: the engine's id is always the server's own: a client's `x-request-id` is
     # echoed and logged, never used as an engine id, or one client could make another's
     # request fail as "already active" by sending the same id.
     request_id = f"img-{uuid.uuid4().hex}"
-    result = await _serving(raw_request).generate(
-        request, params, request_id, getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None),
-        client_request_id=raw_request.headers.get("x-request-id"),
-        base_url=str(raw_request.base_url),
-    )
-    if not isinstance(result, ImageResult):
-        return result
-    return JSONResponse(result.response.to_json(), headers=result.headers)
+    notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
+    client_request_id = raw_request.headers.get("x-request-id")
+    serving = _serving(raw_request)
+    result: ImageResult | ImageStream | Response
+    if request.stream:
+        result = await serving.stream(request, params, request_id, notice, client_request_id,
+                                      kind=kind)
+    else:
+        result = await serving.generate(request, params, request_id, notice,
+                                        client_request_id=client_request_id,
+                                        base_url=str(raw_request.base_url))
+    if isinstance(result, ImageStream):
+        return StreamingResponse(result.events, media_type=EVENT_STREAM,
+                                 headers=result.headers)
+    if isinstance(result, ImageResult):
+        return JSONResponse(result.response.to_json(), headers=result.headers)
+    return result
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_errors(401))

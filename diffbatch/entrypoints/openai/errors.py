@@ -105,26 +105,35 @@ def _code_of(exc: DiffbatchError) -> str | None:
 
 def exception_response(exc: DiffbatchError) -> JSONResponse:
     """Map a diffbatch exception through its `status_code`, `type` and `param`."""
-    return error_response(
-        exc.status_code, exc.message, type=exc.type, param=exc.param, code=_code_of(exc),
-    )
+    status, message, keywords = exception_error(exc)
+    return error_response(status, message, **keywords)
+
+
+def exception_error(exc: DiffbatchError) -> tuple[int, str, dict[str, Any]]:
+    """(status, message, keywords of `error_response`) of a diffbatch exception."""
+    return exc.status_code, exc.message, {"type": exc.type, "param": exc.param,
+                                          "code": _code_of(exc)}
 
 
 def request_error_response(error: RequestError) -> JSONResponse:
-    """Map the `RequestError` of a failed engine request.
+    """Map the `RequestError` of a failed engine request (see `request_error`)."""
+    status, message, keywords = request_error(error)
+    return error_response(status, message, **keywords)
+
+
+def request_error(error: RequestError) -> tuple[int, str, dict[str, Any]]:
+    """(status, message, keywords of `error_response`) of a failed engine request.
 
     NOTE: an aborted request (499) that reaches here was aborted by the server, not
     by this client (whose disconnect cancels the handler before any answer), e.g.
     because the engine is shutting down; 503 tells the client it may retry.
     """
     if error.status_code == 499:
-        return error_response(
-            503, f"request was aborted by the server: {error.message}",
-            type="engine_unavailable", code="aborted",
-        )
+        return 503, f"request was aborted by the server: {error.message}", {
+            "type": "engine_unavailable", "code": "aborted"}
     code = "engine_unavailable" if error.type == EngineDeadError.type else None
-    return error_response(error.status_code, error.message, type=error.type, param=error.param,
-                          code=code)
+    return error.status_code, error.message, {"type": error.type, "param": error.param,
+                                              "code": code}
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:

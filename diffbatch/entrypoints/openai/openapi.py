@@ -18,11 +18,14 @@ cannot know, or gets wrong, is fixed here once, when the spec is first asked for
    description of `num_inference_steps`, and exactly, as the request schemas' `allOf`
    (`work_limit.py`);
 4. a single allowed value (`const`) is written as a one-value `enum`, like the
-   others (`response_format`, `moderation`, `stream`, `partial_images`);
+   others (`response_format`, `moderation`);
 5. the edits route reads its multipart form itself, so its request body is declared
    here: `ImageEditRequest`'s fields (without the `null` branches: a form field is
    left out, never null) plus the `image` and `mask` files, with the media types
    each part may be (`encoding`).
+
+The image routes' 200 is JSON, or with `stream: true` a `text/event-stream` whose
+schema (OpenAPI 3.1: one event's) the routes declare (`serving_stream.event_schema`).
 
 NOTE: what the spec cannot say about the files, it says in their descriptions: the
 image's pixel cap, and that the mask must have the image's size and an alpha channel.

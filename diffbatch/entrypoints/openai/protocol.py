@@ -33,6 +33,8 @@ from diffbatch.sampling_params import (
 
 # OpenAI's own bound on `n` for image generation.
 MAX_N = 10
+# OpenAI's bound on `partial_images` (previews streamed per image).
+MAX_PARTIAL_IMAGES = 3
 OUTPUT_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
 # What `output_format` accepts: the three formats, and "jpg" as a name of jpeg.
 OutputFormat = Literal["png", "jpeg", "webp", "jpg"]
@@ -55,16 +57,32 @@ LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
 Quality = Literal["auto", "standard"]
 Background = Literal["auto", "opaque"]
 Moderation = Literal["auto"]
-Stream = Literal[False]
-PartialImages = Literal[0]
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "quality": get_args(Quality),
     "style": (),
     "background": get_args(Background),
     "moderation": get_args(Moderation),
-    "stream": get_args(Stream),
-    "partial_images": get_args(PartialImages),
 }
+# The JSON Schema of the rules between fields that `_check_combinations` enforces.
+# NOTE: the stream rules are implications written as `anyOf` (either the premise is
+# false or the conclusion holds), not `if`/`then`: schemathesis takes an `if` for a
+# constraint of its own and "violates" it in requests it expects refused.
+_OUTPUT_COMPRESSION_RULE: dict[str, Any] = {
+    # `output_compression` (a number) needs a lossy `output_format`.
+    "if": {"properties": {"output_compression": {"type": "integer"}},
+           "required": ["output_compression"]},
+    "then": {"properties": {"output_format": {"enum": ["jpeg", "webp", "jpg"]}},
+             "required": ["output_format"]},
+}
+_STREAM_RULES: list[dict[str, Any]] = [
+    # A stream is one image, base64 in its events.
+    {"anyOf": [{"properties": {"stream": {"enum": [False, None]}}},
+               {"properties": {"n": {"enum": [1]},
+                               "response_format": {"enum": ["b64_json", None]}}}]},
+    # Partial images are streamed.
+    {"anyOf": [{"properties": {"partial_images": {"enum": [0, None]}}},
+               {"properties": {"stream": {"enum": [True]}}, "required": ["stream"]}]},
+]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -143,17 +161,13 @@ class ImageGenerationRequest(OpenAIBaseModel):
         priority: Extension: lower runs first under `--scheduling-policy grouped`
             (ignored by `fifo`, which keeps arrival order exactly).
         lora_scale: Extension: strength of the LoRA adapter.
+        stream: Answer as server-sent events (OpenAI's image streaming): partial
+            images, then the completed image. Only with n = 1 (as OpenAI) and base64.
+        partial_images: Previews to stream before the image, 0-3 (with `stream`).
     """
 
     model_config = ConfigDict(
-        extra="forbid",
-        # `output_compression` (a number) needs a lossy `output_format`.
-        json_schema_extra={
-            "if": {"properties": {"output_compression": {"type": "integer"}},
-                   "required": ["output_compression"]},
-            "then": {"properties": {"output_format": {"enum": ["jpeg", "webp", "jpg"]}},
-                     "required": ["output_format"]},
-        },
+        extra="forbid", json_schema_extra={**_OUTPUT_COMPRESSION_RULE, "allOf": _STREAM_RULES},
     )
 
     prompt: str = Field(
@@ -182,8 +196,16 @@ class ImageGenerationRequest(OpenAIBaseModel):
     style: None = None
     background: Background | None = None
     moderation: Moderation | None = None
-    stream: Stream | None = None
-    partial_images: PartialImages | None = None
+    stream: bool | None = Field(
+        default=None, strict=True,
+        description="answer as server-sent events: partial images, then the image "
+        "(`image_generation.*` events; `image_edit.*` for edits); needs n = 1",
+    )
+    partial_images: int | None = Field(
+        default=None, ge=0, le=MAX_PARTIAL_IMAGES, strict=True,
+        description="previews to stream before the image (with `stream`), at evenly "
+        "spaced denoising steps; fewer when the request runs fewer steps",
+    )
     # Diffusion extensions (send them with the openai client's `extra_body`).
     negative_prompt: str | None = Field(
         default=None, min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,
@@ -247,7 +269,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         return value
 
     @field_validator("n", "output_compression", "num_inference_steps", "seed", "priority",
-                     mode="before")
+                     "partial_images", mode="before")
     @classmethod
     def _check_integral(cls, value: Any) -> Any:
         return _integral_to_int(value)
@@ -283,6 +305,25 @@ class ImageGenerationRequest(OpenAIBaseModel):
                 "`output_compression` applies to \"jpeg\" and \"webp\" only; PNG is lossless. "
                 "Leave it out or set `output_format`",
                 param="output_compression",
+            )
+        if self.stream:
+            if self.n != 1:
+                raise InvalidRequestError(
+                    f"`n` must be 1 when `stream` is true (OpenAI streams one image per "
+                    f"request), got {self.n}; send {self.n} streamed requests instead",
+                    param="n",
+                )
+            if self.response_format == "url":
+                raise InvalidRequestError(
+                    "`response_format` \"url\" cannot be streamed: stream events carry "
+                    "the image as base64; leave it out or use \"b64_json\"",
+                    param="response_format",
+                )
+        elif self.partial_images:
+            raise InvalidRequestError(
+                f"`partial_images` ({self.partial_images}) needs `stream`: partial images "
+                "are streamed; set `stream` to true or leave `partial_images` out",
+                param="partial_images",
             )
         return self
 

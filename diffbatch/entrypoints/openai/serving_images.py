@@ -20,6 +20,10 @@ A request runs in stages: `prepare_image` (`prepare_edit` for an edit) runs 1-2,
    blocks the event loop that serves the others;
 5. build the OpenAI response.
 
+A request with `stream: true` runs stages 3-5 in `stream` instead, as server-sent
+events (`serving_stream.py`): each partial image is encoded and sent as its wave makes
+it, then the image.
+
 Nothing here counts refused requests: a refusal in stages 1-2 is counted with every
 other refusal the server answers, once, by the metrics middleware's hook
 (`api_server._rejection_counter`); one in stage 3 is the engine's own to count.
@@ -29,11 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +52,7 @@ from diffbatch.entrypoints.openai.protocol import (
     ImageGenerationResponse,
     ImageObject,
 )
+from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, StreamedImages
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
     InvalidRequestError,
@@ -282,7 +290,18 @@ class OpenAIServingImages:
             output_type="pil",
             lora=request.lora,
             lora_scale=request.lora_scale,
+            partial_images=request.partial_images or 0,
         )
+
+    def _encode_one(self, request: ImageGenerationRequest, image: Any) -> str:
+        """One image as base64 in the request's format (blocking), its time recorded."""
+        start = time.perf_counter()
+        [b64] = encode_images([image], request.output_format, request.output_compression,
+                              self.png_compress_level)
+        if self.http_metrics is not None:
+            self.http_metrics.encode_s.labels(request.output_format).observe(
+                time.perf_counter() - start)
+        return b64
 
     def _store(self, images: list[Any], request: ImageGenerationRequest) -> list[str]:
         """Encode `images` and keep them in the image store; returns their file ids."""
@@ -350,14 +369,11 @@ class OpenAIServingImages:
         # 3. Generate; only this request is awaited here.
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                output = await self.engine.generate_async(
-                    request.prompt, params, request_id=request_id, priority=request.priority,
-                    arrival_notice=arrival_notice,
-                )
-        except InvalidRequestError as exc:
-            if exc.param in ("height", "width"):  # the engine's names of `size`'s sides
-                exc.param = "size"
-            raise
+                with _sides_named_size():
+                    output = await self.engine.generate_async(
+                        request.prompt, params, request_id=request_id,
+                        priority=request.priority, arrival_notice=arrival_notice,
+                    )
         except TimeoutError:
             raise RequestTimeoutError(
                 f"request did not finish within the server's request timeout of "
@@ -408,3 +424,39 @@ class OpenAIServingImages:
             (time.perf_counter() - start) * 1e3,
         )
         return ImageResult(response=response, headers=headers)
+
+    async def stream(
+        self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
+        arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
+        *, kind: EventKind = "image_generation",
+    ) -> ImageStream | JSONResponse:
+        """Stages 3-5 of a streamed request (`serving_stream.py`): the stream of `kind`
+        events once its first event is there, or the JSON error of a request that failed
+        before it.
+
+        Raises:
+            DiffbatchError: as `generate`, before the stream starts.
+        """
+        items = self.engine.generate_stream(
+            request.prompt, params, request_id=request_id, priority=request.priority,
+            arrival_notice=arrival_notice,
+        )
+        stream = StreamedImages(
+            items, request, kind=kind, size=f"{params.width}x{params.height}",
+            encode=functools.partial(self._encode_one, request), redact=self._redact,
+            timeout_s=self.request_timeout_s,
+        )
+        with _sides_named_size():
+            return await stream.start({"x-request-id": client_request_id or request_id})
+
+
+@contextlib.contextmanager
+def _sides_named_size() -> Iterator[None]:
+    """An engine refusal that blames `height` or `width` blames the request's `size`."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.param in ("height", "width"):  # the engine's names of `size`'s sides
+            exc.param = "size"
+        raise
+

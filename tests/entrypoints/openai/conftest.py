@@ -27,7 +27,7 @@ import uvicorn
 
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app, uvicorn_config
-from tests.fake_pipelines import FakeBatchPipeline, GatedPipeline
+from tests.fake_pipelines import FakeBatchPipeline, GatedPipeline, make_gate
 
 READY_TIMEOUT_S = 120.0  # a cold start builds the tiny model and starts a worker
 API_KEY = "test-key"
@@ -119,19 +119,13 @@ def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_lora_dir(tmp_path_factory.mktemp("loras"))
 
 
-def make_gate() -> type[GatedPipeline]:
-    """A `GatedPipeline` subclass with fresh `entered`/`release` events."""
-    return type(
-        "TestGate", (GatedPipeline,),
-        {"entered": threading.Event(), "release": threading.Event(), "__module__": __name__},
-    )
-
-
 @contextlib.contextmanager
-def gated_server(**app_kwargs: Any) -> Iterator[tuple[RunningServer, type[GatedPipeline]]]:
+def gated_server(gate_base: type[GatedPipeline] = GatedPipeline, **app_kwargs: Any,
+                 ) -> Iterator[tuple[RunningServer, type[GatedPipeline]]]:
     """A served in-process engine whose forwards block until the gate is released.
 
-    `config` (a dict) goes to `serve_in_thread` as uvicorn configuration.
+    `config` (a dict) goes to `serve_in_thread` as uvicorn configuration; `gate_base`
+    is the gated pipeline to subclass (e.g. `PreviewGatedPipeline`).
     """
     engine_kwargs = {
         k: app_kwargs.pop(k) for k in ("max_num_seqs", "max_queue_size", "lora_dir")
@@ -142,7 +136,7 @@ def gated_server(**app_kwargs: Any) -> Iterator[tuple[RunningServer, type[GatedP
     engine_kwargs.setdefault("max_num_seqs", 1)
     engine_kwargs.setdefault("request_batch_max_wait_ms", 0)
     config_kwargs = app_kwargs.pop("config", {})
-    gate = make_gate()
+    gate = make_gate(gate_base, module=__name__)
     engine = Engine(pipeline_class=gate, executor="inproc", **engine_kwargs)
     try:
         app = build_app(engine, served_model_name="gated", **app_kwargs)
@@ -150,10 +144,18 @@ def gated_server(**app_kwargs: Any) -> Iterator[tuple[RunningServer, type[GatedP
             try:
                 yield RunningServer(url, engine, app, app_kwargs.get("api_key")), gate
             finally:
-                gate.release.set()  # never leave a forward blocked at teardown
+                _open(gate)  # never leave a forward blocked at teardown
     finally:
-        gate.release.set()
+        _open(gate)
         engine.close()
+
+
+def _open(gate: type[GatedPipeline]) -> None:
+    """Set every event a gated forward may wait on."""
+    for name in ("release", "finish"):
+        event = getattr(gate, name, None)
+        if event is not None:
+            event.set()
 
 
 @pytest.fixture(scope="module")

@@ -91,3 +91,23 @@ def test_the_inpainting_and_link_examples_run(
     run_example(python_block_after('answers with links instead of base64 images'),
                 default_server)
     assert Image.open(tmp_path / "linked.png").size == (64, 64)
+
+
+def test_the_streaming_examples_run(default_server: str, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    run_example(python_block_after("With the official `openai` client, a generation and "
+                                   "then an edit"), default_server)
+    assert capsys.readouterr().out.split() == [
+        "image_generation.partial_image", "image_generation.partial_image",
+        "image_generation.completed", "image_edit.partial_image", "image_edit.completed"]
+    for name in ("partial-0.png", "partial-1.png", "streamed.png"):
+        assert Image.open(tmp_path / name).size == (64, 64)
+    # The Python API's example (its own engine, no server).
+    code = python_block_after("**From Python**, `Engine.generate_stream`")
+    exec(compile(code, str(DOC), "exec"), {"__name__": "docs_example"})
+    assert sorted(p.name for p in tmp_path.glob("step-*.png")) == [
+        "step-1.png", "step-2.png", "step-3.png"]
+    assert Image.open(tmp_path / "final.png").size == (64, 64)
+

@@ -69,13 +69,26 @@ def test_prompts_declare_their_length_and_not_blank(spec) -> None:
     ("field", "allowed"),
     [("output_format", ["png", "jpeg", "webp", "jpg"]), ("response_format", ["b64_json", "url"]),
      ("quality", ["auto", "standard"]), ("background", ["auto", "opaque"]),
-     ("moderation", ["auto"]), ("stream", [False]), ("partial_images", [0])],
+     ("moderation", ["auto"])],
 )
 def test_closed_choices_are_enums(spec, field: str, allowed: list[Any]) -> None:
     schema = request_properties(spec)[field]
     branches = schema.get("anyOf", [schema])
     assert [b["enum"] for b in branches if "enum" in b] == [allowed]
     assert "const" not in str(schema)
+
+
+@pytest.mark.parametrize(("path", "kind"), [("/v1/images/generations", "image_generation"),
+                                             ("/v1/images/edits", "image_edit")])
+def test_image_routes_declare_their_event_stream(spec, path: str, kind: str) -> None:
+    content = spec["paths"][path]["post"]["responses"]["200"]["content"]
+    assert list(content) == ["application/json", "text/event-stream"]
+    event = content["text/event-stream"]["schema"]
+    assert event["properties"]["event"]["enum"] == [f"{kind}.partial_image",
+                                                    f"{kind}.completed", "error"]
+    [integer] = [branch for branch in request_properties(spec)["partial_images"]["anyOf"]
+                 if branch.get("type") == "integer"]
+    assert (integer["minimum"], integer["maximum"]) == (0, 3)
 
 
 def test_style_is_declared_unsupported(spec) -> None:

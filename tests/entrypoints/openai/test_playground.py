@@ -8,7 +8,9 @@ The engine runs `GatedPipeline` in-process with waves of up to 4: a first reques
 holds the gate, the page's 4 requests queue behind it, and the test releases the
 gate once all 4 wait, so they run as one wave of 4, a state the test creates rather
 than a timing it hopes for. Edits use the fake pipeline's rule (noise mixed in only
-where the mask paints), so an unpainted pixel must come back as it went in.
+where the mask paints), so an unpainted pixel must come back as it went in. The page
+streams (n = 1): its cards show partial images, then the image; the streaming test's
+`PreviewGatedPipeline` holds a wave at its partial images until the test lets it end.
 """
 
 from __future__ import annotations
@@ -101,9 +103,12 @@ def open_playground(page: Any, url: str) -> None:
     page.wait_for_selector("body[data-ready=true]")
 
 
-def card_pixels(page: Any, index: int) -> np.ndarray:
+FINAL = ".card[data-state='final']"  # a card showing its image (not a partial one)
+
+
+def card_pixels(page: Any, index: int, cards: str = ".card") -> np.ndarray:
     """The RGB pixels of the `index`-th result card (newest first), from its data URL."""
-    src = page.locator(".card img").nth(index).get_attribute("src")
+    src = page.locator(f"{cards} img").nth(index).get_attribute("src")
     data = base64.b64decode(src.split(",", 1)[1])
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
 
@@ -139,7 +144,7 @@ def test_generate_shows_each_image_with_its_wave(page: Any, gated, tmp_path: Pat
         gate.release.set()
         assert blocker.result().status_code == 200
     # 2. Four cards, each with its seed and the wave of 4 it ran in.
-    expect(page.locator(".card")).to_have_count(4)
+    expect(page.locator(FINAL)).to_have_count(4)
     cards = page.locator(".card")
     assert sorted(int(cards.nth(i).get_attribute("data-seed")) for i in range(4)) \
         == [10, 11, 12, 13]
@@ -166,7 +171,7 @@ def test_an_edit_round_trip_paints_only_where_the_mask_is(page: Any, gated,
     page.fill("#seed", "5")
     page.fill("#size", "64x64")
     page.click("#submit")
-    page.wait_for_selector(".card")
+    page.wait_for_selector(FINAL)
     source = card_pixels(page, 0)
     # 1. "Edit" on the result: the edit tab opens on it.
     page.click(".card .edit-this")
@@ -186,7 +191,7 @@ def test_an_edit_round_trip_paints_only_where_the_mask_is(page: Any, gated,
         page.click("#submit")
     response = answer.value
     assert response.status == 200, response.text()
-    expect(page.locator(".card")).to_have_count(2)
+    expect(page.locator(FINAL)).to_have_count(2)
     # the wave ran as inpainting (its key, in the live strip), at the fake's default strength
     expect(page.locator("#waves li").last).to_contain_text("64x64/s2/g5/n1/inpaint@1")
     edited = card_pixels(page, 0)
@@ -203,10 +208,59 @@ def test_an_edit_round_trip_paints_only_where_the_mask_is(page: Any, gated,
     with page.expect_response("**/v1/images/edits") as answer:
         page.click("#submit")
     assert answer.value.status == 200
-    expect(page.locator(".card")).to_have_count(3)
+    expect(page.locator(FINAL)).to_have_count(3)
     expect(page.locator("#waves li").last).to_contain_text("24x16/s2/g5/n1/i2i@0.8")
     assert card_pixels(page, 0).shape == (16, 24, 3)
     assert page.text_content(".card dd.size") == "24x16"
+
+
+def test_a_generate_click_shows_streamed_partial_images_then_the_image(
+        page: Any, tmp_path: Path) -> None:
+    from tests.fake_pipelines import PreviewGatedPipeline
+
+    gate = make_gate(PreviewGatedPipeline)
+    with Engine(pipeline_class=gate, executor="inproc", max_num_seqs=4,
+                request_batch_max_wait_ms=0) as engine:
+        app = build_app(engine, served_model_name="fake", close_engine_on_shutdown=False)
+        with serve_in_thread(app) as url, ThreadPoolExecutor(max_workers=1) as pool:
+            try:
+                open_playground(page, url)
+                # 1. A plain request holds the forward; the page's 2 requests queue.
+                blocker = pool.submit(httpx.post, f"{url}/v1/images/generations",
+                                      json={"prompt": "hold the gate"}, timeout=120)
+                assert gate.entered.wait(60)
+                page.fill("#prompt", "a red circle")
+                page.fill("#seed", "20")
+                page.fill("#steps", "4")
+                page.fill("#previews", "3")
+                page.fill("#requests", "2")
+                page.click("#submit")
+                wait_until(lambda: engine.num_waiting == 2, what="the page's 2 requests")
+                gate.release.set()
+                assert blocker.result().status_code == 200
+                # 2. Their wave sent its partial images and holds: the cards show them.
+                assert gate.previewed.wait(60)
+                partial = ".card[data-state='partial'][data-partial-index='2']"
+                expect(page.locator(partial)).to_have_count(2)
+                expect(page.locator(".card .badge").first).to_have_text("preview 3")
+                previews = [card_pixels(page, i) for i in range(2)]
+                snap(page, "playground-stream", tmp_path)
+                # 3. The wave ends: each card shows its image and the wave of 2 it ran in.
+                gate.finish.set()
+                expect(page.locator(FINAL)).to_have_count(2)
+                cards = page.locator(".card")
+                for i in range(2):
+                    assert cards.nth(i).get_attribute("data-wave-size") == "2"
+                    assert cards.nth(i).locator("dd.wave").text_content() == "2 requests"
+                    final = card_pixels(page, i)
+                    # the fake's last preview (after step 3 of 4) is 3/4 of its image
+                    assert np.abs(previews[i] - final * 0.75).max() <= 1
+                assert sorted(int(cards.nth(i).get_attribute("data-seed"))
+                              for i in range(2)) == [20, 21]
+                assert page.text_content("#status").startswith("2 of 2 done")
+            finally:
+                gate.release.set()
+                gate.finish.set()
 
 
 def test_an_api_key_server_refuses_without_the_key_and_works_with_it(page: Any,
@@ -228,6 +282,6 @@ def test_an_api_key_server_refuses_without_the_key_and_works_with_it(page: Any,
             page.dispatch_event("#api-key", "change")
             expect(page.locator("#model")).to_have_text("model: fake")
             page.click("#submit")
-            page.wait_for_selector(".card")
+            page.wait_for_selector(FINAL)
             assert page.is_hidden("#error")
             page.wait_for_selector("#waves li")  # the strip polls with the key too

@@ -96,7 +96,13 @@ def _error_of(body: dict) -> tuple[str, str]:
         ({"prompt": "p", "output_compression": 50}, "output_compression", "PNG is lossless"),
         ({"prompt": "p", "quality": "hd"}, "quality", "not supported"),
         ({"prompt": "p", "style": "vivid"}, "style", "leave it out"),
-        ({"prompt": "p", "stream": True}, "stream", "not supported"),
+        ({"prompt": "p", "stream": True, "n": 2}, "n", "must be 1 when `stream`"),
+        ({"prompt": "p", "stream": True, "response_format": "url"}, "response_format",
+         "cannot be streamed"),
+        ({"prompt": "p", "partial_images": 2}, "partial_images", "needs `stream`"),
+        ({"prompt": "p", "stream": True, "partial_images": 4}, "partial_images",
+         "less than or equal to 3"),
+        ({"prompt": "p", "stream": "true"}, "stream", "valid boolean"),
         ({"prompt": "p", "lora": ""}, "lora", "at least 1"),
         ({"prompt": "p", "negative_prompt": ["a"]}, "negative_prompt", "single string"),
         ({"prompt": "p", "colour": "red"}, "colour", "Extra inputs"),
@@ -114,6 +120,8 @@ def test_jpg_is_jpeg_and_neutral_openai_values_pass() -> None:
         moderation="auto", stream=False, partial_images=0,
     )
     assert request.output_format == "jpeg"
+    streamed = ImageGenerationRequest(prompt="p", stream=True, partial_images=3.0)
+    assert streamed.partial_images == 3  # an integral number, as JSON spells it
 
 
 def test_response_shape() -> None:

@@ -71,6 +71,25 @@ def test_official_openai_client(server: RunningServer) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_official_openai_client_streams_partial_images_through_the_worker(
+        server: RunningServer) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    events = list(client.images.generate(
+        model=MODEL, prompt="a red circle", size="64x64", stream=True, partial_images=2,
+        extra_body={"seed": 4, "num_inference_steps": 4}))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 \
+        + ["image_generation.completed"]
+    images = [decode(e.b64_json) for e in events]
+    assert all(image.size == (64, 64) for image in images)
+    # the previews (after steps 1 and 3 of 4) are x0 predictions, not the image itself
+    assert np.asarray(images[0]).tolist() != np.asarray(images[-1]).tolist()
+    plain = client.images.generate(model=MODEL, prompt="a red circle", size="64x64",
+                                   extra_body={"seed": 4, "num_inference_steps": 4})
+    assert plain.data[0].b64_json == events[-1].b64_json  # streaming changed nothing
+
+
 def test_official_openai_client_with_url_links(server: RunningServer) -> None:
     from openai import OpenAI
 

@@ -203,6 +203,25 @@ def test_a_disconnect_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
                       timeout=DEADLINE_S).status_code == 200
 
 
+def test_a_client_gone_mid_stream_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
+    server = faulty.server
+    faulty.healthy_worker()
+    cancelled = faulty.metric("diffbatch_waves_cancelled_total")
+    aborted = server.engine.metrics.count("aborted")
+    body = {"prompt": "steps streamed-away", "stream": True, "partial_images": 1}
+    with httpx.stream("POST", f"{server.url}{ROUTE}", json=body,
+                      timeout=DEADLINE_S) as response:
+        assert response.status_code == 200
+        first = next(response.iter_lines())  # the partial image came from the worker...
+        assert first == "event: image_generation.partial_image"
+        faulty.wait_for_marker("streamed-away")  # ...and its wave runs on
+    # leaving the block closed the connection mid-stream
+    faulty.wait_for_marker("streamed-away.interrupted")  # stopped at its next step
+    wait_until(lambda: server.engine.num_running == 0, what="the running gauge to drop")
+    assert faulty.metric("diffbatch_waves_cancelled_total") == cancelled + 1
+    assert server.engine.metrics.count("aborted") == aborted + 1
+
+
 def test_a_request_timeout_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
     faulty.healthy_worker()
     response = httpx.post(f"{faulty.timeout_url}{ROUTE}", json={"prompt": "steps timed-out"},

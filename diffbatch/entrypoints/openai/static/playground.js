@@ -4,8 +4,12 @@
 //   seed, seed+1, ...) so they can share a wave.
 // - Edit: POST /v1/images/edits (multipart): an uploaded or generated image, and the
 //   mask painted on the canvas (transparent where painted, as OpenAI's masks are).
-// - Each image shows its seed and the server's timing headers: the size of the wave
-//   it ran in (x-diffbatch-batch-size), its queue and forward time.
+// - With n = 1 the request streams (`stream: true`, `partial_images` from the
+//   "Previews" field): the card shows each partial image as the server sends it,
+//   then the image (OpenAI's server-sent events, read from the fetch body).
+// - Each image shows its seed and the server's timings: the size of the wave it ran
+//   in, its queue and forward time (x-diffbatch-* headers, or the completed event's
+//   `diffbatch` object when streamed).
 // - The wave strip polls GET /v1/waves?after=<last id> once a second.
 "use strict";
 
@@ -42,14 +46,18 @@ function numberField(id) {
 }
 
 function commonFields(seed) {
+  const n = numberField("n");
+  const stream = n === undefined || n === 1; // the server streams one image per request
   const fields = {
     prompt: $("prompt").value,
     negative_prompt: $("negative-prompt").value.trim() || undefined,
     size: $("size").value.trim() || undefined,
     num_inference_steps: numberField("steps"),
     guidance_scale: numberField("guidance"),
-    n: numberField("n"),
+    n,
     seed,
+    stream: stream || undefined,
+    partial_images: stream ? numberField("previews") : undefined,
   };
   for (const name of Object.keys(fields)) if (fields[name] === undefined) delete fields[name];
   return fields;
@@ -110,6 +118,9 @@ async function send({ url, init }) {
     return { error: `network error: ${err}` };
   }
   if (!response.ok) return { error: await errorMessage(response) };
+  if ((response.headers.get("content-type") || "").startsWith("text/event-stream")) {
+    return readStream(response);
+  }
   const body = await response.json();
   const timing = {
     batchSize: response.headers.get("x-diffbatch-batch-size"),
@@ -117,32 +128,105 @@ async function send({ url, init }) {
     executeMs: response.headers.get("x-diffbatch-execute-ms"),
     seed: Number(response.headers.get("x-diffbatch-seed")),
   };
-  body.data.forEach((item, index) => addResult(item, index, body, timing));
+  body.data.forEach((item, index) => {
+    const seed = Number.isFinite(timing.seed) ? timing.seed + index : "?";
+    showFinal(addCard(), item.b64_json, body.output_format, body.size, { ...timing, seed });
+  });
   return {};
 }
 
+// A streamed answer: one card, its partial images, then its image (or an error event).
+async function readStream(response) {
+  let card = null;
+  for await (const { event, data } of serverSentEvents(response)) {
+    if (event === "error") {
+      if (card) card.dataset.state = "failed";
+      return { error: data.error.message };
+    }
+    card = card || addCard();
+    if (event.endsWith(".partial_image")) {
+      showPartial(card, data);
+    } else if (event.endsWith(".completed")) {
+      const extra = data.diffbatch || {};
+      showFinal(card, data.b64_json, data.output_format, data.size, {
+        batchSize: String(extra.batch_size), queueMs: extra.queue_ms,
+        executeMs: extra.execute_ms, seed: extra.seed,
+      });
+    }
+  }
+  return {};
+}
+
+// The events of a text/event-stream body: {event, data (parsed JSON)}, as they arrive.
+async function* serverSentEvents(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const fields = {};
+      for (const line of buffer.slice(0, end).split("\n")) {
+        const colon = line.indexOf(":");
+        if (colon > 0) fields[line.slice(0, colon)] = line.slice(colon + 1).replace(/^ /, "");
+      }
+      buffer = buffer.slice(end + 2);
+      if (fields.data !== undefined) yield { event: fields.event || "message", data: JSON.parse(fields.data) };
+    }
+  }
+}
+
 // -- results --------------------------------------------------------------------------
-function addResult(item, index, body, timing) {
+function addCard() {
   const results = $("results");
   const empty = results.querySelector(".empty");
   if (empty) empty.remove();
-  const format = body.output_format || "png";
-  const seed = Number.isFinite(timing.seed) ? timing.seed + index : "?";
   const card = document.createElement("figure");
   card.className = "card";
-  card.dataset.waveSize = timing.batchSize;
-  card.dataset.seed = String(seed);
+  card.dataset.state = "waiting";
+  const frame = document.createElement("div");
+  frame.className = "frame";
   const image = document.createElement("img");
-  image.src = `data:image/${format};base64,${item.b64_json}`;
-  image.alt = `${state.mode === "edit" ? "edited" : "generated"} image, seed ${seed}`;
+  image.alt = `${state.mode === "edit" ? "edited" : "generated"} image`;
+  const badge = document.createElement("span");
+  badge.className = "badge";
+  frame.append(image, badge);
   const meta = document.createElement("dl");
   meta.className = "meta";
+  const prompt = document.createElement("figcaption");
+  prompt.className = "prompt";
+  prompt.textContent = $("prompt").value;
+  card.append(frame, prompt, meta);
+  results.prepend(card);
+  return card;
+}
+
+function showPartial(card, event) {
+  card.dataset.state = "partial";
+  card.dataset.partialIndex = String(event.partial_image_index);
+  card.querySelector("img").src = `data:image/${event.output_format};base64,${event.b64_json}`;
+  card.querySelector(".badge").textContent = `preview ${event.partial_image_index + 1}`;
+}
+
+function showFinal(card, b64, format, size, timing) {
+  format = format || "png";
+  card.dataset.state = "final";
+  card.dataset.waveSize = timing.batchSize;
+  card.dataset.seed = String(timing.seed);
+  const image = card.querySelector("img");
+  image.src = `data:image/${format};base64,${b64}`;
+  image.alt += `, seed ${timing.seed}`;
+  card.querySelector(".badge").textContent = "";
+  const meta = card.querySelector(".meta");
+  meta.replaceChildren();
   for (const [name, value] of [
-    ["seed", seed],
+    ["seed", timing.seed],
     ["wave", `${timing.batchSize} request${timing.batchSize === "1" ? "" : "s"}`],
     ["queue", `${Number(timing.queueMs).toFixed(0)} ms`],
     ["forward", `${Number(timing.executeMs).toFixed(0)} ms`],
-    ["size", body.size],
+    ["size", size],
   ]) {
     const dt = document.createElement("dt");
     dt.textContent = name;
@@ -151,20 +235,16 @@ function addResult(item, index, body, timing) {
     dd.className = name;
     meta.append(dt, dd);
   }
-  const prompt = document.createElement("figcaption");
-  prompt.className = "prompt";
-  prompt.textContent = $("prompt").value;
   const editButton = document.createElement("button");
   editButton.type = "button";
   editButton.className = "secondary edit-this";
   editButton.textContent = "Edit";
   editButton.addEventListener("click", () => {
-    const bytes = Uint8Array.from(atob(item.b64_json), (c) => c.charCodeAt(0));
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
     setEditImage(new Blob([bytes], { type: `image/${format}` }), `result.${format}`);
     setMode("edit");
   });
-  card.append(image, prompt, meta, editButton);
-  results.prepend(card);
+  card.append(editButton);
 }
 
 // -- edit: the image and its painted mask -----------------------------------------------
