@@ -1,6 +1,6 @@
 """Step mode against request mode: the same server, the same loads, one run.
 
-Two `diffbatch serve MODEL` servers, started side by side and measured one at a
+Two `diffbatch serve MODEL` servers, started one after the other and measured one at a
 time (rounds alternate which goes first): request mode, and step mode
 (`--step-execution`), each with its batching flags (`--max-num-seqs`, by default
 auto, and the admission wait of request mode, by default auto). Per workload:
@@ -178,19 +178,30 @@ def tick_overhead(args: argparse.Namespace) -> dict[str, Any]:
     runner = ModelRunner(EngineConfig(model=args.model))
     info = runner.info()
     steps = StepRunner(runner)
-    requests = []
-    for i in range(args.overhead_batch):
-        params = SamplingParams(height=args.size, width=args.size, num_inference_steps=60,
-                                guidance_scale=info.default_guidance_scale, seed=i,
-                                output_type="pt")
-        request = DiffusionRequest(f"r{i}", f"prompt {i}", params)
-        request.key = SamplingParamsKey.from_params(
-            params, cfg_enabled=info.cfg_enabled(params)).for_step_execution()
-        requests.append(request)
-    ids = list(range(len(requests)))
-    steps.join(StepJoin(SchedulerOutput(1, requests, requests[0].key), ids, len(requests)))
-    while not steps.idle:
-        steps.tick()
+
+    def batch(count: int, steps_each: int) -> list[DiffusionRequest]:
+        made = []
+        for i in range(count):
+            params = SamplingParams(height=args.size, width=args.size,
+                                    num_inference_steps=steps_each,
+                                    guidance_scale=info.default_guidance_scale, seed=i,
+                                    output_type="pt")
+            request = DiffusionRequest(f"r{steps_each}-{i}", f"prompt {i}", params)
+            request.key = SamplingParamsKey.from_params(
+                params, cfg_enabled=info.cfg_enabled(params)).for_step_execution()
+            made.append(request)
+        return made
+
+    # A warm-up batch first (as a server's warm-up request): the first ticks of a
+    # fresh process pay one-time allocations on both sides of the measurement.
+    for requests, first_id in ((batch(args.overhead_batch, 8), 0),
+                               (batch(args.overhead_batch, 60), 1000)):
+        ids = list(range(first_id, first_id + len(requests)))
+        steps.join(StepJoin(SchedulerOutput(1, requests, requests[0].key), ids,
+                            len(requests)))
+        steps.take_ticks()
+        while not steps.idle:
+            steps.tick()
     ticks = [t for t in steps.take_ticks() if t.joins == 0 and t.leaves == 0]
     share = statistics.median(1.0 - t.forward_ms / t.step_ms for t in ticks)
     return {"batch": len(requests), "ticks": len(ticks),
@@ -274,7 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     overhead = tick_overhead(args)
     print(f"tick overhead at batch {overhead['batch']}: {overhead['overhead_share']:.1%} "
           f"(tick {overhead['median_tick_ms']:.1f} ms)", flush=True)
-    with harness.running(server_specs(args), startup_timeout_s=STARTUP_TIMEOUT_S) as servers:
+    # NOTE: one server after the other: each worker picks its threads and calibrates
+    # while the machine is otherwise idle (started together, each saw the other busy).
+    request_spec, step_spec = server_specs(args)
+    with harness.running([request_spec], startup_timeout_s=STARTUP_TIMEOUT_S) as first, \
+            harness.running([step_spec], startup_timeout_s=STARTUP_TIMEOUT_S) as second:
+        servers = {**first, **second}
         rounds = [run_round(servers, args, i) for i in range(args.repeats)]
     report.update(rounds=rounds, overhead=overhead, verdict=verdict(rounds, overhead),
                   elapsed_s=time.perf_counter() - start)
