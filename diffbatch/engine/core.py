@@ -461,20 +461,31 @@ class EngineCore:
         logger.error("wave %d failed in the executor", wave.wave_id, exc_info=exc)
         return INTERNAL_ERROR
 
+    def _result_of(self, record: InFlightWave) -> BatchRunnerOutput | None:
+        """A done wave's runner output: its own, or failed outputs when the executor
+        failed; None when a worker death queued it to run again."""
+        wave = record.wave
+        try:
+            return record.future.result()
+        except WorkerDiedError as exc:
+            return self._after_death(record, exc)
+        except Exception as exc:
+            return BatchRunnerOutput.failed(wave.req_ids, self._executor_error(wave, exc))
+
+    def _after_death(self, record: InFlightWave, exc: WorkerDiedError) -> BatchRunnerOutput | None:
+        """The worker died under (or before) the wave: re-run it (None), or fail it."""
+        if self._rerun_after_death(record, exc):
+            return None
+        return BatchRunnerOutput.failed(record.wave.req_ids, RequestError(
+            "the worker process died while running this request, and again when it "
+            f"was re-run on its own on a replacement ({exc.message})"))
+
     def _finish(self, record: InFlightWave) -> None:
         """Finish a done wave's requests and deliver their outputs."""
         wave = record.wave
-        try:
-            runner_output = record.future.result()
-        except WorkerDiedError as exc:
-            if self._rerun_after_death(record, exc):
-                return
-            runner_output = BatchRunnerOutput.failed(wave.req_ids, RequestError(
-                "the worker process died while running this request, and again when it "
-                f"was re-run on its own on a replacement ({exc.message})"))
-        except Exception as exc:
-            runner_output = BatchRunnerOutput.failed(wave.req_ids,
-                                                     self._executor_error(wave, exc))
+        runner_output = self._result_of(record)
+        if runner_output is None:
+            return
         # A wave queued at the worker started when the one before it ended, not when it
         # was dispatched: take the later of the two.
         started = max(record.dispatched,

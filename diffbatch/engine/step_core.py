@@ -104,21 +104,9 @@ class StepEngineCore(EngineCore):
     def _finish(self, record: InFlightWave) -> None:
         """A request left the batch: finish it and deliver its output."""
         wave = record.wave
-        try:
-            runner_output = record.future.result()
-        except WorkerDiedError as exc:
-            if not exc.started:  # refused while a replacement started: queue it again
-                with self.cond:
-                    if any(not r.is_finished for r in wave.requests):
-                        self._reruns.append(_Rerun(wave, crashed_before=False))
-                    self.cond.notify_all()
-                return
-            runner_output = BatchRunnerOutput.failed(wave.req_ids, RequestError(
-                "the worker process died while this request was in the running batch "
-                f"({exc.message}); it was not re-run"))
-        except Exception as exc:
-            runner_output = BatchRunnerOutput.failed(wave.req_ids,
-                                                     self._executor_error(wave, exc))
+        runner_output = self._result_of(record)
+        if runner_output is None:
+            return
         self._observe_ticks(runner_output)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
@@ -128,6 +116,20 @@ class StepEngineCore(EngineCore):
             started = max(record.dispatched, now - output.execute_time_ms / 1000.0)
             output.queue_time_ms = (started - request.arrival_time) * 1000.0
             self._outbox.put((request, output))
+
+    def _after_death(self, record: InFlightWave, exc: WorkerDiedError) -> BatchRunnerOutput | None:
+        """A request the worker held fails (any of the batch may have caused the crash);
+        one refused while a replacement started is queued again (None)."""
+        wave = record.wave
+        if not exc.started:
+            with self.cond:
+                if any(not r.is_finished for r in wave.requests):
+                    self._reruns.append(_Rerun(wave, crashed_before=False))
+                self.cond.notify_all()
+            return None
+        return BatchRunnerOutput.failed(wave.req_ids, RequestError(
+            "the worker process died while this request was in the running batch "
+            f"({exc.message}); it was not re-run"))
 
     def _observe_ticks(self, runner_output: BatchRunnerOutput) -> None:
         if self.metrics is not None and self.serving:
