@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     for model, sizes in parse_configs(args.configs).items():
         specs = server_specs(model, settings, args.threads)
         t0 = time.perf_counter()
-        with harness.running(specs, startup_timeout_s=STARTUP_TIMEOUT_S) as servers:
+        with harness.running(specs, startup_timeout_s=STARTUP_TIMEOUT_S,
+                             one_at_a_time=True) as servers:
             print(f"{model}: {len(specs)} servers up in {time.perf_counter() - t0:.0f} s",
                   flush=True)
             for size in sizes:

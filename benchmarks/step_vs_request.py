@@ -287,10 +287,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(tick {overhead['median_tick_ms']:.1f} ms)", flush=True)
     # NOTE: one server after the other: each worker picks its threads and calibrates
     # while the machine is otherwise idle (started together, each saw the other busy).
-    request_spec, step_spec = server_specs(args)
-    with harness.running([request_spec], startup_timeout_s=STARTUP_TIMEOUT_S) as first, \
-            harness.running([step_spec], startup_timeout_s=STARTUP_TIMEOUT_S) as second:
-        servers = {**first, **second}
+    with harness.running(server_specs(args), startup_timeout_s=STARTUP_TIMEOUT_S,
+                         one_at_a_time=True) as servers:
         rounds = [run_round(servers, args, i) for i in range(args.repeats)]
     report.update(rounds=rounds, overhead=overhead, verdict=verdict(rounds, overhead),
                   elapsed_s=time.perf_counter() - start)

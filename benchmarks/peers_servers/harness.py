@@ -222,11 +222,15 @@ def running(
     *,
     log_dir: str | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    one_at_a_time: bool = False,
 ) -> Iterator[dict[str, Server]]:
-    """Start every server (in parallel), wait until all are healthy, yield name -> Server.
+    """Start every server, wait until all are healthy, yield name -> Server.
 
-    Raises RuntimeError with the log tail if a server exits or is not healthy in
-    time; every server started is stopped on the way out, in any case.
+    In parallel by default; `one_at_a_time` starts each once the one before is healthy,
+    so a diffbatch server picks its threads and calibrates `auto` on an otherwise idle
+    machine (started together, each sees the others' start-up as load). Raises
+    RuntimeError with the log tail if a server exits or is not healthy in time; every
+    server started is stopped on the way out, in any case.
     """
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -234,33 +238,41 @@ def running(
     log_dir = log_dir or tempfile.mkdtemp(prefix="diffbatch-bench-logs-")
     servers: list[Server] = []
     try:
-        for spec in specs:
-            servers.append(Server(spec, log_dir))
-        deadline = time.monotonic() + startup_timeout_s
-        pending = list(servers)
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while pending:
-                for server in list(pending):
-                    if server.process.poll() is not None:
-                        raise RuntimeError(
-                            f"server {server.spec.name!r} exited with code "
-                            f"{server.process.returncode} during start-up; log "
-                            f"{server.log_path}:\n{server.log_tail()}"
-                        )
-                    if server.is_healthy(client):
-                        pending.remove(server)
-                if pending and time.monotonic() > deadline:
-                    server = pending[0]
-                    raise RuntimeError(
-                        f"server {server.spec.name!r} not healthy after {startup_timeout_s:.0f}"
-                        f" s; log {server.log_path}:\n{server.log_tail()}"
-                    )
-                if pending:
-                    time.sleep(0.25)  # polling another process' readiness
+        groups = [[spec] for spec in specs] if one_at_a_time else [list(specs)]
+        for group in groups:
+            started = [Server(spec, log_dir) for spec in group]
+            servers.extend(started)
+            _wait_healthy(started, startup_timeout_s)
         yield {s.spec.name: s for s in servers}
     finally:
         for server in reversed(servers):
             server.stop()
+
+
+def _wait_healthy(servers: list[Server], startup_timeout_s: float) -> None:
+    """Poll until every server answers its health check; RuntimeError (with the log
+    tail) if one exits or is not healthy after `startup_timeout_s`."""
+    deadline = time.monotonic() + startup_timeout_s
+    pending = list(servers)
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while pending:
+            for server in list(pending):
+                if server.process.poll() is not None:
+                    raise RuntimeError(
+                        f"server {server.spec.name!r} exited with code "
+                        f"{server.process.returncode} during start-up; log "
+                        f"{server.log_path}:\n{server.log_tail()}"
+                    )
+                if server.is_healthy(client):
+                    pending.remove(server)
+            if pending and time.monotonic() > deadline:
+                server = pending[0]
+                raise RuntimeError(
+                    f"server {server.spec.name!r} not healthy after {startup_timeout_s:.0f}"
+                    f" s; log {server.log_path}:\n{server.log_tail()}"
+                )
+            if pending:
+                time.sleep(0.25)  # polling another process' readiness
 
 
 def session_cpu_seconds(session_id: int) -> float:
