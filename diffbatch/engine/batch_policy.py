@@ -196,9 +196,9 @@ class BatchPolicy:
         step mode feeds no waves back)."""
         if not self.batching:
             return 1
-        if not self.config.auto_capacity or key is None:
-            return self.config.capacity_limit if not self.config.auto_capacity else self.limit
-        return self.cost.capacity(Shape.of(key))
+        if not self.config.auto_capacity:
+            return self.config.capacity_limit
+        return self.limit if key is None else self.cost.capacity(Shape.of(key))
 
     # -- admission wait --------------------------------------------------------------
     def plan_wait(

@@ -43,7 +43,8 @@ class InprocExecutor(Executor):
         self._steps: StepRunner | None = None
         self._inbox = Inbox()
         self._call_ids = itertools.count(1)
-        self._futures: dict[int, Future[BatchRunnerOutput]] = {}
+        # call id -> (its future, its request id): a failed reply names the request
+        self._futures: dict[int, tuple[Future[BatchRunnerOutput], str]] = {}
         self._futures_lock = threading.Lock()
         self._step_thread: threading.Thread | None = None
         if config.step_execution:
@@ -74,13 +75,14 @@ class InprocExecutor(Executor):
             return futures
         call_ids = [next(self._call_ids) for _ in futures]
         with self._futures_lock:
-            self._futures.update(zip(call_ids, futures, strict=True))
+            self._futures.update(zip(call_ids, zip(futures, wave.req_ids, strict=True),
+                                     strict=True))
         self._inbox.put(WorkerCall(call_ids[0], "join", StepJoin(wave, call_ids, capacity)))
         return futures
 
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:
         with self._futures_lock:
-            call_id = next((cid for cid, f in self._futures.items() if f is future), None)
+            call_id = next((cid for cid, (f, _) in self._futures.items() if f is future), None)
         if call_id is not None:
             self._inbox.cancel(call_id)
 
@@ -91,15 +93,16 @@ class InprocExecutor(Executor):
         finally:
             with self._futures_lock:
                 left, self._futures = list(self._futures.values()), {}
-            for future in left:
+            for future, _ in left:
                 future.set_exception(EngineClosedError("the executor is shut down"))
 
     def _resolve(self, reply: WorkerReply) -> bool:
         with self._futures_lock:
-            future = self._futures.pop(reply.call_id, None)
-        if future is not None:
+            entry = self._futures.pop(reply.call_id, None)
+        if entry is not None:
+            future, request_id = entry
             if reply.error is not None:
-                future.set_result(BatchRunnerOutput.failed([], reply.error.error))
+                future.set_result(BatchRunnerOutput.failed([request_id], reply.error.error))
             else:
                 future.set_result(reply.result)
         return True

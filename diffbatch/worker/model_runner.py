@@ -241,15 +241,24 @@ class ModelRunner:
 
     # -- stages ----------------------------------------------------------------------
     def _run(self, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
+        return self.run_forward(requests, should_stop=self._should_stop,
+                                on_partial_image=self._on_partial_image)
+
+    def run_forward(
+        self, requests: list[DiffusionRequest], *, should_stop: Callable[[], bool],
+        on_partial_image: Callable[[PartialImage], None] | None = None,
+    ) -> list[DiffusionOutput]:
+        """One pipeline forward over `requests` (a wave, or step mode's single request)
+        and the per-request mapping of its outputs; raises what the forward raises."""
         # 1. Per-request set-up: generators from each request's own seed.
         generators = make_generators(requests, self._info.device)
         batch = DiffusionRequestBatch(requests=requests, generators=generators,
-                                      should_stop=self._should_stop,
-                                      on_partial_image=self._on_partial_image)
+                                      should_stop=should_stop,
+                                      on_partial_image=on_partial_image)
         # 2. Once per wave: cache refresh and the wave's single LoRA.
         self.pipeline.refresh_cache()
         params = requests[0].sampling_params
-        self._activate_lora(params.lora, params.lora_scale)
+        self.activate_lora(params.lora, params.lora_scale)
         # 3. One forward for the whole wave, checked against the contract.
         self._num_forwards += 1
         with torch.inference_mode():
@@ -262,7 +271,7 @@ class ModelRunner:
                 out.images = to_output_type(out.images, request.sampling_params.output_type)
         return list(outputs)
 
-    def _activate_lora(self, lora: str | None, scale: float) -> None:
+    def activate_lora(self, lora: str | None, scale: float) -> None:
         """Load (once) and activate the wave's adapter; no LoRA disables adapters."""
         wanted = (lora, scale if lora is not None else None)
         if wanted == self._active_lora:

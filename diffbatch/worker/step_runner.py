@@ -38,13 +38,9 @@ import torch
 
 from diffbatch.errors import ConfigError, WaveInterrupted
 from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
-from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
 from diffbatch.worker.model_runner import (
-    check_outputs,
-    make_generators,
     partial_image_sender,
-    to_output_type,
 )
 
 if TYPE_CHECKING:
@@ -70,6 +66,11 @@ class _Task:
     @property
     def done(self) -> bool:
         return self.output is not None
+
+
+def _never() -> bool:
+    """A request in the running batch is taken out by `cancel`, not by its pipeline."""
+    return False
 
 
 class StepRunner:
@@ -170,7 +171,7 @@ class StepRunner:
                 self.key = task.key
                 params = task.request.sampling_params
                 try:
-                    self.runner._activate_lora(params.lora, params.lora_scale)
+                    self.runner.activate_lora(params.lora, params.lora_scale)
                 except Exception as exc:
                     task.output = DiffusionOutput.from_error(task.request.request_id, exc)
                     self.running.append(task)
@@ -191,19 +192,10 @@ class StepRunner:
         send = None if self._send_partial is None else \
             functools.partial(self._send_partial, task.call_id)
         try:
-            generators = make_generators([request], self.runner.info().device)
-            batch = DiffusionRequestBatch(
-                requests=[request], generators=generators,
-                on_partial_image=partial_image_sender(send, [request]))
-            with torch.inference_mode():
-                outputs = self.pipeline.forward(batch)
-            check_outputs(self.runner.info().name, batch, outputs)
-            output = outputs[0]
-            output.seed = request.sampling_params.seed
-            if output.error is None and not output.aborted:
-                output.images = to_output_type(output.images,
-                                               request.sampling_params.output_type)
-            return output
+            # the batch's LoRA is active already (`_admit`): the runner leaves it as it is
+            return self.runner.run_forward(
+                [request], should_stop=_never,
+                on_partial_image=partial_image_sender(send, [request]))[0]
         except WaveInterrupted:
             return DiffusionOutput.make_aborted(request.request_id)
         except Exception as exc:

@@ -236,9 +236,10 @@ class Inbox:
     def closed(self) -> bool:
         return self._closed
 
-    def cancelled_among(self, call_ids: set[int]) -> set[int]:
-        """Which of `call_ids` were cancelled (step mode: each request is a call)."""
-        return call_ids & self._cancelled
+    def cancelled_among(self, call_ids: Callable[[], set[int]]) -> set[int]:
+        """Which of `call_ids()` were cancelled (step mode: each request is a call); the
+        ids are only asked for when some call was cancelled (between every two ticks)."""
+        return call_ids() & self._cancelled if self._cancelled else set()
 
     def forget(self, call_id: int) -> None:
         """Forget a cancel of this call only (step mode: calls end out of order)."""
@@ -356,7 +357,7 @@ def serve_steps(
                     if threshold_bytes is not None else _run_call(runner, call)
             if not send(reply):
                 return
-        for call_id in inbox.cancelled_among(steps.call_ids()):
+        for call_id in inbox.cancelled_among(steps.call_ids):
             output = steps.cancel(call_id)
             inbox.forget(call_id)
             if output is not None and not send(WorkerReply(call_id, result=BatchRunnerOutput(
