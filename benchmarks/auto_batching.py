@@ -4,8 +4,9 @@
 size, admission wait and torch threads). It runs beside a grid of fixed settings,
 `--max-num-seqs S --request-batch-max-wait-ms W` for S in `--grid-seqs` and W in
 `--grid-waits` (S = 1 only once: the admission wait never runs at capacity 1, so its
-waits are the same server). Every server is started once per model, all at the same
-time, and serves every size of that model. No server gets thread settings unless
+waits are the same server). Every server is started once per model, one after the
+other (each calibrates on an otherwise idle machine), and serves every size of that
+model. No server gets thread settings unless
 `--threads N` is given (then OMP_NUM_THREADS=N for all, `auto` included).
 
 For each model and size (`--configs MODEL:SIZE`, default tiny-sd at 64x64 and
@@ -38,10 +39,10 @@ p50s is low), so the bars err against `auto`; more `--repeats` shrink that bias.
 Full run (the defaults): 2 models, 3 (model, size) configs, 14 servers per model
 (13 fixed + auto, about 0.7 GB of memory each, so ~10 GB while a model's servers
 are up), 6 loads x 14 servers x 3 rounds = 252 measured runs per config, 756 in
-all, 32,256 measured requests. About 1.5 hours on 2 CPU cores (capacities measured
-here at 4 steps: tiny-sd 64x64 ~45 req/s, 128x128 ~14, shapes ~10.5; roughly 10,
-30 and 40 minutes), two thirds of it at the 0.1x load, whose 32 arrivals take
-320 / C seconds per server and round.
+all, 32,256 measured requests. 45 minutes on 2 CPU cores on 2026-12-01 (capacities
+measured at 4 steps: tiny-sd 64x64 ~87 req/s, 128x128 ~26, shapes ~32; 7, 18 and 15
+minutes, plus each model's servers starting in turn), most of it at the 0.1x load,
+whose 32 arrivals take 320 / C seconds per server and round.
 
     .venv/bin/python benchmarks/auto_batching.py --quick \\
         --out benchmarks/results/auto_batching_quick.json
@@ -70,7 +71,7 @@ THROUGHPUT_BAR = 0.95  # auto / best fixed throughput, at least
 P50_FACTOR, P50_SLACK_MS = 1.1, 2.0  # auto p50 <= factor x best fixed p50 + slack
 LOW_LOAD = 0.1  # at loads up to this, auto p50 <= the S = 1 setting's p50 + slack
 DOMINANCE = 0.05  # a fixed setting better by more than this on both figures beats auto
-STARTUP_TIMEOUT_S = 900.0  # a dozen servers starting at once on two cores
+STARTUP_TIMEOUT_S = 900.0  # per server; generous for a busy two-core machine
 
 FULL = {
     "configs": ["tiny-sd:64", "tiny-sd:128", "shapes:64"],
