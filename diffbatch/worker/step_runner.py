@@ -39,9 +39,7 @@ import torch
 from diffbatch.errors import ConfigError, WaveInterrupted
 from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
 from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
-from diffbatch.worker.model_runner import (
-    partial_image_sender,
-)
+from diffbatch.worker.model_runner import partial_image_sender
 
 if TYPE_CHECKING:
     from diffbatch.ipc.messages import StepJoin
