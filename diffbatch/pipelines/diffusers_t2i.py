@@ -48,6 +48,7 @@ from diffbatch.pipelines.diffusers_edit import (
 )
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
+from diffbatch.pipelines.scheduler_fusion import scheduler_point, wrap_scheduler
 from diffbatch.pipelines.step_fusion import FusionPoint
 
 logger = logging.getLogger(__name__)
@@ -235,8 +236,9 @@ class DiffusersT2IPipeline(BasePipeline):
         self.task_pipes.update(edit_pipes(pipe, self._make_info().size_multiple))
         self._info = self._make_info()
         # Step mode runs forward() of many requests interleaved: each call then gets a
-        # copy of its pipeline with a scheduler of its own (set by step_fusion_points).
-        self._copy_per_call = False
+        # copy of its pipeline with a scheduler of its own, whose `step` is fused with
+        # the other requests' at this point (set by step_fusion_points).
+        self._scheduler_point: FusionPoint | None = None
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -387,13 +389,15 @@ class DiffusersT2IPipeline(BasePipeline):
         #    between steps once nobody waits for it.
         batch.check_interrupt()
         pipe = self._task_pipe(batch)
-        if self._copy_per_call:
+        step_mode = self._scheduler_point is not None
+        if step_mode:
             pipe = copy.copy(pipe)
             pipe.scheduler = copy.deepcopy(pipe.scheduler)
+            wrap_scheduler(self._scheduler_point, pipe.scheduler)
         previews = DiffusersPreviews.for_wave(batch, pipe)
         kwargs = {**self.call_kwargs(batch),
                   # step mode takes a cancelled request out itself
-                  **self._step_hooks(batch, pipe, previews, interrupt=not self._copy_per_call)}
+                  **self._step_hooks(batch, pipe, previews, interrupt=not step_mode)}
         with previews.capturing() if previews is not None else contextlib.nullcontext():
             images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
@@ -409,8 +413,9 @@ class DiffusersT2IPipeline(BasePipeline):
         ]
 
     def step_fusion_points(self) -> list[FusionPoint]:
-        """Step mode: fuse the denoiser per tick, the text encoders and the VAE decoder
-        at joins and leaves (see `diffbatch.pipelines.step_fusion`)."""
+        """Step mode: fuse the denoiser and the scheduler steps per tick, the text
+        encoders and the VAE decoder at joins and leaves (see
+        `diffbatch.pipelines.step_fusion`)."""
         pipe, points = self.pipe, []
         for name in _DENOISERS:
             module = getattr(pipe, name, None)
@@ -425,7 +430,7 @@ class DiffusersT2IPipeline(BasePipeline):
             points.append(FusionPoint(vae, "decode", "boundary", "vae.decode"))
         if not any(p.kind == "step" for p in points):
             raise ValueError(f"{self._info.name} has no unet or transformer to run step-wise")
-        self._copy_per_call = True
+        self._scheduler_point = scheduler_point()
         return points
 
     def _task_pipe(self, batch: DiffusionRequestBatch) -> Any:

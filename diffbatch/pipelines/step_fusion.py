@@ -30,6 +30,7 @@ request mode already does): a request's image in step mode equals its solo run.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,11 +51,14 @@ class FusionPoint:
     those calls are fused among the requests that reach them at the same boundary.
     """
 
-    owner: Any  # the module (or any object) whose method is wrapped
+    owner: Any  # the module (or any object) whose method is wrapped; None: per call
     method: str  # "forward", "decode", ...
     kind: FusionKind
     name: str  # for logs and metrics, e.g. "unet", "text_encoder", "vae.decode"
     shared: frozenset[str] = frozenset()  # keyword arguments with no batch dimension
+    # How to run several calls as one, if not by concatenating their arguments: one
+    # result per call, or `Unfusable` (then each call runs alone).
+    fuse: Callable[[Sequence[ModuleCall]], list[Any]] | None = None
 
 
 @dataclass
@@ -87,13 +91,21 @@ def install(points: Sequence[FusionPoint]) -> None:
     wrapper calls the original method directly.
     """
     for point in points:
-        current = getattr(point.owner, point.method)
-        if getattr(current, "_diffbatch_fusion_point", None) is not None:
-            continue
-        setattr(point.owner, point.method, _wrap(point, current))
+        wrap_method(point, point.owner)
+
+
+def wrap_method(point: FusionPoint, owner: Any) -> None:
+    """Wrap `owner`'s `point.method` (an instance attribute shadows the class's), so
+    several objects (e.g. each request's own scheduler) can share one point."""
+    current = getattr(owner, point.method)
+    if getattr(current, "_diffbatch_fusion_point", None) is None:
+        setattr(owner, point.method, _wrap(point, current))
 
 
 def _wrap(point: FusionPoint, original: Callable[..., Any]) -> Callable[..., Any]:
+    # functools.wraps: `inspect.signature` of the wrapper is the method's own (pipelines
+    # read it, e.g. to decide whether to pass a scheduler's `step` a generator)
+    @functools.wraps(original)
     def fused(*args: Any, **kwargs: Any) -> Any:
         current = greenlet.getcurrent()
         if isinstance(current, TaskGreenlet):
@@ -134,7 +146,7 @@ def _fuse(values: list[Any], sizes: list[int], *, shared: bool) -> Any:
         if not all(isinstance(v, torch.Tensor) for v in values):
             raise Unfusable("a tensor argument is not a tensor in every call")
         if not shared and all(v.ndim == 0 for v in values):  # a per-call scalar (timestep)
-            return torch.cat([v.reshape(1).expand(n) for v, n in zip(values, sizes, strict=True)])
+            return _per_sample(values, sizes)
         if not shared and all(v.ndim >= 1 and v.shape[0] == n and v.shape[1:] == first.shape[1:]
                               for v, n in zip(values, sizes, strict=True)):
             return torch.cat(values)
@@ -157,6 +169,18 @@ def _fuse(values: list[Any], sizes: list[int], *, shared: bool) -> Any:
     if all(_equal(v, first) for v in values[1:]):
         return first
     raise Unfusable(f"a {type(first).__name__} argument differs between the calls")
+
+
+def _per_sample(scalars: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """Call i's 0-d tensor repeated sizes[i] times, as one 1-d tensor."""
+    if any(v.dtype != scalars[0].dtype or v.device != scalars[0].device for v in scalars):
+        raise Unfusable("per-call scalars differ in dtype or device")
+    stacked = torch.stack(scalars)
+    if all(n == 1 for n in sizes):
+        return stacked
+    if all(n == sizes[0] for n in sizes):
+        return stacked.repeat_interleave(sizes[0])
+    return stacked.repeat_interleave(torch.tensor(sizes, device=stacked.device))
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -215,6 +239,12 @@ def run_fused(calls: Sequence[ModuleCall],
             return [(True, _timed(call.run, call.args, call.kwargs, module_ms))]
         except Exception as exc:
             return [(False, exc)]
+    fuse = calls[0].point.fuse
+    if fuse is not None:
+        try:
+            return [(True, result) for result in fuse(calls)]
+        except Exception:  # Unfusable, or a call that fails: each runs alone
+            return [outcome for call in calls for outcome in run_fused([call], module_ms)]
     try:
         args, kwargs = fuse_arguments(calls)
         result = _timed(calls[0].run, args, kwargs, module_ms)
