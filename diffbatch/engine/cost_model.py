@@ -15,12 +15,13 @@ start-up calibration seeds the model's default shape
 From the curve the model derives a shape's **capacity**, the wave size beyond
 which a bigger wave stops paying:
 
-    capacity = the largest B on the ladder 1, 2, 4, 8, ... (up to the limit) such
-    that every doubling up to B cut the cost per image, t(B) / B, by at least
-    `MIN_GAIN` (10%).
+    capacity = the largest B on the ladder 1, 2, 4, 8, ... (up to the limit) whose
+    cost per image, t(B) / B, is at least `MIN_GAIN` (10%) below that of every
+    smaller B on the ladder.
 
 A doubling that has not been measured yet is tried once the curve says the last
-one still paid (`next_size_to_try`), so the curve grows with the traffic it sees;
+one still paid, and one more after a doubling that gained less than that
+(`next_size_to_try`), so the curve grows with the traffic it sees;
 until a shape has two sizes measured, its capacity is the default shape's, scaled
 by the pixel ratio.
 """
@@ -157,18 +158,23 @@ class WaveCostModel:
     def next_size_to_try(self, shape: Shape) -> int | None:
         """A wave size worth measuring for `shape`: the doubling after its capacity,
         while it has fewer than `MIN_SAMPLES` observations (so one unlucky wave, run
-        while the machine was busy, cannot pin the capacity); None when the curve
-        already says where gains stop."""
+        while the machine was busy, cannot pin the capacity), and the doubling after
+        that one when it still cut the cost per image, if by less than `MIN_GAIN` (a
+        weak rung may hide a strong one). None when the curve already says where gains
+        stop."""
         with self._lock:
             curve = self._curves.get(shape)
             if curve is None:
                 return None
             cap = capacity_from_curve(curve.ms, self.limit)
-            nxt = cap * 2
-            seen = len(curve.samples.get(nxt, ()))
-        if nxt > self.limit or seen >= MIN_SAMPLES:
+            for size in (cap * 2, cap * 4):
+                if size > self.limit:
+                    return None
+                if len(curve.samples.get(size, ())) < MIN_SAMPLES:
+                    return size
+                if _per_image(curve, size) >= _per_image(curve, cap):
+                    return None  # no gain at all: gains have stopped
             return None
-        return nxt
 
     def per_image_ms(self) -> dict[str, dict[int, float]]:
         """Shape label -> wave size -> measured forward ms per image (for metrics)."""
@@ -184,23 +190,29 @@ class WaveCostModel:
 def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     """The capacity rule on measured forward times `ms` (wave size -> ms).
 
-    Walks the ladder from the smallest measured size, doubling while the next size
-    is measured (or lies within the measured range, interpolated) and cuts the cost
-    per image by `MIN_GAIN`. A size that ran is never ruled out for lack of data
-    below it.
+    Walks the ladder from the smallest measured size up to the largest measured one
+    (sizes between measured ones are interpolated) and keeps the largest size whose
+    cost per image is at least `MIN_GAIN` below the best smaller size's. A rung that
+    gains too little does not end the walk: the next one is compared with the best
+    size so far, so one noisy or weak rung cannot pin the capacity low.
     """
     if not ms:
         return 1
     curve = _Curve(steps=1, ms=dict(ms))
-    top = max(ms)
-    size = min(ms)
-    while size * 2 <= min(limit, top):
-        here, there = curve.estimate_ms(size), curve.estimate_ms(size * 2)
-        assert here is not None and there is not None
-        if there / (size * 2) > (1.0 - MIN_GAIN) * here / size:
-            break
+    size = best = min(ms)
+    best_cost = _per_image(curve, best)
+    while size * 2 <= min(limit, max(ms)):
         size *= 2
-    return max(1, min(size, limit))
+        cost = _per_image(curve, size)
+        if cost <= (1.0 - MIN_GAIN) * best_cost:
+            best, best_cost = size, cost
+    return max(1, min(best, limit))
+
+
+def _per_image(curve: _Curve, size: int) -> float:
+    ms = curve.estimate_ms(size)
+    assert ms is not None  # the curve has observations
+    return ms / size
 
 
 __all__ = ["MIN_GAIN", "Shape", "WaveCostModel", "capacity_from_curve"]

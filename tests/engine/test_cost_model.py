@@ -28,6 +28,10 @@ def curve(per_wave_ms, sizes=(1, 2, 4, 8, 16, 32)) -> dict[int, float]:
         ("regressing at 8", {1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0, 16: 200.0, 32: 800.0}, 32, 8),
         # the limit wins
         ("limited", curve(lambda b: 50.0), 4, 4),
+        # a weak rung (2 saves 5% per image) hides a strong one (4 saves 40%)
+        ("weak rung then a gain", {1: 40.0, 2: 76.0, 4: 96.0, 8: 190.0}, 32, 4),
+        # two weak rungs in a row add up to a gain worth having
+        ("two weak rungs", {1: 40.0, 2: 74.0, 4: 136.0}, 32, 4),
     ],
 )
 def test_capacity_rule_on_synthetic_curves(name, ms, limit, expected):
@@ -99,6 +103,22 @@ def test_next_size_to_try_grows_the_curve_while_gains_continue():
     limited.observe(SHAPE, 1, 4, 40.0)
     limited.observe(SHAPE, 2, 4, 40.0)
     assert limited.next_size_to_try(SHAPE) is None  # the limit stops exploring
+
+
+def test_next_size_to_try_looks_past_a_weak_rung_but_not_past_a_loss():
+    weak = WaveCostModel(limit=16)
+    weak.observe(SHAPE, 1, 4, 40.0)
+    for _ in range(4):
+        weak.observe(SHAPE, 2, 4, 76.0)  # 5% cheaper per image: not enough, but a gain
+    assert weak.capacity(SHAPE) == 1 and weak.next_size_to_try(SHAPE) == 4
+    for _ in range(4):
+        weak.observe(SHAPE, 4, 4, 96.0)  # 40% cheaper than a wave of 1
+    assert weak.capacity(SHAPE) == 4 and weak.next_size_to_try(SHAPE) == 8
+    loss = WaveCostModel(limit=16)
+    loss.observe(SHAPE, 1, 4, 40.0)
+    for _ in range(4):
+        loss.observe(SHAPE, 2, 4, 90.0)  # dearer per image: gains have stopped
+    assert loss.capacity(SHAPE) == 1 and loss.next_size_to_try(SHAPE) is None
 
 
 def test_per_image_table_for_metrics():
