@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import random
 import threading
 import time
@@ -35,6 +34,7 @@ from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import ArrivalNotice, EngineCore
 from diffbatch.engine.partial_images import PartialImageRouter
+from diffbatch.engine.request_checks import check_against_model, check_task, resolve_lora
 from diffbatch.engine.step_core import StepEngineCore
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
@@ -46,7 +46,6 @@ from diffbatch.errors import (
     QueueFullError,
 )
 from diffbatch.executor.abstract import Executor
-from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.metrics import EngineMetrics
 from diffbatch.outputs import DiffusionOutput, PartialImage, RequestError, finalize_images
 from diffbatch.pipelines.interface import PipelineInfo
@@ -194,7 +193,7 @@ class Engine:
                 param="sampling_params",
             )
         info = self.info
-        self._check_task(params)
+        check_task(info, params)
         # An edit's size is its image's (SamplingParams checked any given size equals it).
         image_height, image_width = (
             (None, None) if params.image is None else params.image.shape[:2]
@@ -209,115 +208,11 @@ class Engine:
             guidance_scale=(info.default_guidance_scale if params.guidance_scale is None
                             else params.guidance_scale),
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
-            lora=self._resolve_lora(params.lora),
+            lora=resolve_lora(params.lora, self.config.lora_dir),
             strength=strength,
         )
-        self._check_against_model(resolved)
+        check_against_model(info, resolved, self.max_request_work)
         return resolved
-
-    def _check_task(self, params: SamplingParams) -> None:
-        """Refuse an edit the loaded pipeline has no pipeline for (before any wave)."""
-        task = params.task
-        if self.info.supports_task(task):
-            return
-        # NOTE: the pipeline's class name, not `config.model`, which may be a server path.
-        supported = ["text-to-image", *self.info.default_strengths]
-        raise InvalidRequestError(
-            f"{task} is not supported by this model ({self.info.name}): no diffusers "
-            f"{task} pipeline runs it; it supports {', '.join(supported)}",
-            param="mask" if task == "inpaint" else "image",
-        )
-
-    def _check_against_model(self, params: SamplingParams) -> None:
-        """The checks that depend on the loaded model, run once, at admission (the HTTP
-        server checks only its own limits: see `diffbatch.image_size`)."""
-        info = self.info
-        pixels = params.height * params.width
-        size = f"{params.width}x{params.height}"
-        cap, multiple = info.model_max_pixels, info.size_multiple
-        if cap is not None and pixels > cap:  # first: "99999x99999" is told it is too large
-            raise size_too_large(size, info.name, cap, largest_square(cap, multiple))
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            if value % multiple:
-                raise InvalidRequestError(
-                    f"`{name}` must be a multiple of {multiple} for {info.name}, got {value} "
-                    f"(size {size}: both sides must be multiples of {multiple}, e.g. "
-                    f"{info.default_width}x{info.default_height})", param=name,
-                )
-        # The work limit comes after the model's own limits, whose messages say more.
-        # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
-        # per-image limit in a form fuzzers generate from (openai/work_limit.py).
-        work = pixels * params.num_inference_steps
-        if self.max_request_work is not None and work > self.max_request_work:
-            raise InvalidRequestError(
-                f"this request asks for {params.width}x{params.height} x "
-                f"{params.num_inference_steps} steps = {work} pixel-steps per image; this "
-                f"server allows at most {self.max_request_work} per image "
-                "(--max-request-work): ask for fewer steps or a smaller size",
-                param="num_inference_steps",
-            )
-        accepted = info.call_arguments
-        if accepted is None:
-            return
-        for name in ("sigmas", "timesteps"):
-            if getattr(params, name) is not None and name not in accepted:
-                raise InvalidRequestError(f"`{name}` is not supported by {info.name}",
-                                          param=name)
-        for name in params.extra:
-            if name not in accepted or name in ("sigmas", "timesteps"):
-                raise InvalidRequestError(
-                    f"`extra` argument {name!r} is not accepted by {info.name}; it takes "
-                    f"{', '.join(sorted(accepted - {'sigmas', 'timesteps'})) or 'none'}",
-                    param="extra",
-                )
-
-    def _resolve_lora(self, lora: str | None) -> str | None:
-        """The real path of adapter `lora`, checked to hold LoRA weights.
-
-        NOTE: the weights check runs here, at admission, because a folder that is no
-        adapter would otherwise fail inside the wave's forward: a 500 for every request
-        of the wave, with a message naming the server's path. Messages here name only
-        what the caller gave.
-        """
-        from diffbatch.errors import ModelNotFoundError
-
-        if lora is None:
-            return None
-        lora_dir = self.config.lora_dir
-        if lora_dir is None:
-            path = os.path.realpath(lora)
-            if not os.path.exists(path):
-                raise InvalidRequestError(f"LoRA adapter path {lora!r} does not exist",
-                                          param="lora")
-        else:
-            root = os.path.realpath(lora_dir)
-            path = os.path.realpath(os.path.join(root, lora))
-            if os.path.commonpath([root, path]) != root or path == root:
-                raise InvalidRequestError(
-                    f"`lora` must name an adapter inside the LoRA directory, got {lora!r}",
-                    param="lora",
-                )
-            if not os.path.exists(path):
-                raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
-        # What diffusers' `load_lora_weights` loads: a weights file, or a folder holding
-        # one (scheduler/optimizer/checkpoint files are not adapters to it).
-        if os.path.isdir(path):
-            try:
-                names = os.listdir(path)
-            except OSError:
-                names = []
-        else:
-            names = [os.path.basename(path)]
-        if not any(n.endswith((".safetensors", ".bin")) and not any(
-            word in n for word in ("scheduler", "optimizer", "checkpoint")
-        ) for n in names):
-            raise InvalidRequestError(
-                f"`lora` {lora!r} is not a LoRA adapter: it must be a .safetensors (or .bin) "
-                "weights file, or a folder holding one, as `save_lora_weights` writes",
-                param="lora",
-            )
-        return path
 
     def _prepare(
         self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int,

@@ -1,0 +1,120 @@
+"""The checks a request passes at admission against the loaded model, and its LoRA path.
+
+Run once per request by `Engine.resolve_params`, before it is queued: a request that
+fails one is refused with a 4xx (`InvalidRequestError`, naming the parameter) and
+never reaches a wave, where it would cost its wave mates their forward. Messages name
+what the caller gave and what the model takes, never a server path.
+"""
+
+from __future__ import annotations
+
+import os
+
+from diffbatch.errors import InvalidRequestError, ModelNotFoundError
+from diffbatch.image_size import largest_square, size_too_large
+from diffbatch.pipelines.interface import PipelineInfo
+from diffbatch.sampling_params import SamplingParams
+
+
+def check_task(info: PipelineInfo, params: SamplingParams) -> None:
+    """Refuse an edit the loaded pipeline has no pipeline for (before any wave)."""
+    task = params.task
+    if info.supports_task(task):
+        return
+    # NOTE: the pipeline's class name, not `config.model`, which may be a server path.
+    supported = ["text-to-image", *info.default_strengths]
+    raise InvalidRequestError(
+        f"{task} is not supported by this model ({info.name}): no diffusers "
+        f"{task} pipeline runs it; it supports {', '.join(supported)}",
+        param="mask" if task == "inpaint" else "image",
+    )
+
+
+def check_against_model(info: PipelineInfo, params: SamplingParams,
+                        max_request_work: int | None) -> None:
+    """The checks that depend on the loaded model, run once, at admission (the HTTP
+    server checks only its own limits: see `diffbatch.image_size`)."""
+    pixels = params.height * params.width
+    size = f"{params.width}x{params.height}"
+    cap, multiple = info.model_max_pixels, info.size_multiple
+    if cap is not None and pixels > cap:  # first: "99999x99999" is told it is too large
+        raise size_too_large(size, info.name, cap, largest_square(cap, multiple))
+    for name in ("height", "width"):
+        value = getattr(params, name)
+        if value % multiple:
+            raise InvalidRequestError(
+                f"`{name}` must be a multiple of {multiple} for {info.name}, got {value} "
+                f"(size {size}: both sides must be multiples of {multiple}, e.g. "
+                f"{info.default_width}x{info.default_height})", param=name,
+            )
+    # The work limit comes after the model's own limits, whose messages say more.
+    # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
+    # per-image limit in a form fuzzers generate from (openai/work_limit.py).
+    work = pixels * params.num_inference_steps
+    if max_request_work is not None and work > max_request_work:
+        raise InvalidRequestError(
+            f"this request asks for {params.width}x{params.height} x "
+            f"{params.num_inference_steps} steps = {work} pixel-steps per image; this "
+            f"server allows at most {max_request_work} per image "
+            "(--max-request-work): ask for fewer steps or a smaller size",
+            param="num_inference_steps",
+        )
+    accepted = info.call_arguments
+    if accepted is None:
+        return
+    for name in ("sigmas", "timesteps"):
+        if getattr(params, name) is not None and name not in accepted:
+            raise InvalidRequestError(f"`{name}` is not supported by {info.name}",
+                                      param=name)
+    for name in params.extra:
+        if name not in accepted or name in ("sigmas", "timesteps"):
+            raise InvalidRequestError(
+                f"`extra` argument {name!r} is not accepted by {info.name}; it takes "
+                f"{', '.join(sorted(accepted - {'sigmas', 'timesteps'})) or 'none'}",
+                param="extra",
+            )
+
+
+def resolve_lora(lora: str | None, lora_dir: str | None) -> str | None:
+    """The real path of adapter `lora`, checked to hold LoRA weights.
+
+    NOTE: the weights check runs here, at admission, because a folder that is no
+    adapter would otherwise fail inside the wave's forward: a 500 for every request
+    of the wave, with a message naming the server's path. Messages here name only
+    what the caller gave.
+    """
+    if lora is None:
+        return None
+    if lora_dir is None:
+        path = os.path.realpath(lora)
+        if not os.path.exists(path):
+            raise InvalidRequestError(f"LoRA adapter path {lora!r} does not exist",
+                                      param="lora")
+    else:
+        root = os.path.realpath(lora_dir)
+        path = os.path.realpath(os.path.join(root, lora))
+        if os.path.commonpath([root, path]) != root or path == root:
+            raise InvalidRequestError(
+                f"`lora` must name an adapter inside the LoRA directory, got {lora!r}",
+                param="lora",
+            )
+        if not os.path.exists(path):
+            raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
+    # What diffusers' `load_lora_weights` loads: a weights file, or a folder holding
+    # one (scheduler/optimizer/checkpoint files are not adapters to it).
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            names = []
+    else:
+        names = [os.path.basename(path)]
+    if not any(n.endswith((".safetensors", ".bin")) and not any(
+        word in n for word in ("scheduler", "optimizer", "checkpoint")
+    ) for n in names):
+        raise InvalidRequestError(
+            f"`lora` {lora!r} is not a LoRA adapter: it must be a .safetensors (or .bin) "
+            "weights file, or a folder holding one, as `save_lora_weights` writes",
+            param="lora",
+        )
+    return path
