@@ -68,7 +68,7 @@ class EngineConfig:
     max_num_seqs: int | Literal["auto"] = option(
         AUTO, rule=OrAuto(IntRange(1)),
         help="most requests in one batched forward (wave); auto: per shape, the wave size "
-        "beyond which the learned cost per image stops falling by 10%% (docs/serving.md)")
+        "beyond which the learned cost per image stops falling by 5%% (docs/serving.md)")
     max_num_seqs_limit: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="auto: never choose a wave larger than this",

@@ -6,7 +6,7 @@ default) it chooses both per shape, from the learned cost curve
 (`diffbatch.engine.cost_model`) and the observed arrival rate:
 
 - capacity per shape comes from `WaveCostModel.capacity` (the wave size beyond
-  which a bigger wave stops cutting the cost per image by 10%), bounded by the
+  which a bigger wave stops cutting the cost per image by 5%), bounded by the
   limit; with a backlog bigger than that, the next doubling is tried once so the
   curve keeps learning;
 - the admission wait follows the rule below.

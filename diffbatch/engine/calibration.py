@@ -3,7 +3,7 @@
 With `max_num_seqs="auto"` (or an "auto" wait), the engine runs a few synthetic
 waves through the normal executor path before it serves: sizes 1, 2, 4, ... at the
 model's default size, each twice (the faster counts, so a first allocation does
-not), until a doubling stops cutting the cost per image by 10%, the size limit is
+not), until a doubling stops cutting the cost per image by 5%, the size limit is
 reached, or the next wave would overrun the time budget (`calibration_budget_s`,
 10 s by default). A one-step probe first sets the step count: the model's default,
 or fewer when sizes up to about 8 would not fit the budget at it (the curve scales

@@ -16,7 +16,7 @@ From the curve the model derives a shape's **capacity**, the wave size beyond
 which a bigger wave stops paying:
 
     capacity = the largest B on the ladder 1, 2, 4, 8, ... (up to the limit) whose
-    cost per image, t(B) / B, is at least `MIN_GAIN` (10%) below that of every
+    cost per image, t(B) / B, is at least `MIN_GAIN` (5%) below that of every
     smaller B on the ladder.
 
 A doubling that has not been measured yet is tried once the curve says the last
@@ -37,7 +37,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParamsKey
 
-MIN_GAIN = 0.10  # a doubling must cut the cost per image by this much to be worth it
+# A doubling must cut the cost per image by this much to be worth its longer wave. 5%:
+# what a bigger wave could still add is then within 5% of throughput (the most the
+# engine gives up against the best fixed setting), and no smaller than the noise the
+# lower-quartile estimate leaves.
+MIN_GAIN = 0.05
 WINDOW = 16  # observations kept per shape and wave size
 MIN_SAMPLES = 4  # a size with fewer observations is tried again before it is trusted
 
