@@ -11,7 +11,10 @@ on, runs each fusion point ONCE on the requests' arguments concatenated along th
 batch dimension, splits the result back, and resumes each greenlet with its own
 slice. One denoiser call per tick therefore serves every running request, each at
 its own timestep, whatever its step count; a request that finished leaves at once,
-one that joins starts at the next tick.
+one that joins starts at the next tick. A point may bring its own batched runner
+(`FusionPoint.fuse`): the requests' scheduler steps are fused that way
+(`diffbatch.pipelines.scheduler_fusion`), one point shared by every request's own
+scheduler instance (`wrap_method`).
 
 Fusing the arguments (`fuse_arguments`): the first tensor argument's first dimension
 is a call's batch size b_i (2 for a CFG request: the pipeline doubled it itself).
