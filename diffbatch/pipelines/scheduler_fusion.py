@@ -187,11 +187,7 @@ def _families() -> dict[type, _Family]:
     }
 
 
-_NAMES: dict[type, list[str]] = {}
-
-
-def _parameter_names(cls: type) -> list[str]:
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = list(inspect.signature(cls.step).parameters)[1:]  # no self
-    return names
+@functools.cache
+def _parameter_names(cls: type) -> tuple[str, ...]:
+    """The names of `cls.step`'s parameters after `self`, to bind a call's arguments."""
+    return tuple(inspect.signature(cls.step).parameters)[1:]
