@@ -22,6 +22,7 @@ The math is the schedulers' own, with per-sample coefficients in place of scalar
 
 from __future__ import annotations
 
+import array
 import functools
 import inspect
 import math
@@ -53,7 +54,9 @@ def fused_scheduler_step(calls: Sequence[ModuleCall]) -> list[Any]:
     if family is None:
         raise Unfusable(f"no batched step for {cls.__name__}")
     first = schedulers[0]
-    if any(type(s) is not cls or s.config != first.config for s in schedulers[1:]):
+    # (request copies of one scheduler share its config object: `is` settles most)
+    if any(type(s) is not cls or (s.config is not first.config and s.config != first.config)
+           for s in schedulers[1:]):
         raise Unfusable("the calls' schedulers differ in class or config")
     names = _parameter_names(cls)
     bound = []
@@ -80,60 +83,92 @@ def fused_scheduler_step(calls: Sequence[ModuleCall]) -> list[Any]:
 
 
 # -- per-sample coefficients -------------------------------------------------------------
-def _per_row(columns: list[list[float]], sizes: list[int],
-             like: torch.Tensor) -> list[torch.Tensor]:
-    """For each column of per-call values, a float32 tensor [sum(sizes), 1, ..., 1] on
-    `like`'s device (call i's value repeated sizes[i] times), to broadcast over samples."""
-    rows = [[v for v, n in zip(column, sizes, strict=True) for _ in range(n)]
-            for column in columns]
-    shape = (len(columns), len(rows[0])) + (1,) * (like.ndim - 1)
-    return list(torch.tensor(rows, dtype=torch.float32).reshape(shape).to(like.device))
+def _coefficients(columns: list[list[float]], sizes: list[int], like: torch.Tensor,
+                  groups: int = 1) -> list[torch.Tensor]:
+    """The columns of per-call values as float32 tensors on `like`'s device, to broadcast
+    over samples: call i's value repeated sizes[i] times along the batch dimension.
+    With `groups` g, each tensor stacks g columns: [g, sum(sizes), 1, ..., 1];
+    otherwise [sum(sizes), 1, ..., 1]. One tensor is made for all (every op counts at a
+    tiny model's step time)."""
+    flat = [v for column in columns for v, n in zip(column, sizes, strict=True)
+            for _ in range(n)]
+    per_sample = (sum(sizes),) + (1,) * (like.ndim - 1)
+    shape = (len(columns) // groups,) + ((groups,) if groups > 1 else ()) + per_sample
+    # from a float32 buffer: half the time of `torch.tensor(list)` (the tensor keeps
+    # the array alive)
+    values = torch.frombuffer(array.array("f", flat), dtype=torch.float32)
+    if like.device.type != "cpu":
+        values = values.to(like.device)
+    return list(values.view(shape).unbind(0))
+
+
+def _cached_list(owner: Any, name: str, values: torch.Tensor) -> Any:
+    """`values.tolist()`, kept on `owner` while `values` is the tensor it came from (a
+    schedule read at every step: one conversion per scheduler, not one per step)."""
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] is not values:
+        cached = (values, values.tolist())
+        owner.__dict__[name] = cached
+    return cached[1]
 
 
 def _ddim_step(schedulers: list[Any], bound: list[dict[str, Any]], sizes: list[int],
                model_output: torch.Tensor, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
     config = schedulers[0].config
+    prediction, train_steps = config.prediction_type, config.num_train_timesteps
     if config.thresholding:
         raise Unfusable("DDIM with dynamic thresholding")
-    timesteps, previous = [], []
-    for scheduler, values in zip(schedulers, bound, strict=True):
+    if prediction not in ("epsilon", "sample", "v_prediction"):
+        raise Unfusable(f"DDIM prediction type {prediction!r}")
+    # the configs are equal, so are the schedules: one list for all
+    alphas = _cached_list(schedulers[0], "_diffbatch_alphas", schedulers[0].alphas_cumprod)
+    final = _cached_list(schedulers[0], "_diffbatch_final_alpha",
+                         schedulers[0].final_alpha_cumprod)
+    # every call's timestep in one conversion, not one `item()` per call
+    timesteps = [values["timestep"] for values in bound]
+    if all(isinstance(t, torch.Tensor) and t.ndim == 0 for t in timesteps):
+        timesteps = torch.stack(timesteps).tolist()
+    # Per call, in double precision: the scheduler's square roots, and x0 and epsilon
+    # as linear forms in the sample s and the model output m (x0 = ps*s + pm*m,
+    # eps = es*s + em*m), the scheduler's formulas rearranged.
+    ps, pm, es, em, root_prev, root_prev_b = [], [], [], [], [], []
+    for scheduler, values, timestep in zip(schedulers, bound, timesteps, strict=True):
         if values.get("eta", 0.0) or values.get("variance_noise") is not None \
                 or values.get("use_clipped_model_output", False):
             raise Unfusable("DDIM with eta > 0, variance noise or clipped model output")
         if scheduler.num_inference_steps is None:
             raise Unfusable("a DDIM scheduler without timesteps set")
-        t = int(values["timestep"])
-        timesteps.append(t)
-        previous.append(t - config.num_train_timesteps // scheduler.num_inference_steps)
-    # the configs are equal, so are the schedules: one lookup for all
-    alphas = schedulers[0].alphas_cumprod[torch.tensor(
-        timesteps + [max(p, 0) for p in previous])].tolist()
-    final = float(schedulers[0].final_alpha_cumprod)
-    count = len(timesteps)
-    alpha_prev = [a if p >= 0 else final for a, p in zip(alphas[count:], previous, strict=True)]
-    # The scheduler's formulas with its scalars per sample; the square roots are taken
-    # once per request in double precision (the scheduler takes them in float32).
-    root_a = [math.sqrt(a) for a in alphas[:count]]
-    root_b = [math.sqrt(1.0 - a) for a in alphas[:count]]
-    root_prev = [math.sqrt(a) for a in alpha_prev]
-    root_prev_b = [math.sqrt(1.0 - a) for a in alpha_prev]
-    a, b, ap, bp = _per_row([root_a, root_b, root_prev, root_prev_b], sizes, sample)
-    if config.prediction_type == "epsilon":
-        pred_original = (sample - b * model_output) / a
-        pred_epsilon = model_output
-    elif config.prediction_type == "sample":
-        pred_original = model_output
-        pred_epsilon = (sample - a * pred_original) / b
-    elif config.prediction_type == "v_prediction":
-        pred_original = a * sample - b * model_output
-        pred_epsilon = a * model_output + b * sample
-    else:
-        raise Unfusable(f"DDIM prediction type {config.prediction_type!r}")
-    if config.clip_sample:
-        pred_original = pred_original.clamp(-config.clip_sample_range, config.clip_sample_range)
-    prev_sample = torch.addcmul(ap * pred_original, bp, pred_epsilon)
+        t = int(timestep)
+        previous = t - train_steps // scheduler.num_inference_steps
+        alpha, alpha_prev = alphas[t], alphas[previous] if previous >= 0 else final
+        a, b = math.sqrt(alpha), math.sqrt(1.0 - alpha)
+        root_prev.append(math.sqrt(alpha_prev))
+        root_prev_b.append(math.sqrt(1.0 - alpha_prev))
+        if prediction == "epsilon":
+            forms = (1.0 / a, -b / a, 0.0, 1.0)
+        elif prediction == "sample":
+            forms = (0.0, 1.0, 1.0 / b, -a / b)
+        else:  # v_prediction
+            forms = (a, -b, b, a)
+        for column, value in zip((ps, pm, es, em), forms, strict=True):
+            column.append(value)
     dtype = model_output.dtype
-    return prev_sample.to(dtype), pred_original.to(dtype)
+    if config.clip_sample:
+        p_s, p_m, e_s, e_m, r, q = _coefficients([ps, pm, es, em, root_prev, root_prev_b],
+                                                 sizes, sample)
+        pred_original = torch.addcmul(p_s * sample, p_m, model_output).clamp(
+            -config.clip_sample_range, config.clip_sample_range)
+        pred_epsilon = torch.addcmul(e_s * sample, e_m, model_output)
+        prev_sample = torch.addcmul(r * pred_original, q, pred_epsilon)
+        return prev_sample.to(dtype), pred_original.to(dtype)
+    # Unclipped, x_prev = sqrt(a_prev) * x0 + sqrt(1 - a_prev) * eps is a linear form
+    # too, so both outputs come from one multiply-add over [2, batch, ...].
+    prev_s = [r * p + q * e for r, q, p, e in zip(root_prev, root_prev_b, ps, es, strict=True)]
+    prev_m = [r * p + q * e for r, q, p, e in zip(root_prev, root_prev_b, pm, em, strict=True)]
+    on_sample, on_output = _coefficients([prev_s, ps, prev_m, pm], sizes, sample, groups=2)
+    prev_sample, pred_original = torch.addcmul(on_sample * sample, on_output,
+                                               model_output).to(dtype).unbind(0)
+    return prev_sample, pred_original
 
 
 def _flow_match_euler_step(schedulers: list[Any], bound: list[dict[str, Any]],
@@ -150,10 +185,11 @@ def _flow_match_euler_step(schedulers: list[Any], bound: list[dict[str, Any]],
         if scheduler.step_index is None:
             scheduler._init_step_index(timestep)
         index = scheduler.step_index
-        dts.append(float(scheduler.sigmas[index + 1]) - float(scheduler.sigmas[index]))
+        sigmas = _cached_list(scheduler, "_diffbatch_sigmas", scheduler.sigmas)
+        dts.append(sigmas[index + 1] - sigmas[index])
     # as the scheduler does: upcast to float32, one Euler step, cast back
-    (dt,) = _per_row([dts], sizes, sample)
-    prev_sample = sample.to(torch.float32) + dt * model_output
+    (dt,) = _coefficients([dts], sizes, sample)
+    prev_sample = torch.addcmul(sample.to(torch.float32), dt, model_output)
     return (prev_sample.to(model_output.dtype),)
 
 

@@ -178,15 +178,13 @@ def _per_sample(scalars: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     """Call i's 0-d tensor repeated sizes[i] times, as one 1-d tensor."""
     if any(v.dtype != scalars[0].dtype or v.device != scalars[0].device for v in scalars):
         raise Unfusable("per-call scalars differ in dtype or device")
-    stacked = torch.stack(scalars)
-    if all(n == 1 for n in sizes):
-        return stacked
-    if all(n == sizes[0] for n in sizes):
-        return stacked.repeat_interleave(sizes[0])
-    return stacked.repeat_interleave(torch.tensor(sizes, device=stacked.device))
+    # one op: each call's scalar listed once per sample
+    return torch.stack([v for v, n in zip(scalars, sizes, strict=True) for _ in range(n)])
 
 
 def _equal(a: Any, b: Any) -> bool:
+    if a is b:  # the common case (flags, None-free options, shared tensors): no compare
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
             and a.shape == b.shape and bool(torch.equal(a, b))
