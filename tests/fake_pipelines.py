@@ -33,6 +33,7 @@ from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, P
 
 POISON = "poison"  # a prompt containing it fails its wave
 LATE_POISON = "fails late"  # ...after the wave sent its partial images
+HANG = "hangs forever"  # `HangingTinySD` never finishes a call holding it
 
 
 def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) -> torch.Tensor:
@@ -225,6 +226,16 @@ class PoisonTinySD(DiffusersT2IPipeline):
         poisoned = [i for i, p in enumerate(batch.prompts) if POISON in p]
         if poisoned:
             raise RuntimeError(f"poisoned prompt at wave position(s) {poisoned}")
+        return super().forward(batch)
+
+
+class HangingTinySD(DiffusersT2IPipeline):
+    """The real diffusers adapter, whose call for a prompt containing `HANG` never
+    returns: the worker's main thread is stuck (its heartbeat thread lives on)."""
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        if any(HANG in p for p in batch.prompts):
+            threading.Event().wait()
         return super().forward(batch)
 
 

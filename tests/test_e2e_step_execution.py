@@ -15,7 +15,7 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.errors import ConfigError
-from tests.fake_pipelines import FakeBatchPipeline
+from tests.fake_pipelines import HANG, FakeBatchPipeline
 
 pytestmark = pytest.mark.slow
 
@@ -149,6 +149,25 @@ def test_a_worker_killed_mid_tick_fails_the_running_requests_clearly_then_serves
     assert step_engine.executor.wait_healthy(120)
     after = step_engine.generate(["after the crash"], [pt(5, 3)], use_tqdm=False)[0]
     assert after.ok, after.error
+
+
+def test_a_batch_that_stops_stepping_while_the_heartbeat_lives_is_stuck_and_replaced():
+    """The worker's main thread hangs in a request's pipeline call (its heartbeat
+    thread beats on): once the running batch has finished no step for its stall bound
+    (here the 1 s floor: 10 x a tiny tick is less), the worker is killed as stuck, the
+    request fails naming why, and the replacement serves the next one."""
+    with Engine("tiny-sd", pipeline_class="tests.fake_pipelines.HangingTinySD",
+                step_execution=True, max_num_seqs=2, executor="mp", worker_stall_timeout_s=1.0,
+                max_request_work=0) as engine:
+        assert engine.generate(["before"], [pt(1, 3)], use_tqdm=False)[0].ok  # ticks seen
+        stuck = engine.generate([f"it {HANG}"], [pt(2, 3)], use_tqdm=False)[0]
+        assert stuck.error is not None
+        assert "stuck: the running batch finished no step" in stuck.error.message
+        stats = engine.executor.health_stats()
+        assert (stats["stuck_waves"], stats["frozen"]) == (1, 1)
+        assert engine.executor.wait_healthy(120)
+        after = engine.generate(["after"], [pt(3, 3)], use_tqdm=False)[0]
+        assert after.ok, after.error
 
 
 def metric(url: str, name: str) -> float:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,6 +53,7 @@ MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the cur
 INCOMING_WAIT_MS = 20.0
 RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
+TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ class BatchPolicy:
         self.cost = WaveCostModel(self.limit, self.default_shape)
         self.arrivals = ArrivalRate(clock)
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
+        self._tick_ms: dict[Shape, deque[float]] = {}  # step mode: recent tick times
         self._lock = threading.Lock()
         # Waves teach the cost model only once the engine serves: the warm-up wave
         # (first call, cold caches) would skew it.
@@ -275,6 +278,38 @@ class BatchPolicy:
         if expected_ms is None:
             return None
         return max(factor * expected_ms / 1000.0, floor_s)
+
+    def observe_tick(self, key: SamplingParamsKey | None, step_ms: float) -> None:
+        """Step mode: one tick of a running batch of `key` took `step_ms`."""
+        if key is None or not self.serving:
+            return
+        with self._lock:
+            ticks = self._tick_ms.setdefault(Shape.of(key), deque(maxlen=TICKS_KEPT))
+            ticks.append(step_ms)
+
+    def step_stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:
+        """Step mode: how long a running batch of `key` (up to `size` requests) may go
+        without finishing a step before its worker counts as stuck:
+        `wave_stall_factor` x the expected step time, and at least
+        `worker_stall_timeout_s`; None when the factor or the timeout is 0 or nothing
+        is expected yet (as `stall_bound_s`).
+
+        The expected step time is the longer of the shape's longest recent tick (a tick
+        includes the joiners' text encoding and the leavers' decoding) and one step of
+        a wave of `size` on the shape's own learned curve: both err long.
+        """
+        factor, floor_s = self.config.wave_stall_factor, self.config.worker_stall_timeout_s
+        if key is None or factor <= 0 or floor_s <= 0:
+            return None
+        shape = Shape.of(key)
+        with self._lock:
+            ticks = self._tick_ms.get(shape)
+            longest_tick = max(ticks) if ticks else None
+        one_step = self.cost.estimate_ms(shape, size, 1, proxy=False)
+        known = [ms for ms in (longest_tick, one_step) if ms is not None]
+        if not known:
+            return None
+        return max(factor * max(known) / 1000.0, floor_s)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per shape: per-image ms by wave size, capacity, last planned wait (metrics);

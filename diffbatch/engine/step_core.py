@@ -18,6 +18,9 @@ the per-step path. It only decides who may join:
   left the batch; an abort cancels it in the worker, which takes it out at the next
   step boundary.
 
+Joiners are handed over with the batch's stall bound (`BatchPolicy.step_stall_bound_s`):
+while they are in it, the batch finishing no step for that long means a stuck worker,
+which the executor kills like a frozen one (the heartbeat carries the tick count).
 The worker dying under the batch fails the requests it held with a clear error
 (step mode does not re-run them: any of them may have caused the crash); requests
 refused while a replacement starts are queued again. Every tick's statistics come
@@ -91,7 +94,8 @@ class StepEngineCore(EngineCore):
         """Send the joiners to the worker; each becomes its own entry in flight."""
         dispatched = time.monotonic()
         capacity = self.policy.step_capacity(wave.key)
-        futures = self.executor.submit_join(wave, capacity)
+        futures = self.executor.submit_join(
+            wave, capacity, stall_after_s=self.policy.step_stall_bound_s(wave.key, capacity))
         records = [InFlightWave(replace(wave, requests=[request]), future, dispatched, "join")
                    for request, future in zip(wave.requests, futures, strict=True)]
         with self.cond:
@@ -107,7 +111,7 @@ class StepEngineCore(EngineCore):
         runner_output = self._result_of(record)
         if runner_output is None:
             return
-        self._observe_ticks(runner_output)
+        self._observe_ticks(wave.key, runner_output)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
             self.cond.notify_all()
@@ -131,7 +135,10 @@ class StepEngineCore(EngineCore):
             "the worker process died while this request was in the running batch "
             f"({exc.message}); it was not re-run"))
 
-    def _observe_ticks(self, runner_output: BatchRunnerOutput) -> None:
-        if self.metrics is not None and self.serving:
-            for tick in runner_output.ticks:
+    def _observe_ticks(self, key: SamplingParamsKey | None,
+                       runner_output: BatchRunnerOutput) -> None:
+        """Tick statistics feed the metrics and the running batch's stall bound."""
+        for tick in runner_output.ticks:
+            self.policy.observe_tick(key, tick.step_ms)
+            if self.metrics is not None and self.serving:
                 self.metrics.observe_tick(tick)

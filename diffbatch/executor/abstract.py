@@ -82,9 +82,12 @@ class Executor(ABC):
             future.set_exception(exc)
         return future
 
-    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+    def submit_join(self, wave: SchedulerOutput, capacity: int, *,
+                    stall_after_s: float | None = None) -> list[Future[BatchRunnerOutput]]:
         """Step mode: add the wave's requests to the running batch (at most `capacity`
-        requests run at once); one future per request, done when it leaves the batch."""
+        requests run at once); one future per request, done when it leaves the batch.
+        `stall_after_s`: while they are in it, a batch that finishes no step for this
+        long means a stuck runner (an executor that can replace its worker does so)."""
         raise ConfigError(f"the {type(self).__name__} executor does not run step mode")
 
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:  # noqa: B027 - optional

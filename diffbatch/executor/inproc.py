@@ -65,7 +65,9 @@ class InprocExecutor(Executor):
                                             on_partial_image=self._notify_partial_image)
 
     # -- step mode -------------------------------------------------------------------
-    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+    def submit_join(self, wave: SchedulerOutput, capacity: int, *,
+                    stall_after_s: float | None = None) -> list[Future[BatchRunnerOutput]]:
+        # (in process, a stuck batch is the caller's own thread: nothing to replace)
         futures: list[Future[BatchRunnerOutput]] = [Future() for _ in wave.requests]
         if self._steps is None or self.runner is None:
             for future in futures:

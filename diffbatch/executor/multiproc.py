@@ -304,9 +304,11 @@ class MultiprocExecutor(Executor):
         worker.start_reader(self._read_replies)
         return worker, ready
 
-    def submit_join(self, wave: SchedulerOutput, capacity: int) -> list[Future[BatchRunnerOutput]]:
+    def submit_join(self, wave: SchedulerOutput, capacity: int, *,
+                    stall_after_s: float | None = None) -> list[Future[BatchRunnerOutput]]:
         """Step mode: add the wave's requests to the worker's running batch; one future
-        per request, done when that request leaves the batch."""
+        per request, done when that request leaves the batch. While any is in it, the
+        batch finishing no step for `stall_after_s` counts as a stuck worker."""
         def converter(request_id: str) -> Callable[[WorkerReply], BatchRunnerOutput]:
             def convert(reply: WorkerReply) -> BatchRunnerOutput:
                 if reply.error is None:
@@ -314,7 +316,8 @@ class MultiprocExecutor(Executor):
                 return BatchRunnerOutput.failed([request_id], reply.error.error)
             return convert
 
-        pendings = [PendingCall(f"request {r.request_id}", converter(r.request_id), Future())
+        pendings = [PendingCall(f"request {r.request_id}", converter(r.request_id), Future(),
+                                stall_after_s, in_batch=True)
                     for r in wave.requests]
         self._submit_calls("join", lambda ids: StepJoin(wave, ids, capacity), pendings)
         return [p.future for p in pendings]
@@ -402,6 +405,8 @@ class MultiprocExecutor(Executor):
                 reply = WorkerReply(UNREADABLE_CALL_ID, error=WorkerError.from_exception(exc))
             worker.last_heard = now
             if isinstance(reply, WorkerHeartbeat):
+                if reply.ticks != worker.last_ticks:  # the running batch moved on
+                    worker.last_ticks, worker.last_progress = reply.ticks, now
                 self._check_running_call(worker, now)
                 continue
             if isinstance(reply, WorkerPartialImage):  # its call runs on
@@ -443,7 +448,15 @@ class MultiprocExecutor(Executor):
         if running is None:
             return
         call, since = running
-        if call.stall_after_s is not None and now - since > call.stall_after_s:
+        if call.stall_after_s is None or now - since <= call.stall_after_s:
+            return
+        if call.in_batch:
+            self._kill_stalled(
+                worker, f"stuck: the running batch finished no step for {now - since:.1f} "
+                f"s, past its bound of {call.stall_after_s:.1f} s (--wave-stall-factor x "
+                "its expected step time, at least --worker-stall-timeout) while its "
+                "heartbeat lived", stuck_wave=True)
+        else:
             self._kill_stalled(
                 worker, f"stuck: {call.what} ran {now - since:.1f} s, past its bound of "
                 f"{call.stall_after_s:.1f} s (--wave-stall-factor x its expected time, at "

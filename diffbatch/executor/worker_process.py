@@ -63,6 +63,9 @@ class PendingCall:
     future: Future[Any]
     stall_after_s: float | None = None  # running longer than this: the worker is stuck
     sent: float = field(default_factory=time.monotonic)  # when it was sent
+    # a request in step mode's running batch: its stall bound is on the batch's progress
+    # (no tick finished for that long), not on its own run time
+    in_batch: bool = False
 
     def resolve(self, reply: WorkerReply) -> None:
         try:
@@ -109,6 +112,10 @@ class WorkerProcess:
         self.reader: threading.Thread | None = None
         self.last_heard = time.monotonic()  # the last message from it (reader thread)
         self.last_reply = 0.0  # when the last reply came: the next call started then
+        # step mode: the running batch's tick count the last heartbeat carried, and
+        # when it last changed (the batch made progress then)
+        self.last_ticks = 0
+        self.last_progress = 0.0
         self.resumed = 0.0  # when this process last woke from a suspension of its own
         self.stalled: str | None = None  # why it was killed as stalled ("frozen: ...")
         log_level = logging.getLogger("diffbatch").getEffectiveLevel()
@@ -142,13 +149,13 @@ class WorkerProcess:
 
     def running_call(self) -> tuple[PendingCall, float] | None:
         """The call the worker runs now (the oldest unanswered: it runs them in order)
-        and since when: its sending, the previous reply, or a resume of this process,
-        whichever came last."""
+        and since when: its sending, the previous reply, a resume of this process, or
+        (step mode) the running batch's last tick, whichever came last."""
         with self.pending_lock:
             call = next(iter(self.pending.values()), None)
         if call is None:
             return None
-        return call, max(call.sent, self.last_reply, self.resumed)
+        return call, max(call.sent, self.last_reply, self.resumed, self.last_progress)
 
     def close_pending(self) -> list[PendingCall]:
         """Stop accepting calls; return the unanswered ones (for the caller to fail)."""

@@ -127,6 +127,9 @@ class WorkerHeartbeat:
     """Worker -> engine, sent by a thread of its own while the worker serves."""
 
     sent: float  # the worker's time.monotonic() when it was sent (for logs)
+    # step mode: ticks the running batch has finished so far (progress of the batch,
+    # whose requests may run for long without a reply); 0 in request mode
+    ticks: int = 0
 
 
 def heartbeat_interval_s(stall_timeout_s: float) -> float:

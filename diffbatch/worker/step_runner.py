@@ -90,6 +90,7 @@ class StepRunner:
         self.capacity = 1
         self.key: SamplingParamsKey | None = None  # the running batch's key
         self.ticks: list[TickStats] = []  # since the caller last took them
+        self.num_ticks = 0  # ticks that did work, ever (the heartbeat reports it)
         # where partial images go: (the request's call id, the image); None: nowhere
         self._send_partial: Callable[[int, PartialImage], None] | None = None
 
@@ -154,6 +155,7 @@ class StepRunner:
             output.execute_time_ms = (time.perf_counter() - task.joined) * 1000.0
             finished.append((task.call_id, output))
         if batch or left or joins:
+            self.num_ticks += 1
             self.ticks.append(TickStats(len(batch), (time.perf_counter() - start) * 1000.0,
                                         sum(module_ms), joins, len(left)))
         return finished

@@ -277,10 +277,12 @@ def _receive(conn: Connection, inbox: Inbox) -> None:
             logger.error("worker %d: ignoring unexpected message %r", os.getpid(), type(message))
 
 
-def _beat(channel: _Channel, interval_s: float, stop: threading.Event) -> None:
-    """The heartbeat thread: one `WorkerHeartbeat` per interval while serving."""
+def _beat(channel: _Channel, interval_s: float, stop: threading.Event,
+          ticks: Callable[[], int]) -> None:
+    """The heartbeat thread: one `WorkerHeartbeat` per interval while serving, with the
+    running batch's tick count (step mode; the engine sees a batch that stopped)."""
     while not stop.wait(interval_s):
-        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic())):
+        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic(), ticks())):
             return
 
 
@@ -293,7 +295,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                      name="diffbatch-worker-receive").start()
     stop_beating = threading.Event()
     if heartbeat_s > 0:
-        threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating),
+        ticks = (lambda: 0) if steps is None else (lambda: steps.num_ticks)
+        threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating, ticks),
                          daemon=True, name="diffbatch-worker-heartbeat").start()
     accepted = _accepted_kwargs(runner)
     try:

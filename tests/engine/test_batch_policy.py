@@ -203,3 +203,24 @@ def test_announced_requests_are_waited_for_briefly():
     plan = p.plan_wait(key(), 1, num_incoming=7)
     assert plan.target == 8 and 0 < plan.max_wait_ms <= 20.0
     assert p.plan_wait(key(), 1, num_incoming=100).target == p.capacity(key())
+
+
+def test_step_mode_stall_bound_follows_the_longest_recent_tick_and_the_curve():
+    step_key = key().for_step_execution()
+    p = policy(wave_stall_factor=10, worker_stall_timeout_s=0.5)
+    assert p.step_stall_bound_s(step_key, 8) is None  # nothing known: the heartbeat alone
+    p.observe_tick(step_key, 900.0)  # the warm-up, before serving: not learned
+    assert p.step_stall_bound_s(step_key, 8) is None
+    p.serving = True
+    for ms in (20.0, 80.0, 30.0):
+        p.observe_tick(step_key, ms)
+    assert p.step_stall_bound_s(step_key, 8) == pytest.approx(0.8)  # 10 x the longest
+    p.observe_tick(key(128).for_step_execution(), 500.0)  # another shape's ticks
+    assert p.step_stall_bound_s(step_key, 8) == pytest.approx(0.8)
+    teach(p)  # the curve: one step of a wave of 32 is (40 + 7 * 32) / 4 = 66 ms
+    assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.8)  # the tick is longer
+    for _ in range(64):  # the long tick ages out: the curve's step is the longer
+        p.observe_tick(step_key, 1.0)
+    assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.66)
+    assert p.step_stall_bound_s(step_key, 1) == 0.5  # 10 x 11.75 ms: the floor holds
+    assert policy(wave_stall_factor=0).step_stall_bound_s(step_key, 8) is None
