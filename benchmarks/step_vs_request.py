@@ -7,15 +7,20 @@ auto, and the admission wait of request mode, by default auto). Per workload:
 
   (a) uniform: every request `--steps` steps;
   (b) mixed: steps drawn from 4/8/16/30;
-  (c) cancel: the mixed steps, and 30% of the clients hang up after
-      `--cancel-after-s` (1 s) if their answer has not come (the server sees a
-      disconnect); a request answered sooner counts as completed.
+  (c) cancel: steps drawn from 16/32/64/120 (the mix, 4x longer), and 30% of the
+      clients hang up after `--cancel-after-s` (1 s) if their answer has not come
+      (the server sees a disconnect); a request answered sooner counts as completed.
+      The longer mix puts the hang-ups where a real model's requests are after 1 s:
+      still running (with the plain mix at 64x64 nearly every request is answered
+      within the second, and no client hangs up at all).
 
-First the request-mode capacity of (a) and (b) is measured (closed loop of
-`--saturation-concurrency` clients: requests/s). Then each workload runs Poisson
-arrivals at 0.5, 0.8 and 0.95 of that capacity ((c) at (b)'s), `--num-requests`
-each, on both servers, in alternating order. Reported per run: completed requests/s
-(over the span from the first send to the last answer), mean/p50/p99 latency of the
+First the request-mode capacity of each workload's steps is measured (closed loop
+of `--saturation-concurrency` clients: requests/s; (c) without hang-ups). Then (a)
+and (b) run Poisson arrivals at 0.5, 0.8 and 0.95 of their capacity,
+`--num-requests` each, and (c) at `--cancel-loads` (0.8) of its own,
+`--cancel-requests` each, on both servers, in alternating order. Reported per run:
+completed requests/s (over the span from the first send to the last answer),
+mean/p50/p99 latency of the
 completed requests, server CPU seconds per completed image (every process of the
 server's session: the worker included).
 
@@ -47,6 +52,7 @@ from peers_servers import harness
 from diffbatch.bench.serve import BenchConfig, run_benchmark
 
 MIX = (4, 8, 16, 30)
+CANCEL_MIX = tuple(4 * steps for steps in MIX)
 LOADS = (0.5, 0.8, 0.95)
 CANCEL_SHARE = 0.3
 STARTUP_TIMEOUT_S = 600.0
@@ -71,8 +77,9 @@ def server_specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
 
 
 def capacity(server: harness.Server, args: argparse.Namespace, steps: int | None,
-             seed: int) -> float:
-    """Requests/s of request mode under a closed loop (uniform `steps`, or the mix)."""
+             seed: int, workload: str = "mixed", num: int | None = None) -> float:
+    """Requests/s of request mode under a closed loop (uniform `steps`, or the steps
+    of `workload`: "mixed" or "long", the cancel workload's without hang-ups)."""
     if steps is not None:
         report = run_benchmark(BenchConfig(
             base_url=server.base_url, num_prompts=args.capacity_requests,
@@ -80,14 +87,16 @@ def capacity(server: harness.Server, args: argparse.Namespace, steps: int | None
             steps=steps, seed=seed, disable_tqdm=True))
         return float(report["request_throughput"])
     result = asyncio.run(poisson_run(server.base_url, args, rate=float("inf"),
-                                     workload="mixed", seed=seed,
+                                     workload=workload, seed=seed,
                                      concurrency=args.saturation_concurrency,
-                                     num=args.capacity_requests))
+                                     num=num or args.capacity_requests))
     return result["completed_per_s"]
 
 
 def steps_of(workload: str, rng: random.Random, args: argparse.Namespace) -> int:
-    return args.steps if workload == "uniform" else rng.choice(MIX)
+    if workload == "uniform":
+        return args.steps
+    return rng.choice(CANCEL_MIX if workload in ("cancel", "long") else MIX)
 
 
 async def poisson_run(base_url: str, args: argparse.Namespace, *, rate: float, workload: str,
@@ -156,10 +165,10 @@ async def poisson_run(base_url: str, args: argparse.Namespace, *, rate: float, w
 
 
 def measure(server: harness.Server, args: argparse.Namespace, *, rate: float, workload: str,
-            seed: int) -> dict[str, Any]:
+            seed: int, num: int | None = None) -> dict[str, Any]:
     cpu = server.cpu_seconds()
     result = asyncio.run(poisson_run(server.base_url, args, rate=rate, workload=workload,
-                                     seed=seed))
+                                     seed=seed, num=num))
     cpu = server.cpu_seconds() - cpu
     result["cpu_s_per_image"] = cpu / result["completed"] if result["completed"] else None
     return result
@@ -219,16 +228,19 @@ def run_round(servers: dict[str, harness.Server], args: argparse.Namespace,
     seed = 1000 * round_index
     caps = {"uniform": capacity(servers["request"], args, args.steps, seed),
             "mixed": capacity(servers["request"], args, None, seed + 1)}
-    caps["cancel"] = caps["mixed"]
+    caps["cancel"] = capacity(servers["request"], args, None, seed + 2, workload="long",
+                              num=args.cancel_requests)
     print(f"round {round_index}: request-mode capacity uniform {caps['uniform']:.2f} req/s, "
-          f"mixed {caps['mixed']:.2f} req/s", flush=True)
+          f"mixed {caps['mixed']:.2f} req/s, cancel {caps['cancel']:.2f} req/s", flush=True)
     order = ["request", "step"] if round_index % 2 == 0 else ["step", "request"]
     rows = {}
     for workload in ("uniform", "mixed", "cancel"):
-        for load in args.loads:
+        cancel = workload == "cancel"
+        for load in args.cancel_loads if cancel else args.loads:
             name = f"{workload}@{load:g}"
             runs = {mode: measure(servers[mode], args, rate=load * caps[workload],
-                                  workload=workload, seed=seed + zlib.crc32(name.encode()) % 997)
+                                  workload=workload, seed=seed + zlib.crc32(name.encode()) % 997,
+                                  num=args.cancel_requests if cancel else None)
                     for mode in order}
             runs["ratio"] = {
                 "throughput": ratio(runs["step"]["completed_per_s"],
@@ -276,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity-requests", type=int, default=96)
     parser.add_argument("--saturation-concurrency", type=int, default=32)
     parser.add_argument("--cancel-after-s", type=float, default=1.0)
+    parser.add_argument("--cancel-loads", type=float, nargs="+", default=[0.8])
+    parser.add_argument("--cancel-requests", type=int, default=60,
+                        help="per cancel run, and for the cancel workload's capacity")
     parser.add_argument("--overhead-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="rounds")
     parser.add_argument("--out", default="benchmarks/results/step_vs_request.json")
