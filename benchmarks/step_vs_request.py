@@ -20,9 +20,8 @@ and (b) run Poisson arrivals at 0.5, 0.8 and 0.95 of their capacity,
 `--num-requests` each, and (c) at `--cancel-loads` (0.8) of its own,
 `--cancel-requests` each, on both servers, in alternating order. Reported per run:
 completed requests/s (over the span from the first send to the last answer),
-mean/p50/p99 latency of the
-completed requests, server CPU seconds per completed image (every process of the
-server's session: the worker included).
+mean/p50/p99 latency of the completed requests, server CPU seconds per completed
+image (every process of the server's session: the worker included).
 
 Bars (ratios step/request within one round, median over `--repeats` rounds):
   - mixed @ 0.8: mean latency <= 0.7x, throughput >= 1.0x;
