@@ -40,8 +40,19 @@ SETTINGS = [auto_batching.AUTO, *auto_batching.grid([1, 4], [0.0])]
 
 
 def rows(auto: tuple[float, float], s1: tuple[float, float], s4: tuple[float, float]) -> dict:
-    return {name: {"throughput_rps": thr, "p50_ms": p50, "mean_wave_size": 1.0}
+    """One round: (throughput, p50) per setting."""
+    return {name: {"throughput_rps": thr, "p50_ms": p50, "mean_wave_size": 1.0,
+                   "throughput_rps_rounds": [thr], "p50_ms_rounds": [p50]}
             for name, (thr, p50) in (("auto", auto), ("seqs1_wait0", s1), ("seqs4_wait0", s4))}
+
+
+def rounds(**per_setting: tuple[list[float], list[float]]) -> dict:
+    """Several rounds: (throughputs, p50s) per setting; medians as `summarize_runs`."""
+    return {name: auto_batching.summarize_runs(
+        [{"throughput_rps": t, "p50_ms": p, "p99_ms": p, "mean_wave_size": 1.0,
+          "server_cpu_s_per_request": 0.0, "failed": 0, "errors": []}
+         for t, p in zip(thr, p50, strict=True)])
+        for name, (thr, p50) in per_setting.items()}
 
 
 def test_verdict_passes_when_auto_is_as_good_as_the_best() -> None:
@@ -67,6 +78,26 @@ def test_verdict_at_low_load_compares_p50_with_max_num_seqs_1() -> None:
                                                         (1.0, 49.0)), SETTINGS)
     assert v["p50_reference_setting"] == "seqs1_wait0"
     assert v["p50_bar_ms"] == pytest.approx(52.0) and not v["p50_pass"]
+
+
+def test_verdict_compares_auto_with_the_references_round_by_round() -> None:
+    # Round 3 was slow for auto alone: its median (23.5) against the best fixed
+    # setting's (25.7) is 0.91, but round by round auto ran 1.01, 1.00 and 0.91 of it.
+    v = auto_batching.verdict("poisson_1.2x", 1.2, rounds(
+        auto=([26.0, 23.5, 23.4], [480.0, 490.0, 500.0]),
+        seqs1_wait0=([12.0, 11.0, 12.0], [900.0, 950.0, 990.0]),
+        seqs4_wait0=([25.8, 23.6, 25.7], [470.0, 480.0, 460.0])), SETTINGS)
+    assert v["throughput_ratio_of_medians"] == pytest.approx(23.5 / 25.7)
+    assert v["throughput_ratio"] == pytest.approx(23.5 / 23.6)  # the median of the rounds'
+    assert v["throughput_pass"] and v["p50_pass"] and v["pass"]
+    assert v["p50_to_bar"] == pytest.approx(480.0 / (1.1 * 470.0 + 2.0))
+    # Slower in every round: the pairing changes nothing.
+    v = auto_batching.verdict("poisson_1.2x", 1.2, rounds(
+        auto=([24.0, 22.0, 23.0], [480.0, 490.0, 500.0]),
+        seqs1_wait0=([12.0, 11.0, 12.0], [900.0, 950.0, 990.0]),
+        seqs4_wait0=([26.0, 23.6, 25.7], [400.0, 410.0, 420.0])), SETTINGS)
+    assert not v["throughput_pass"] and not v["p50_pass"]
+    assert v["dominated_by"] == ["seqs4_wait0"]
 
 
 def test_defaults_server_has_no_tuning_flags_and_no_thread_env(monkeypatch) -> None:

@@ -198,6 +198,11 @@ def test_auto_batching_smoke(tmp_path: Path) -> None:
         assert verdict["pass"] == (verdict["throughput_pass"] and verdict["p50_pass"]
                                    and verdict["dominance_pass"])
     assert report["pass"] == result["pass"]
+    # Judged again from the file alone: the same verdicts, marked as rejudged.
+    again = run_script("auto_batching.py", tmp_path / "again.json", "--rejudge",
+                       str(tmp_path / "auto.json"))
+    assert again["rejudged"]["from"] == str(tmp_path / "auto.json")
+    assert again["results"][0]["verdicts"] == result["verdicts"]
 
 
 def test_reliability_smoke(tmp_path: Path) -> None:
