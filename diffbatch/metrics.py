@@ -188,9 +188,11 @@ class EngineMetrics:
         self.forward_time.observe(forward_s)
 
     def observe_tick(self, tick: TickStats) -> None:
-        """Step mode: one tick of the worker's running batch."""
-        self.step_batch_size.observe(tick.batch_size)
-        self.step_time.observe(tick.step_ms / 1000.0)
+        """Step mode: one tick of the worker's running batch (or, with batch size 0, a
+        cancelled request that left between ticks: counted, no step observed)."""
+        if tick.batch_size > 0:
+            self.step_batch_size.observe(tick.batch_size)
+            self.step_time.observe(tick.step_ms / 1000.0)
         self.step_joins.inc(tick.joins)
         self.step_leaves.inc(tick.leaves)
 

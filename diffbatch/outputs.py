@@ -91,7 +91,8 @@ class PartialImage:
 
 @dataclass
 class TickStats:
-    """One tick of the running batch (crosses to the engine for metrics)."""
+    """One tick of the running batch (crosses to the engine for metrics); a record
+    with `batch_size` 0 ran no step: a request cancelled between ticks left."""
 
     batch_size: int  # requests in the fused denoiser call
     step_ms: float  # the tick's wall time (boundaries included)

@@ -94,8 +94,14 @@ def test_two_hundred_concurrent_requests_each_get_their_own_image(step_engine, r
     assert max(o.batch_size for o in outputs) == 4
 
 
+def counted(engine: Engine, name: str) -> float:
+    return engine.metrics.registry.get_sample_value(name) or 0.0
+
+
 def test_an_abort_stops_the_requests_compute_and_frees_its_slot(step_engine):
     before = ticks(step_engine)
+    joins = counted(step_engine, "diffbatch_step_joins_total")
+    leaves = counted(step_engine, "diffbatch_step_leaves_total")
 
     async def run():
         long_task = asyncio.ensure_future(step_engine.generate_async("long", pt(1, 1000)))
@@ -111,6 +117,9 @@ def test_an_abort_stops_the_requests_compute_and_frees_its_slot(step_engine):
     assert short.ok, short.error
     wait_until(lambda: step_engine.num_running == 0)
     assert ticks(step_engine) - before < 500  # the 1000-step request stopped early
+    # both joined the batch and both left it: the cancelled one counts as a leave
+    assert counted(step_engine, "diffbatch_step_joins_total") - joins == 2
+    assert counted(step_engine, "diffbatch_step_leaves_total") - leaves == 2
 
 
 def test_a_streamed_request_gets_its_partial_images_through_the_worker(step_engine,

@@ -244,7 +244,11 @@ class BatchPolicy:
 
     # -- learning --------------------------------------------------------------------
     def observe_arrivals(self, count: int) -> None:
-        self.arrivals.observe(count)
+        """`count` requests arrived together; only while serving (the start-up warm-up
+        request is no arrival: a first request right after it would look like a burst
+        and wait for followers that never come)."""
+        if self.serving:
+            self.arrivals.observe(count)
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:

@@ -47,6 +47,13 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
                 f"(size {size}: both sides must be multiples of {multiple}, e.g. "
                 f"{info.default_width}x{info.default_height})", param=name,
             )
+    most_steps = info.max_inference_steps
+    if most_steps is not None and params.num_inference_steps > most_steps:
+        raise InvalidRequestError(
+            f"`num_inference_steps` must be at most {most_steps} for {info.name} (its "
+            f"scheduler's schedule ends there), got {params.num_inference_steps}",
+            param="num_inference_steps",
+        )
     # The work limit comes after the model's own limits, whose messages say more.
     # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
     # per-image limit in a form fuzzers generate from (openai/work_limit.py).

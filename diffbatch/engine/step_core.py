@@ -139,6 +139,7 @@ class StepEngineCore(EngineCore):
                        runner_output: BatchRunnerOutput) -> None:
         """Tick statistics feed the metrics and the running batch's stall bound."""
         for tick in runner_output.ticks:
-            self.policy.observe_tick(key, tick.step_ms)
+            if tick.batch_size > 0:
+                self.policy.observe_tick(key, tick.step_ms)
             if self.metrics is not None and self.serving:
                 self.metrics.observe_tick(tick)

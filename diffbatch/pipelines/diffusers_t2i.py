@@ -32,13 +32,13 @@ import inspect
 import json
 import logging
 import os
-import re
 from typing import Any, ClassVar
 
 import torch
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
+from diffbatch.pipelines import library_logs
 from diffbatch.pipelines.diffusers_edit import (
     at_least_one_step,
     call_parameters,
@@ -48,6 +48,7 @@ from diffbatch.pipelines.diffusers_edit import (
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.per_sample_guidance import PerSampleGuidance
+from diffbatch.pipelines.schedule_limits import schedulable_steps
 from diffbatch.pipelines.scheduler_fusion import scheduler_point, wrap_scheduler
 from diffbatch.pipelines.step_fusion import FusionPoint
 
@@ -100,37 +101,9 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
 
 
-class TorchvisionFallbackFilter(logging.Filter):
-    """Drops transformers' notice that an `<Model>ImageProcessor` falls back to its PIL
-    twin because torchvision is not installed, and nothing else.
-
-    NOTE: diffusers' StableDiffusion pipeline module and its IP-adapter loader import
-    `CLIPImageProcessor` and `SiglipImageProcessor` at import time, so every engine start
-    printed two such warnings, whatever the model folder holds. torchvision is left out
-    on purpose, and diffbatch runs no image processor (no safety checker, no IP adapter:
-    those components are loaded as None), so the fallback changes nothing here.
-    """
-
-    LOGGER = "transformers.utils.import_utils"
-    _PATTERN = re.compile(
-        r"`\w+ImageProcessor` requires torchvision \(not installed\); "
-        r"falling back to `\w+ImageProcessorPil`"
-    )
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self._PATTERN.match(record.getMessage())
-
-    @classmethod
-    def install(cls) -> None:
-        """Add the filter to transformers' import logger, once per process."""
-        target = logging.getLogger(cls.LOGGER)
-        if not any(isinstance(f, cls) for f in target.filters):
-            target.addFilter(cls())
-
-
 # Installed on import: the builders in tiny.py and `from_pretrained` below both import
 # diffusers pipeline modules, and both import this module first.
-TorchvisionFallbackFilter.install()
+library_logs.install()
 
 
 def _disable_progress_bars() -> None:
@@ -267,6 +240,7 @@ class DiffusersT2IPipeline(BasePipeline):
             supports_per_request_guidance=self._per_sample_guidance_ok(cfg_threshold),
             supports_step_execution=self.supports_step_execution,
             model_max_pixels=int(d["model_max_pixels"]) if "model_max_pixels" in d else None,
+            max_inference_steps=schedulable_steps(pipe.scheduler),
             call_arguments=frozenset(
                 name for name in self._call_params
                 if name not in _RESERVED or name in ("sigmas", "timesteps")

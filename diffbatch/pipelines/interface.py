@@ -161,6 +161,9 @@ class PipelineInfo:
     # trained at 64x64 whose cost explodes far beyond its training size. Not the
     # server's `--max-image-pixels`, which caps every model alike.
     model_max_pixels: int | None = None
+    # Most `num_inference_steps` the model's scheduler can schedule, when it stops short
+    # of the global bound (`schedule_limits.py`); None: the global bound holds.
+    max_inference_steps: int | None = None
     # Names `SamplingParams.extra` may use, plus "sigmas"/"timesteps" when the
     # pipeline takes custom schedules; None: not declared, anything is passed on.
     call_arguments: frozenset[str] | None = None

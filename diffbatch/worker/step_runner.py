@@ -117,6 +117,8 @@ class StepRunner:
             if task.call_id == call_id:
                 self.running.remove(task)
                 self._unwind(task)
+                # a leave between ticks: a record with no step (batch size 0)
+                self.ticks.append(TickStats(0, 0.0, 0.0, 0, 1))
                 return DiffusionOutput.make_aborted(task.request.request_id)
         return None
 

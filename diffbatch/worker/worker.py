@@ -364,7 +364,8 @@ def serve_steps(
             output = steps.cancel(call_id)
             inbox.forget(call_id)
             if output is not None and not send(WorkerReply(call_id, result=BatchRunnerOutput(
-                    outputs={output.request_id: output}, num_forwards=0))):
+                    outputs={output.request_id: output}, num_forwards=0,
+                    ticks=steps.take_ticks()))):
                 return
         finished = steps.tick()
         ticks = steps.take_ticks() if finished else []

@@ -224,3 +224,16 @@ def test_step_mode_stall_bound_follows_the_longest_recent_tick_and_the_curve():
     assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.66)
     assert p.step_stall_bound_s(step_key, 1) == 0.5  # 10 x 11.75 ms: the floor holds
     assert policy(wave_stall_factor=0).step_stall_bound_s(step_key, 8) is None
+
+
+def test_arrivals_before_serving_do_not_count():
+    clock = Clock()
+    p = policy(clock)
+    teach(p)
+    p.serving = False  # the start-up warm-up request arrives
+    p.observe_arrivals(1)
+    p.serving = True
+    clock.now += 0.05  # the first real request, right after start-up
+    p.observe_arrivals(2)
+    assert p.arrivals.rate_per_s() == 0.0  # one event: no rate yet
+    assert p.plan_wait(key(), 2).max_wait_ms == 0.0

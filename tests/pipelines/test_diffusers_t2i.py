@@ -16,9 +16,9 @@ from diffbatch.errors import ConfigError, ModelNotFoundError, WaveInterrupted
 from diffbatch.pipelines.diffusers_t2i import (
     DiffusersPerRequestPipeline,
     DiffusersT2IPipeline,
-    TorchvisionFallbackFilter,
     resolve_dtype,
 )
+from diffbatch.pipelines.library_logs import TorchvisionFallbackFilter, TruncatedPromptFilter
 from diffbatch.pipelines.registry import resolve_model_path
 from tests.pipelines.conftest import SIZE, TINY_NAMES, TOLERANCE, make_batch, make_request
 
@@ -227,17 +227,33 @@ def test_torchvision_fallback_filter_drops_exactly_that_notice() -> None:
     assert sum(isinstance(f, TorchvisionFallbackFilter) for f in installed) == 1
 
 
+def test_truncation_warnings_keep_the_note_and_drop_the_prompt() -> None:
+    cut = logging.LogRecord(
+        "diffusers.pipelines.x", logging.WARNING, __file__, 1,
+        "The following part of your input was truncated because CLIP can only handle "
+        "sequences up to 77 tokens: ['my card number is 4111']", None, None)
+    assert TruncatedPromptFilter().filter(cut)
+    assert cut.getMessage() == ("a prompt was truncated because CLIP can only handle "
+                                "sequences up to 77 tokens (the cut text is not logged)")
+    other = logging.LogRecord("diffusers", logging.WARNING, __file__, 1, "unrelated %s",
+                              ("warning",), None)
+    assert TruncatedPromptFilter().filter(other) and other.getMessage() == "unrelated warning"
+
+
 _ENGINE_START = """
 import logging
-from diffbatch import Engine
+from diffbatch import Engine, SamplingParams
+LONG = " ".join(["a red circle"] * 40) + " and the secret word zebrafinch42"
 for executor in ("inproc", "mp"):
-    Engine("tiny-sd", executor=executor, torch_num_threads=1).close()
+    with Engine("tiny-sd", executor=executor, torch_num_threads=1) as engine:
+        out = engine.generate([LONG], SamplingParams(num_inference_steps=1), use_tqdm=False)
+        assert out[0].ok, out[0].error
 logging.getLogger("transformers.utils.import_utils").warning("another transformers warning")
 """
 
 
 @pytest.mark.slow
-def test_an_engine_start_prints_no_torchvision_warning(model_cache_dir: str) -> None:
+def test_an_engine_logs_no_torchvision_warning_and_no_prompt(model_cache_dir: str) -> None:
     # A fresh interpreter: in this one diffusers' pipeline modules may be imported already.
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -246,6 +262,9 @@ def test_an_engine_start_prints_no_torchvision_warning(model_cache_dir: str) -> 
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torchvision" not in done.stderr, done.stderr
     assert "another transformers warning" in done.stderr  # other warnings still show
+    # a prompt past CLIP's 77 tokens: noted, in process and in the worker, never shown
+    assert done.stderr.count("a prompt was truncated because CLIP") == 2, done.stderr
+    assert "zebrafinch42" not in done.stderr
 
 
 @pytest.mark.parametrize("name", TINY_NAMES)

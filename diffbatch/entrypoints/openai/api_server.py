@@ -154,7 +154,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.info(
-            "serving %r at %s (max_num_seqs=%d, api key %s)",
+            "serving %r at %s (max_num_seqs=%s, api key %s)",
             served_model_name, IMAGES_ROUTE, engine.config.max_num_seqs,
             "required" if api_key else "off",
         )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffbatch.errors import InvalidRequestError
+from diffbatch.sampling_params import MAX_SIDE
 
 if TYPE_CHECKING:
     import torch
@@ -96,11 +97,13 @@ def _has_alpha(image: Image.Image) -> bool:
     return image.mode in _ALPHA_MODES or "transparency" in image.info
 
 
-def auto_size(width: int, height: int, *, multiple: int, max_pixels: int) -> tuple[int, int]:
+def auto_size(width: int, height: int, *, multiple: int, max_pixels: int,
+              max_side: int = MAX_SIDE) -> tuple[int, int]:
     """The size `size: "auto"` generates for an image of `width` x `height`: its own,
-    scaled down (keeping its aspect) to fit `max_pixels`, each side rounded down to a
-    multiple of `multiple` (at least one)."""
-    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    scaled down (keeping its aspect) to fit `max_pixels` and `max_side` per side, each
+    side rounded down to a multiple of `multiple` (at least one)."""
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)), max_side / width,
+                max_side / height)
 
     def side(value: int) -> int:
         return max(multiple, int(value * scale) // multiple * multiple)

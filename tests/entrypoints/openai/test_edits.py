@@ -135,6 +135,9 @@ def test_auto_size_keeps_the_aspect_within_the_cap() -> None:
     assert auto_size(3, 3, multiple=8, max_pixels=1024) == (8, 8)
     width, height = auto_size(100, 50, multiple=8, max_pixels=1024)
     assert width * height <= 1024 and (width, height) == (40, 16)
+    # a tall image under the pixel cap still fits each side (8192 by default)
+    assert auto_size(64, 9000, multiple=8, max_pixels=2**20) == (56, 8192)
+    assert auto_size(9000, 64, multiple=8, max_pixels=2**20, max_side=4096) == (4096, 24)
 
 
 # -- what is refused -------------------------------------------------------------------------

@@ -192,6 +192,19 @@ def test_bad_input_gets_4xx_in_openai_shape_then_a_valid_request_works(
         assert decode(response.json()["data"][0]["b64_json"]).size == (64, 64)
 
 
+def test_steps_past_what_the_models_scheduler_schedules_are_a_400_naming_its_limit(
+    server: RunningServer,
+) -> None:
+    # tiny-sd's DDIM ("leading", steps_offset 1) has no 1000-step schedule: its first
+    # timestep would be 1000 (an IndexError mid-wave, a 500, before this limit)
+    assert server.engine.info.max_inference_steps == 999
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
+        response = client.post(ROUTE, json={"prompt": "p", "size": "16x16",
+                                            "num_inference_steps": 1000})
+        _assert_openai_error(response, 400, "num_inference_steps")
+        assert "at most 999 for StableDiffusionPipeline" in response.json()["error"]["message"]
+
+
 def test_text_and_loras_the_model_cannot_take_are_400s_naming_no_path(
     server: RunningServer,
 ) -> None:
