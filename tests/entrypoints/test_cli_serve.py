@@ -87,6 +87,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path) -> None:
         log.seek(0)
         text = log.read()
         assert "closing the engine" in text
+        assert "serving 'cli-model'" in text and "Logging error" not in text
         assert "a red circle" not in text  # prompts are never logged above DEBUG
     finally:
         if proc.poll() is None:
