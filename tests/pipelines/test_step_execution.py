@@ -104,7 +104,8 @@ def test_a_cancelled_request_leaves_at_the_next_boundary_and_its_slot_is_reused(
     aborted = steps.cancel(0)
     assert aborted is not None and aborted.aborted
     steps.tick()
-    (tick,) = steps.take_ticks()
+    leave, tick = steps.take_ticks()
+    assert (leave.batch_size, leave.leaves) == (0, 1)  # the cancel: a leave, no step
     assert (tick.joins, tick.batch_size) == (1, 1)  # r1 ran its first step on the next tick
     left = run_until_idle(steps)
     assert left["r1"][1].error is None
