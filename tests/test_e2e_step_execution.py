@@ -104,7 +104,7 @@ def test_an_abort_stops_the_requests_compute_and_frees_its_slot(step_engine):
     leaves = counted(step_engine, "diffbatch_step_leaves_total")
 
     async def run():
-        long_task = asyncio.ensure_future(step_engine.generate_async("long", pt(1, 1000)))
+        long_task = asyncio.ensure_future(step_engine.generate_async("long", pt(1, 999)))
         while step_engine.num_running < 1:
             await asyncio.sleep(0.005)
         long_task.cancel()  # the caller went away: the request is aborted
@@ -120,6 +120,7 @@ def test_an_abort_stops_the_requests_compute_and_frees_its_slot(step_engine):
     # both joined the batch and both left it: the cancelled one counts as a leave
     assert counted(step_engine, "diffbatch_step_joins_total") - joins == 2
     assert counted(step_engine, "diffbatch_step_leaves_total") - leaves == 2
+    assert counted(step_engine, "diffbatch_waves_cancelled_total") == 0  # no waves here
 
 
 def test_a_streamed_request_gets_its_partial_images_through_the_worker(step_engine,
@@ -144,7 +145,7 @@ def test_start_up_refuses_a_pipeline_without_the_step_contract():
 
 def test_a_worker_killed_mid_tick_fails_the_running_requests_clearly_then_serves(step_engine):
     async def run():
-        tasks = [asyncio.ensure_future(step_engine.generate_async(f"p{i}", pt(i, 1000)))
+        tasks = [asyncio.ensure_future(step_engine.generate_async(f"p{i}", pt(i, 999)))
                  for i in range(2)]
         while step_engine.num_running < 2:
             await asyncio.sleep(0.005)

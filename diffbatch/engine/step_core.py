@@ -105,6 +105,14 @@ class StepEngineCore(EngineCore):
         for record in records:
             record.future.add_done_callback(self._wake)
 
+    def _cancel(self, records: list[InFlightWave]) -> None:
+        """(Without `cond`.) Take requests nobody waits for out of the running batch: a
+        leave (the step metrics count it when the worker confirms), not a stopped wave."""
+        for record in records:
+            logger.debug("request %s: not wanted any more; leaving the running batch",
+                         record.wave.req_ids[0])
+            self.executor.cancel(record.future)
+
     def _finish(self, record: InFlightWave) -> None:
         """A request left the batch: finish it and deliver its output."""
         wave = record.wave
