@@ -180,6 +180,67 @@ def test_a_batch_that_stops_stepping_while_the_heartbeat_lives_is_stuck_and_repl
         assert after.ok, after.error
 
 
+def started_and_queued(engine: Engine) -> tuple[set[str], set[str]]:
+    """The requests handed to the worker: in its running batch, and in its queue."""
+    records = [r for r in list(engine.core.in_flight) if not r.future.done()]
+    started = {r.wave.requests[0].request_id for r in records
+               if engine.executor.has_started(r.future)}
+    return started, {r.wave.requests[0].request_id for r in records} - started
+
+
+@pytest.fixture
+def capacity_one():
+    with Engine("tiny-sd", step_execution=True, max_num_seqs=1, executor="mp",
+                max_request_work=0) as engine:
+        yield engine
+
+
+def test_a_request_still_in_the_workers_queue_is_run_again_when_the_worker_dies(
+        capacity_one):
+    """Capacity 1: "waits" sits in the worker's queue behind "runs". The worker dies:
+    "runs" fails (it may have caused the crash), "waits" never started, so it is
+    queued again and served by the replacement."""
+    engine = capacity_one
+
+    async def run():
+        runs = asyncio.ensure_future(engine.generate_async("runs", pt(1, 999)))
+        waits = asyncio.ensure_future(engine.generate_async("waits", pt(2, 6)))
+        while len(started_and_queued(engine)[0]) < 1 or len(started_and_queued(engine)[1]) < 1:
+            await asyncio.sleep(0.005)
+        os.kill(engine.executor.worker_pid, signal.SIGKILL)
+        return await asyncio.gather(runs, waits)
+
+    runs, waits = asyncio.run(run())
+    assert runs.error is not None and "in the running batch" in runs.error.message
+    assert waits.ok, waits.error
+    reference = engine.generate(["waits"], [pt(2, 6)], use_tqdm=False)[0]
+    assert (waits.images - reference.images).abs().max().item() <= TOLERANCE
+
+
+def test_shutdown_answers_a_request_in_the_workers_queue_at_once(capacity_one):
+    """On shutdown, a request that had not entered the running batch is answered
+    "had not started" at once; the running one may finish."""
+    engine = capacity_one
+    answered: list[str] = []
+
+    async def run():
+        runs = asyncio.ensure_future(engine.generate_async("runs", pt(1, 300)))
+        waits = asyncio.ensure_future(engine.generate_async("waits", pt(2, 6)))
+        runs.add_done_callback(lambda _t: answered.append("runs"))
+        waits.add_done_callback(lambda _t: answered.append("waits"))
+        while len(started_and_queued(engine)[0]) < 1 or len(started_and_queued(engine)[1]) < 1:
+            await asyncio.sleep(0.005)
+        stopping = asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 120.0)
+        outputs = await asyncio.gather(runs, waits)
+        await stopping
+        return outputs
+
+    runs, waits = asyncio.run(run())
+    assert waits.error is not None and "had not started" in waits.error.message
+    assert runs.ok, runs.error
+    assert answered == ["waits", "runs"]
+
+
 def metric(url: str, name: str) -> float:
     import httpx
 

@@ -90,6 +90,12 @@ class Executor(ABC):
         long means a stuck runner (an executor that can replace its worker does so)."""
         raise ConfigError(f"the {type(self).__name__} executor does not run step mode")
 
+    def has_started(self, future: Future[BatchRunnerOutput]) -> bool:
+        """Step mode: whether the request behind `future` entered the running batch
+        (rather than waiting in the runner's queue); an executor that cannot tell says
+        True."""
+        return True
+
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:  # noqa: B027 - optional
         """Nobody waits for the wave behind `future` any more: stop it at its next
         denoising step, or drop it if it has not started; its requests then come back

@@ -37,7 +37,8 @@ worker's life, as the serving worker of one executor:
   hangs ("stuck"). Either way the reader kills it (SIGKILL) and handles the death
   below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
-  oldest with `started=True`: it was running; the rest never started, and calls
+  oldest with `started=True`: it was running; in step mode, every request the worker
+  reported joining its batch (`WorkerJoined`); the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor
   turns unhealthy (`is_restarting`), sweeps the dead worker's segments and starts a
   replacement in the background; `check_health()` passes again once it is ready,
@@ -82,6 +83,7 @@ from diffbatch.ipc.messages import (
     WorkerCancel,
     WorkerError,
     WorkerHeartbeat,
+    WorkerJoined,
     WorkerMethod,
     WorkerPartialImage,
     WorkerReady,
@@ -209,6 +211,14 @@ class MultiprocExecutor(Executor):
             return
         with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
             worker.send(WorkerCancel(call_id))
+
+    def has_started(self, future: Future[BatchRunnerOutput]) -> bool:
+        """Step mode: whether the request behind `future` entered the worker's running
+        batch (one still in the worker's queue has not; an answered one has)."""
+        with self._lock:
+            worker = self._worker
+        call = worker.pending_call(future) if worker is not None else None
+        return call is None or not call.in_batch or call.joined
 
     def submit_batch(
         self, scheduler_output: SchedulerOutput, *, stall_after_s: float | None = None,
@@ -409,6 +419,9 @@ class MultiprocExecutor(Executor):
                     worker.last_ticks, worker.last_progress = reply.ticks, now
                 self._check_running_call(worker, now)
                 continue
+            if isinstance(reply, WorkerJoined):  # step mode: these calls have started
+                worker.mark_joined(reply.call_ids)
+                continue
             if isinstance(reply, WorkerPartialImage):  # its call runs on
                 self._partial_image(reply)
                 continue
@@ -506,16 +519,17 @@ class MultiprocExecutor(Executor):
             during = f"while running {pending[0].what}" if pending else "while idle"
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
-        # The worker runs calls in order: the oldest was running, the others waited.
-        # In step mode every request sent may be in the running batch.
-        step_mode = self.config.step_execution
+        # The worker runs calls in order: the oldest was running, the others waited. In
+        # step mode the requests the worker said joined its batch were running; the
+        # others waited in its queue.
         for i, call in enumerate(pending):
+            started = call.joined if call.in_batch else i == 0
             call.future.set_exception(
                 EngineClosedError(f"the executor was shut down while running {call.what}")
                 if closed else
                 WorkerDiedError(f"worker process died ({exit_text}) while running {call.what}",
                                 started=True)
-                if i == 0 or step_mode else
+                if started else
                 WorkerDiedError(f"worker process died ({exit_text}) before it started "
                                 f"{call.what}", started=False)
             )

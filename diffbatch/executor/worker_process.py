@@ -66,6 +66,7 @@ class PendingCall:
     # a request in step mode's running batch: its stall bound is on the batch's progress
     # (no tick finished for that long), not on its own run time
     in_batch: bool = False
+    joined: bool = False  # step mode: the worker said it entered the running batch
 
     def resolve(self, reply: WorkerReply) -> None:
         try:
@@ -141,6 +142,19 @@ class WorkerProcess:
             if call_id == UNREADABLE_CALL_ID and self.pending:
                 return self.pending.popitem(last=False)[1]
             return self.pending.pop(call_id, None)  # type: ignore[arg-type]
+
+    def mark_joined(self, call_ids: list[int]) -> None:
+        """Step mode: these calls' requests entered the running batch."""
+        with self.pending_lock:
+            for call_id in call_ids:
+                call = self.pending.get(call_id)
+                if call is not None:
+                    call.joined = True
+
+    def pending_call(self, future: Future[Any]) -> PendingCall | None:
+        """The unanswered call whose future is `future`, if any."""
+        with self.pending_lock:
+            return next((p for p in self.pending.values() if p.future is future), None)
 
     def call_id_of(self, future: Future[Any]) -> int | None:
         """The id of the unanswered call whose future is `future`, if any."""

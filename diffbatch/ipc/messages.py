@@ -1,6 +1,6 @@
 """What crosses the pipe between the executor (engine process) and its worker process.
 
-Seven messages, one plain dataclass each (and `StepJoin`, the argument of a step-mode
+Eight messages, one plain dataclass each (and `StepJoin`, the argument of a step-mode
 "join" call):
 
 - `WorkerStart` engine -> worker, once: what to load (the engine's config);
@@ -12,6 +12,8 @@ Seven messages, one plain dataclass each (and `StepJoin`, the argument of a step
 - `WorkerPartialImage` worker -> engine, while a call runs: one preview a request
   asked for (`SamplingParams.partial_images`), packed like results, sent before the
   call's reply;
+- `WorkerJoined` worker -> engine, step mode: requests that entered the running
+  batch (sent before any of their code runs);
 - `WorkerReply` worker -> engine, one per call: the packed result or the error;
 - `WorkerHeartbeat` worker -> engine, every `heartbeat_interval_s(config)` once
   ready: the worker's process is alive and scheduled (a frozen one stops sending).
@@ -112,6 +114,18 @@ class StepJoin:
     wave: SchedulerOutput  # the joining requests, all of one key
     call_ids: list[int]  # one per request, in order
     capacity: int  # most requests in the running batch for this key
+
+
+@dataclass
+class WorkerJoined:
+    """Worker -> engine, step mode: these calls' requests entered the running batch.
+
+    Sent before any of their code runs, so a request that crashes the worker counts
+    as started (its death is not re-run); one still waiting in the worker's queue has
+    not started, and is queued again if the worker dies, or answered at once on
+    shutdown."""
+
+    call_ids: list[int]
 
 
 @dataclass

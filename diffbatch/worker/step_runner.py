@@ -93,10 +93,17 @@ class StepRunner:
         self.num_ticks = 0  # ticks that did work, ever (the heartbeat reports it)
         # where partial images go: (the request's call id, the image); None: nowhere
         self._send_partial: Callable[[int, PartialImage], None] | None = None
+        # told the call ids of the requests entering the batch; None: nobody
+        self._on_join: Callable[[list[int]], None] | None = None
 
     def send_partial_images_to(self, send: Callable[[int, PartialImage], None]) -> None:
         """Hand the running requests' partial images to `send(call_id, partial)`."""
         self._send_partial = send
+
+    def report_joins_to(self, report: Callable[[list[int]], None]) -> None:
+        """Call `report(call_ids)` when requests enter the running batch, before any of
+        their code runs (the engine then knows which requests had started)."""
+        self._on_join = report
 
     # -- the engine's side -----------------------------------------------------------
     def join(self, join: StepJoin) -> None:
@@ -163,26 +170,33 @@ class StepRunner:
         return finished
 
     def _admit(self) -> int:
-        joined = 0
-        while self.ready and len(self.running) < self.capacity:
+        admitted: list[_Task] = []
+        while self.ready and len(self.running) + len(admitted) < self.capacity:
             task = self.ready[0]
-            if self.running and task.key != self.key:
+            if (self.running or admitted) and task.key != self.key:
                 break  # another key waits for the running batch to drain
             self.ready.popleft()
-            if not self.running:
+            if not self.running and not admitted:
                 self.key = task.key
-                params = task.request.sampling_params
-                try:
-                    self.runner.activate_lora(params.lora, params.lora_scale)
-                except Exception as exc:
-                    task.output = DiffusionOutput.from_error(task.request.request_id, exc)
-                    self.running.append(task)
-                    joined += 1
-                    continue
-            self._start(task)
+            admitted.append(task)
+        if not admitted:
+            return 0
+        if self._on_join is not None:  # before any of their code runs
+            self._on_join([task.call_id for task in admitted])
+        lora_error = None
+        if not self.running:  # a new batch: its key's LoRA (then the batch's own)
+            params = admitted[0].request.sampling_params
+            try:
+                self.runner.activate_lora(params.lora, params.lora_scale)
+            except Exception as exc:
+                lora_error = exc
+        for task in admitted:
+            if lora_error is not None:
+                task.output = DiffusionOutput.from_error(task.request.request_id, lora_error)
+            else:
+                self._start(task)
             self.running.append(task)
-            joined += 1
-        return joined
+        return len(admitted)
 
     def _start(self, task: _Task) -> None:
         task.greenlet = TaskGreenlet(self._task_main)

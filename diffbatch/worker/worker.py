@@ -51,6 +51,7 @@ from diffbatch.ipc.messages import (
     WorkerCancel,
     WorkerError,
     WorkerHeartbeat,
+    WorkerJoined,
     WorkerPartialImage,
     WorkerReady,
     WorkerReply,
@@ -303,6 +304,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
         if steps is not None:
             steps.send_partial_images_to(functools.partial(_send_partial_image, channel,
                                                            threshold_bytes=threshold_bytes))
+            steps.report_joins_to(
+                lambda call_ids: _send_quietly(channel, WorkerJoined(call_ids)))
             serve_steps(steps, runner, inbox,
                         lambda reply: _send_reply(channel, reply), threshold_bytes)
             return
