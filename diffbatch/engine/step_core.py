@@ -86,6 +86,15 @@ class StepEngineCore(EngineCore):
         self._cancel(unwanted)
         return finished
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the worker's running batch (cancelled ones still leaving it
+        included); those handed ahead into its queue are waiting (`finish_waiting`)."""
+        with self.cond:
+            records = [record for record in self.in_flight if not record.future.done()]
+        return sum(len(record.wave.requests) for record in records
+                   if self.executor.has_started(record.future))
+
     def _running_key(self) -> SamplingParamsKey | None:
         """(Holding `cond`.) The key of the batch in the worker, None when it is empty."""
         for record in self.in_flight:
