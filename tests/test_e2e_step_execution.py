@@ -188,8 +188,9 @@ def started_and_queued(engine: Engine) -> tuple[set[str], set[str]]:
     return started, {r.wave.requests[0].request_id for r in records} - started
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def capacity_one():
+    """One engine for the two tests below (the shutdown one ends it, so it runs last)."""
     with Engine("tiny-sd", step_execution=True, max_num_seqs=1, executor="mp",
                 max_request_work=0) as engine:
         yield engine
