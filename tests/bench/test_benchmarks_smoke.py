@@ -198,9 +198,16 @@ def test_auto_batching_smoke(tmp_path: Path) -> None:
         assert verdict["pass"] == (verdict["throughput_pass"] and verdict["p50_pass"]
                                    and verdict["dominance_pass"])
     assert report["pass"] == result["pass"]
-    # Judged again from the file alone: the same verdicts, marked as rejudged.
-    again = run_script("auto_batching.py", tmp_path / "again.json", "--rejudge",
-                       str(tmp_path / "auto.json"))
+    # Judged again from the file alone (in this process: no server is run): the same
+    # verdicts, marked as rejudged.
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import auto_batching
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    auto_batching.main(["--rejudge", str(tmp_path / "auto.json"),
+                        "--out", str(tmp_path / "again.json"), "--no-plot"])
+    again = json.loads((tmp_path / "again.json").read_text())
     assert again["rejudged"]["from"] == str(tmp_path / "auto.json")
     assert again["results"][0]["verdicts"] == result["verdicts"]
 
