@@ -274,12 +274,16 @@ class BatchPolicy:
         unmeasured size or step count are estimated from the curve, which extrapolates
         to larger waves with no batching gain (an over-estimate, so the bound errs long).
         """
-        factor, floor_s = self.config.wave_stall_factor, self.config.worker_stall_timeout_s
-        if key is None or factor <= 0 or floor_s <= 0:
+        if key is None:
             return None
-        expected_ms = self.cost.estimate_ms(Shape.of(key), size, key.num_denoising_steps,
-                                            proxy=False)
-        if expected_ms is None:
+        return self._stall_bound_s(self.cost.estimate_ms(
+            Shape.of(key), size, key.num_denoising_steps, proxy=False))
+
+    def _stall_bound_s(self, expected_ms: float | None) -> float | None:
+        """`wave_stall_factor` x `expected_ms`, at least `worker_stall_timeout_s`; None
+        when either is 0 or nothing is expected."""
+        factor, floor_s = self.config.wave_stall_factor, self.config.worker_stall_timeout_s
+        if expected_ms is None or factor <= 0 or floor_s <= 0:
             return None
         return max(factor * expected_ms / 1000.0, floor_s)
 
@@ -302,8 +306,7 @@ class BatchPolicy:
         includes the joiners' text encoding and the leavers' decoding) and one step of
         a wave of `size` on the shape's own learned curve: both err long.
         """
-        factor, floor_s = self.config.wave_stall_factor, self.config.worker_stall_timeout_s
-        if key is None or factor <= 0 or floor_s <= 0:
+        if key is None:
             return None
         shape = Shape.of(key)
         with self._lock:
@@ -311,9 +314,7 @@ class BatchPolicy:
             longest_tick = max(ticks) if ticks else None
         one_step = self.cost.estimate_ms(shape, size, 1, proxy=False)
         known = [ms for ms in (longest_tick, one_step) if ms is not None]
-        if not known:
-            return None
-        return max(factor * max(known) / 1000.0, floor_s)
+        return self._stall_bound_s(max(known) if known else None)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per shape: per-image ms by wave size, capacity, last planned wait (metrics);

@@ -463,17 +463,12 @@ class MultiprocExecutor(Executor):
         call, since = running
         if call.stall_after_s is None or now - since <= call.stall_after_s:
             return
-        if call.in_batch:
-            self._kill_stalled(
-                worker, f"stuck: the running batch finished no step for {now - since:.1f} "
-                f"s, past its bound of {call.stall_after_s:.1f} s (--wave-stall-factor x "
-                "its expected step time, at least --worker-stall-timeout) while its "
-                "heartbeat lived", stuck_wave=True)
-        else:
-            self._kill_stalled(
-                worker, f"stuck: {call.what} ran {now - since:.1f} s, past its bound of "
-                f"{call.stall_after_s:.1f} s (--wave-stall-factor x its expected time, at "
-                "least --worker-stall-timeout) while its heartbeat lived", stuck_wave=True)
+        what, expected = (("the running batch finished no step for", "expected step time")
+                          if call.in_batch else (f"{call.what} ran", "expected time"))
+        self._kill_stalled(
+            worker, f"stuck: {what} {now - since:.1f} s, past its bound of "
+            f"{call.stall_after_s:.1f} s (--wave-stall-factor x its {expected}, at least "
+            "--worker-stall-timeout) while its heartbeat lived", stuck_wave=True)
 
     def _kill_stalled(self, worker: WorkerProcess, reason: str, *,
                       stuck_wave: bool = False) -> None:

@@ -102,9 +102,10 @@ def _coefficients(columns: list[list[float]], sizes: list[int], like: torch.Tens
     return list(values.view(shape).unbind(0))
 
 
-def _cached_list(owner: Any, name: str, values: torch.Tensor) -> Any:
-    """`values.tolist()`, kept on `owner` while `values` is the tensor it came from (a
-    schedule read at every step: one conversion per scheduler, not one per step)."""
+def _tolist_once(owner: Any, name: str, values: torch.Tensor) -> Any:
+    """`values.tolist()` (a list, or a float for a 0-d tensor), kept on `owner` while
+    `values` is the tensor it came from (a schedule read at every step: one conversion
+    per scheduler, not one per step)."""
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] is not values:
         cached = (values, values.tolist())
@@ -121,8 +122,8 @@ def _ddim_step(schedulers: list[Any], bound: list[dict[str, Any]], sizes: list[i
     if prediction not in ("epsilon", "sample", "v_prediction"):
         raise Unfusable(f"DDIM prediction type {prediction!r}")
     # the configs are equal, so are the schedules: one list for all
-    alphas = _cached_list(schedulers[0], "_diffbatch_alphas", schedulers[0].alphas_cumprod)
-    final = _cached_list(schedulers[0], "_diffbatch_final_alpha",
+    alphas = _tolist_once(schedulers[0], "_diffbatch_alphas", schedulers[0].alphas_cumprod)
+    final = _tolist_once(schedulers[0], "_diffbatch_final_alpha",
                          schedulers[0].final_alpha_cumprod)
     # every call's timestep in one conversion, not one `item()` per call
     timesteps = [values["timestep"] for values in bound]
@@ -185,7 +186,7 @@ def _flow_match_euler_step(schedulers: list[Any], bound: list[dict[str, Any]],
         if scheduler.step_index is None:
             scheduler._init_step_index(timestep)
         index = scheduler.step_index
-        sigmas = _cached_list(scheduler, "_diffbatch_sigmas", scheduler.sigmas)
+        sigmas = _tolist_once(scheduler, "_diffbatch_sigmas", scheduler.sigmas)
         dts.append(sigmas[index + 1] - sigmas[index])
     # as the scheduler does: upcast to float32, one Euler step, cast back
     (dt,) = _coefficients([dts], sizes, sample)
