@@ -113,6 +113,27 @@ def test_a_cancelled_request_leaves_at_the_next_boundary_and_its_slot_is_reused(
     assert diff.item() <= TOLERANCE
 
 
+def test_a_lora_that_fails_to_activate_fails_every_request_admitted_with_it(
+        load_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline = load_tiny("tiny-sd")
+    runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    reported: list[list[int]] = []
+    steps.report_joins_to(reported.append)
+
+    def broken(lora: Any, scale: float) -> None:
+        raise RuntimeError("adapter weights do not fit this model")
+
+    monkeypatch.setattr(runner, "activate_lora", broken)
+    requests = [step_request(pipeline, i, 3)[0] for i in range(2)]
+    join(steps, requests, 0, capacity=2)
+    left = run_until_idle(steps)
+    assert reported == [[0, 1]]  # both entered the batch together, reported before running
+    for request in requests:  # neither ran without the adapter it asked for
+        error = left[request.request_id][1].error
+        assert error is not None and "adapter weights do not fit" in error.message
+
+
 class NaNCheckingSD(DiffusersT2IPipeline):
     """tiny-sd whose denoiser raises on a batch holding NaN latents, and which gives a
     request whose prompt says "poison" NaN latents: the failure happens inside the
