@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffbatch.pipelines.execution_device import pin_execution_device
+
 if TYPE_CHECKING:
     from diffbatch.pipelines.interface import DiffusionRequestBatch
 
@@ -98,6 +100,7 @@ def edit_pipes(pipe: Any, probe_size: int) -> dict[str, Any]:
                         type(task_pipe).__name__)
             continue
         task_pipe.set_progress_bar_config(disable=True)
+        pin_execution_device(task_pipe)
         try:
             _probe(task_pipe, task, probe_size)
         except Exception as exc:

@@ -46,6 +46,7 @@ from diffbatch.pipelines.diffusers_edit import (
     edit_pipes,
 )
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
+from diffbatch.pipelines.execution_device import pin_execution_device
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.per_sample_guidance import PerSampleGuidance
 from diffbatch.pipelines.schedule_limits import schedulable_steps
@@ -138,6 +139,7 @@ class DiffusersT2IPipeline(BasePipeline):
 
     def __init__(self, pipe: Any, *, device: str = "cpu",
                  defaults: dict[str, Any] | None = None) -> None:
+        pin_execution_device(pipe)  # found once, not at every call (execution_device.py)
         self.pipe = pipe
         self.device = device
         self.defaults = dict(defaults or {})
