@@ -112,3 +112,24 @@ def test_defaults_server_has_no_tuning_flags_and_no_thread_env(monkeypatch) -> N
     assert harness.server_env_overrides(2)["OMP_NUM_THREADS"] == "2"
     fixed = harness.diffbatch_spec("tiny-sd", threads=None, max_num_seqs=4, wait_ms=10)
     assert fixed.cmd[fixed.cmd.index("--max-num-seqs") + 1] == "4"
+
+
+def test_step_vs_request_judges_each_cancel_load_and_only_what_ran() -> None:
+    import step_vs_request
+
+    def row(throughput: float, latency: float = 1.0) -> dict:
+        return {"ratio": {"throughput": throughput, "mean_latency": latency}}
+
+    rounds = [{"rows": {"cancel@0.5": row(1.05), "cancel@0.95": row(1.5)}},
+              {"rows": {"cancel@0.5": row(1.10), "cancel@0.95": row(1.3)}}]
+    result = step_vs_request.verdict(rounds, {"overhead_share": 0.02})
+    assert list(result["figures"]) == ["cancel@0.5 completed/s", "cancel@0.95 completed/s",
+                                       "tick overhead"]
+    assert result["figures"]["cancel@0.95 completed/s"] == pytest.approx(1.4)
+    assert result["passed"] == {"cancel@0.5 completed/s": False,
+                                "cancel@0.95 completed/s": True, "tick overhead": True}
+    assert not result["pass"] and result["workloads"] == ["cancel"]
+    mixed = [{"rows": {"mixed@0.8": row(1.1, 0.5), "uniform@0.95": row(0.9)}}]
+    result = step_vs_request.verdict(mixed, {"overhead_share": 0.04})
+    assert result["passed"] == {"mixed@0.8 mean latency": True, "mixed@0.8 throughput": True,
+                                "uniform@0.95 throughput": False, "tick overhead": False}
