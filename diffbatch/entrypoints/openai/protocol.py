@@ -153,7 +153,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         output_format: Image encoding: "png" (default), "jpeg" or "webp".
         output_compression: Quality 0-100 of jpeg/webp (100 = best, the default).
         user: End-user id; accepted and ignored.
-        negative_prompt: Extension: what the image should not show.
+        negative_prompt: Extension: what the image should not show (blank: none).
         num_inference_steps: Extension: denoising steps (None = the model's default).
         guidance_scale: Extension: classifier-free guidance scale (None = default).
         seed: Extension: seed of this request's noise; equal seeds give equal images.
@@ -208,7 +208,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
     )
     # Diffusion extensions (send them with the openai client's `extra_body`).
     negative_prompt: str | None = Field(
-        default=None, min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,
+        default=None, max_length=MAX_PROMPT_CHARS,
+        description="what the image should not show; empty or only whitespace: none "
+        "(what the pipelines do without one)",
     )
     num_inference_steps: int | None = Field(
         default=None, ge=1, le=MAX_NUM_INFERENCE_STEPS, strict=True
@@ -236,6 +238,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
     @field_validator("negative_prompt", mode="before")
     @classmethod
     def _check_negative_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            return None  # as UIs send an empty field; the pipelines encode "" for None
         if value is not None:
             validate_prompt(value, param="negative_prompt")
         return value

@@ -59,10 +59,13 @@ def string_branch(schema: dict[str, Any]) -> dict[str, Any]:
 
 def test_prompts_declare_their_length_and_not_blank(spec) -> None:
     props = request_properties(spec)
-    for field in ("prompt", "negative_prompt"):
-        text = string_branch(props[field])
-        assert (text["minLength"], text["maxLength"], text["pattern"]) \
-            == (1, 10_000, NOT_BLANK_PATTERN)
+    text = string_branch(props["prompt"])
+    assert (text["minLength"], text["maxLength"], text["pattern"]) \
+        == (1, 10_000, NOT_BLANK_PATTERN)
+    # a blank negative prompt is no negative prompt: any text up to the limit
+    negative = string_branch(props["negative_prompt"])
+    assert negative["maxLength"] == 10_000 and "minLength" not in negative \
+        and "pattern" not in negative
 
 
 @pytest.mark.parametrize(

@@ -135,3 +135,11 @@ def test_response_shape() -> None:
     linked = ImageGenerationResponse(data=[ImageObject(url="http://x/1.png")],
                                      output_format="png", size="64x64").to_json()
     assert linked["data"] == [{"url": "http://x/1.png", "revised_prompt": None}]
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\t\n"])
+def test_a_blank_negative_prompt_is_no_negative_prompt(blank: str) -> None:
+    """What a form with an empty field sends; the pipelines encode "" when given None."""
+    assert ImageGenerationRequest(prompt="p", negative_prompt=blank).negative_prompt is None
+    assert ImageGenerationRequest(prompt="p", negative_prompt=" ugly ").negative_prompt \
+        == " ugly "
