@@ -19,6 +19,7 @@ the thread choices of torch and diffbatch themselves, as under a user's shell.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -367,8 +368,12 @@ def finish_report(
     if start_s is not None:
         report["elapsed_s"] = time.perf_counter() - start_s
     write_report(report, args.out)
-    if not args.no_plot:
-        plot(report, plot_path(args.out))
+    if args.no_plot:
+        return
+    if importlib.util.find_spec("matplotlib") is None:  # the [bench] extra: `make bench`
+        print("matplotlib missing (install the [bench] extra): no plot", flush=True)
+        return
+    plot(report, plot_path(args.out))
 
 
 def pyplot() -> Any:
