@@ -30,11 +30,12 @@ def pin_execution_device(pipe: Any) -> None:
     A no-op for objects that are not diffusers pipelines (custom pipelines).
     """
     original = _install()
-    if original is None or not hasattr(type(pipe), "_execution_device"):
+    lookup = getattr(type(pipe), "_execution_device", None)
+    if original is None or not isinstance(lookup, property) or lookup.fget is None:
         return
     pipe.__dict__.pop(_PINNED, None)
-    device = type(pipe)._execution_device.fget(pipe)  # computed the diffusers way
-    pipe.__dict__[_PINNED] = device
+    # computed the diffusers way (a class that overrides the property keeps its own)
+    pipe.__dict__[_PINNED] = lookup.fget(pipe)
 
 
 @functools.cache
