@@ -29,9 +29,10 @@ def pin_execution_device(pipe: Any) -> None:
 
     A no-op for objects that are not diffusers pipelines (custom pipelines).
     """
-    original = _install()
-    lookup = getattr(type(pipe), "_execution_device", None)
-    if original is None or not isinstance(lookup, property) or lookup.fget is None:
+    if not _install():
+        return
+    lookup = getattr(type(pipe), "_execution_device", None)  # the routed property, if a pipeline
+    if not isinstance(lookup, property) or lookup.fget is None:
         return
     pipe.__dict__.pop(_PINNED, None)
     # computed the diffusers way (a class that overrides the property keeps its own)
@@ -39,14 +40,14 @@ def pin_execution_device(pipe: Any) -> None:
 
 
 @functools.cache
-def _install() -> property | None:
-    """Route `DiffusionPipeline._execution_device` through the pin (once); the original
-    property, or None if diffusers has no such property."""
+def _install() -> bool:
+    """Route `DiffusionPipeline._execution_device` through the pin (once); False if
+    diffusers has no such property."""
     from diffusers import DiffusionPipeline
 
     original = DiffusionPipeline.__dict__.get("_execution_device")
     if not isinstance(original, property) or original.fget is None:
-        return None
+        return False
     compute = original.fget
 
     @functools.wraps(compute)
@@ -55,4 +56,4 @@ def _install() -> property | None:
         return pinned if pinned is not None else compute(self)
 
     DiffusionPipeline._execution_device = property(execution_device)  # type: ignore[method-assign]
-    return original
+    return True
