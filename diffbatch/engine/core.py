@@ -287,12 +287,26 @@ class EngineCore:
         return aborted
 
     def finish_waiting(self, status: RequestStatus) -> list[DiffusionRequest]:
-        """Finish every request that has not started (a wave in flight keeps its own)."""
+        """Finish every request that is not running: those queued here, those held to
+        run again on a replacement worker, and those handed to the executor that it
+        has not started (a wave queued behind the running one at the worker; in step
+        mode, requests not in its running batch yet), which it drops. Running ones
+        keep running."""
         with self.cond:
-            running = set(self.scheduler.running_request_ids())
+            held = {r.request_id for rerun in self._reruns for r in rerun.wave.requests}
+            running = set(self.scheduler.running_request_ids()) - held
             waiting = [rid for rid in self.scheduler.request_ids() if rid not in running]
             finished = self.scheduler.finish_requests(waiting, status)
+            in_flight = [record for record in self.in_flight if not record.future.done()]
+        # (asked without `cond`: the executor takes its own locks)
+        queued = [request.request_id for record in in_flight
+                  if not self.executor.has_started(record.future)
+                  for request in record.wave.requests]
+        with self.cond:
+            finished += self.scheduler.finish_requests(queued, status)
+            unwanted = self._unwanted_waves()
             self.cond.notify_all()
+        self._cancel(unwanted)
         return finished
 
     def open_request_ids(self) -> list[str]:

@@ -40,7 +40,6 @@ from diffbatch.errors import WorkerDiedError
 from diffbatch.outputs import BatchRunnerOutput, RequestError
 
 if TYPE_CHECKING:
-    from diffbatch.request import DiffusionRequest, RequestStatus
     from diffbatch.sampling_params import SamplingParamsKey
     from diffbatch.sched.output import SchedulerOutput
 
@@ -67,24 +66,6 @@ class StepEngineCore(EngineCore):
                 if wave is not None:
                     return wave
             self.cond.wait()
-
-    def finish_waiting(self, status: RequestStatus) -> list[DiffusionRequest]:
-        """Finish every request that has not started: those queued here, and those
-        handed to the worker that have not entered its running batch yet (taken back
-        from the worker's queue; the batch's own requests keep running)."""
-        finished = super().finish_waiting(status)
-        with self.cond:
-            in_flight = [record for record in self.in_flight if not record.future.done()]
-        # (asked without `cond`: the executor takes its own locks)
-        queued = [request.request_id for record in in_flight
-                  if not self.executor.has_started(record.future)
-                  for request in record.wave.requests]
-        with self.cond:
-            finished += self.scheduler.finish_requests(queued, status)
-            unwanted = self._unwanted_waves()
-            self.cond.notify_all()
-        self._cancel(unwanted)
-        return finished
 
     @property
     def num_running(self) -> int:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 
 from starlette.responses import Response
 
+from diffbatch.errors import EngineClosedError
+
 if TYPE_CHECKING:
     from starlette.requests import Request
 
@@ -50,6 +52,12 @@ def with_cancellation(
     server and the route (`BaseHTTPMiddleware` would hide the channel).
 
     Returns a 499 response (for logs and metrics only) when the client went away.
+
+    A client disconnect never cancels the wrapper itself; the server does, when it
+    exits without waiting for the request (a second Ctrl-C, or past uvicorn's
+    graceful-shutdown timeout). The request is then stopped and raises
+    `EngineClosedError`, which the app answers as every request cut by a shutdown
+    (a 503 to retry), not with uvicorn's plain-text 500.
     """
 
     @functools.wraps(handler)
@@ -61,6 +69,14 @@ def with_cancellation(
             done, _ = await asyncio.wait(
                 {handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED
             )
+        except asyncio.CancelledError:
+            handler_task.cancel()
+            await asyncio.gather(handler_task, return_exceptions=True)  # the abort
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # answered below instead
+            raise EngineClosedError("the server is shutting down: this request was "
+                                    "stopped before it finished; retry it") from None
         finally:
             for task in (handler_task, disconnect_task):
                 if not task.done():

@@ -91,9 +91,9 @@ class Executor(ABC):
         raise ConfigError(f"the {type(self).__name__} executor does not run step mode")
 
     def has_started(self, future: Future[BatchRunnerOutput]) -> bool:
-        """Step mode: whether the request behind `future` entered the running batch
-        (rather than waiting in the runner's queue); an executor that cannot tell says
-        True."""
+        """Whether the runner started the call behind `future` (a wave queued behind
+        the running one has not; in step mode, a request not yet in the running batch
+        has not); an executor that cannot tell says True."""
         return True
 
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:  # noqa: B027 - optional

@@ -5,7 +5,7 @@ of the engine process, so a crash in native code kills only the worker. The
 worker's life, as the serving worker of one executor:
 
     starting --WorkerReady--> serving --exit/kill--> dead --replacement ready--> serving
-       |  load error, timeout    |                    ^  |  restart fails
+       |  load error, timeout    |                    ^  |  3 starts in a row fail
        v                         | no heartbeat, or   |  v
     (start-up raises)            v a wave past bound  |  dead for good (unhealthy)
                                stalled --SIGKILL------+
@@ -41,7 +41,8 @@ worker's life, as the serving worker of one executor:
   reported joining its batch (`WorkerJoined`); the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor
   turns unhealthy (`is_restarting`), sweeps the dead worker's segments and starts a
-  replacement in the background; `check_health()` passes again once it is ready,
+  replacement in the background (again after a pause if that start fails, up to
+  three attempts); `check_health()` passes again once it is ready,
   and the ready listener (`set_ready_listener`) is called, so the engine can hold
   its queue meanwhile and re-run what the dead worker was running.
 
@@ -101,6 +102,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # imports (~6 s) plus loading a real model from disk
+# A replacement worker that fails to start (killed while loading, out of memory for a
+# moment) is started again after these pauses; after the last attempt the executor is
+# dead for good. A load that fails for good (the model folder is gone) costs ~6 s more.
+RESTART_PAUSES_S = (1.0, 5.0)
 
 
 def _worker_env(config: EngineConfig) -> dict[str, str]:
@@ -213,12 +218,12 @@ class MultiprocExecutor(Executor):
             worker.send(WorkerCancel(call_id))
 
     def has_started(self, future: Future[BatchRunnerOutput]) -> bool:
-        """Step mode: whether the request behind `future` entered the worker's running
-        batch (one still in the worker's queue has not; an answered one has)."""
+        """Whether the worker started the call behind `future`: a wave queued behind
+        the running one has not, nor (step mode) a request not yet in the running
+        batch; an answered one has."""
         with self._lock:
             worker = self._worker
-        call = worker.pending_call(future) if worker is not None else None
-        return call is None or not call.in_batch or call.joined
+        return worker is None or worker.has_started(future)
 
     def submit_batch(
         self, scheduler_output: SchedulerOutput, *, stall_after_s: float | None = None,
@@ -530,18 +535,32 @@ class MultiprocExecutor(Executor):
             )
 
     def _restart(self) -> None:
-        """Background thread: start a replacement worker and make it the serving one."""
-        try:
-            worker, ready = self._start_worker(replacement=True)
-        except Exception as exc:
-            with self._lock:
-                if not self._closed:
-                    self._dead_reason += f"; starting a replacement failed: {exc}"
-                    logger.error("could not start a replacement worker: %s", exc)
-                self._restart_thread = None
-                self._health.notify_all()
-            self._notify_ready()  # dead for good: held work fails now
-            return
+        """Background thread: start a replacement worker and make it the serving one;
+        a start that fails is tried again after a pause (`RESTART_PAUSES_S`), and when
+        every attempt failed the executor is dead for good."""
+        for attempt, pause_s in enumerate((*RESTART_PAUSES_S, None), start=1):
+            try:
+                worker, ready = self._start_worker(replacement=True)
+                break
+            except Exception as exc:
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        logger.error("could not start a replacement worker (attempt %d of "
+                                     "%d): %s%s", attempt, len(RESTART_PAUSES_S) + 1, exc,
+                                     "" if pause_s is None else
+                                     f"; trying again in {pause_s:g} s")
+                    if pause_s is not None and not closed:
+                        # held work keeps waiting; shutdown() ends the pause at once
+                        self._health.wait_for(lambda: self._closed, timeout=pause_s)
+                        if not self._closed:
+                            continue
+                    if not self._closed:
+                        self._dead_reason += f"; starting a replacement failed: {exc}"
+                    self._restart_thread = None
+                    self._health.notify_all()
+                self._notify_ready()  # dead for good: held work fails now
+                return
         with self._lock:
             closed = self._closed
             if not closed:

@@ -151,10 +151,16 @@ class WorkerProcess:
                 if call is not None:
                     call.joined = True
 
-    def pending_call(self, future: Future[Any]) -> PendingCall | None:
-        """The unanswered call whose future is `future`, if any."""
+    def has_started(self, future: Future[Any]) -> bool:
+        """Whether the call behind `future` has started: in step mode, its request
+        entered the running batch; otherwise it is the oldest unanswered call (the
+        worker runs them in order, so a later one waits behind it). An answered or
+        unknown call counts as started."""
         with self.pending_lock:
-            return next((p for p in self.pending.values() if p.future is future), None)
+            for position, call in enumerate(self.pending.values()):
+                if call.future is future:
+                    return call.joined if call.in_batch else position == 0
+        return True
 
     def call_id_of(self, future: Future[Any]) -> int | None:
         """The id of the unanswered call whose future is `future`, if any."""

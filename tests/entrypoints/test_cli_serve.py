@@ -184,6 +184,43 @@ def test_sigterm_with_a_wave_in_flight_answers_everyone_503_and_exits(tmp_path) 
         stop(proc, log)
 
 
+def test_shutdown_answers_a_wave_queued_at_the_worker_at_once_and_a_second_ctrl_c_503s(
+        tmp_path) -> None:
+    """A wave handed to the worker behind the running one has not started: the first
+    Ctrl-C answers it at once. The second Ctrl-C exits without waiting for the running
+    wave, whose client still gets an OpenAI-shaped 503, not a plain-text 500."""
+    proc, url, log = serve(
+        tmp_path, "--pipeline-class", "tests.fake_pipelines.FaultyPipeline",
+        "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-waves-in-flight", "2",
+        "--shutdown-timeout", "600", env={"DIFFBATCH_FAKE_MARKER_DIR": str(tmp_path)})
+    try:
+        wait_ready(proc, url)
+        with ThreadPoolExecutor(2) as pool:
+            def post(prompt: str) -> Any:
+                return pool.submit(httpx.post, f"{url}/v1/images/generations",
+                                   json={"prompt": prompt}, timeout=START_TIMEOUT_S)
+
+            running = post("steps interrupt")  # ten minutes of steps, unless interrupted
+            wait_for((tmp_path / "interrupt").exists, "the wave to start")
+            queued = post("queued at the worker")
+            wait_for(lambda: metric_value(url, "diffbatch_num_requests_running") == 2,
+                     "a second wave handed to the worker")
+            proc.send_signal(signal.SIGINT)
+            answer = queued.result()  # at once: the running wave has ten minutes to go
+            assert answer.status_code == 503, answer.text
+            assert "had not started" in answer.json()["error"]["message"]
+            assert not running.done()
+            proc.send_signal(signal.SIGINT)
+            cut = running.result()
+        proc.wait(timeout=60)
+        assert cut.status_code == 503, cut.text
+        assert cut.headers["retry-after"] == "1"
+        error = cut.json()["error"]
+        assert error["type"] == "engine_unavailable" and "shutting down" in error["message"]
+    finally:
+        stop(proc, log)
+
+
 def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tmp_path) -> None:
     marker = tmp_path / "in-loop"
     semaphores_before = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")}

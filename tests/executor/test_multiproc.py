@@ -131,6 +131,28 @@ class BrokenPipeline(FakeWorkerPipeline):
         raise ValueError("weights are corrupt")
 
 
+LOADS_FILE_ENV = "DIFFBATCH_TEST_LOADS_FILE"
+
+
+class FlakyLoadPipeline(FakeWorkerPipeline):
+    """Appends its worker's pid to the file named by `$DIFFBATCH_TEST_LOADS_FILE` on
+    every load. The first load serves; the second hangs (a start to be killed from
+    outside); from the third on, loads serve when the file's first line is "serve"
+    and fail otherwise."""
+
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs: Any) -> FakeWorkerPipeline:
+        path = Path(os.environ[LOADS_FILE_ENV])
+        with path.open("a") as loads:
+            loads.write(f"{os.getpid()}\n")
+        lines = path.read_text().split()
+        if len(lines) == 2 + (lines[0] == "serve"):
+            threading.Event().wait()
+        if len(lines) > 2 + (lines[0] == "serve") and lines[0] != "serve":
+            raise RuntimeError("the model cannot be loaded any more")
+        return cls()
+
+
 FAKE = f"{__name__}.FakeWorkerPipeline"
 MODEL = "test/fake"  # a hub id the fake pipelines take and never look up
 
@@ -426,6 +448,56 @@ def test_killed_worker_fails_the_call_then_a_replacement_serves(tmp_path):
         process = ex._worker.process
         ex.shutdown()
         assert process.returncode == 0  # an idle worker exits on the shutdown call
+    finally:
+        ex.shutdown()
+
+
+def _loads(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().split() if line.isdigit()]
+
+
+def _wait_for_loads(path: Path, count: int) -> list[int]:
+    deadline = time.monotonic() + DEADLINE_S
+    while len(_loads(path)) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} loads in {path}"
+        time.sleep(0.02)
+    return _loads(path)
+
+
+def test_a_replacement_killed_while_loading_is_started_again(tmp_path, monkeypatch):
+    loads = tmp_path / "loads"
+    loads.write_text("serve\n")
+    monkeypatch.setenv(LOADS_FILE_ENV, str(loads))
+    ex = MultiprocExecutor(make_config(f"{__name__}.FlakyLoadPipeline"))
+    try:
+        first = ex.worker_pid
+        os.kill(first, signal.SIGKILL)
+        replacement = _wait_for_loads(loads, 2)[1]  # it hangs in its load
+        assert ex.is_restarting
+        os.kill(replacement, signal.SIGKILL)
+        # a second start, after a pause, serves; work waits for it meanwhile
+        assert ex.wait_healthy(DEADLINE_S)
+        assert _loads(loads)[2] == ex.worker_pid
+        assert ex.num_restarts == 1 and ex.num_deaths == 1
+        assert run_one(ex, request("after")).ok
+    finally:
+        ex.shutdown()
+
+
+def test_the_executor_is_dead_for_good_only_after_every_restart_attempt_failed(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr("diffbatch.executor.multiproc.RESTART_PAUSES_S", (0.05, 0.05))
+    loads = tmp_path / "loads"
+    monkeypatch.setenv(LOADS_FILE_ENV, str(loads))
+    ex = MultiprocExecutor(make_config(f"{__name__}.FlakyLoadPipeline"))
+    try:
+        os.kill(ex.worker_pid, signal.SIGKILL)
+        os.kill(_wait_for_loads(loads, 2)[1], signal.SIGKILL)  # the hanging start
+        assert not ex.wait_healthy(DEADLINE_S)  # then two loads that raise
+        assert len(_loads(loads)) == 4 and not ex.is_restarting
+        with pytest.raises(EngineDeadError, match=r"starting a replacement failed: .*"
+                           "cannot be loaded any more"):
+            ex.check_health()
     finally:
         ex.shutdown()
 
