@@ -532,9 +532,13 @@ class Engine:
             if hasattr(self, "_close_done"):  # bounded like the first call's stages
                 self._close_done.wait(6 * timeout_s if timeout_s is not None else None)
             return
+        # (closed in the middle of `shutdown`, e.g. by a server's forced exit: its callers
+        # are told what `shutdown` tells them, a shutdown to retry elsewhere)
+        reason = (f"{_SHUTTING_DOWN}: this request was stopped before it finished; retry it"
+                  if getattr(self, "_draining", False) else "engine is closed")
         try:
             open_requests = self.core.stop()  # cancels the waves in flight
-            self._fail(open_requests, EngineClosedError("engine is closed"))
+            self._fail(open_requests, EngineClosedError(reason))
             # Joining lets the delivery thread hand out what finished just before.
             if timeout_s is None:
                 self.core.join()

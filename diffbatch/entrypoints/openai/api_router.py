@@ -192,13 +192,23 @@ async def image_file(file_id: str, raw_request: Request) -> Response:
     store = _serving(raw_request).image_store
     image = store.get(file_id) if store is not None else None
     if image is None:
+        lasts = "" if store is None else f" {_duration(store.ttl_s)}"
         return error_response(
-            404, "no such image file: links last an hour after the image was made, and the "
+            404, f"no such image file: links last{lasts} after the image was made, and the "
             "server forgets them when it restarts or needs the room", param="file_id",
         )
     max_age = int(store.seconds_left(image)) if store is not None else 0
     return Response(image.data, media_type=image.media_type,
                     headers={"Cache-Control": f"private, max-age={max_age}"})
+
+
+def _duration(seconds: float) -> str:
+    """"an hour", "90 s", "2 h": how long links last, for messages."""
+    if seconds == 3600:
+        return "an hour"
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    return f"{seconds:g} s"
 
 
 @router.get("/v1/waves", response_model=WaveList, responses=_errors(400, 401))

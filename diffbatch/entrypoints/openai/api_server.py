@@ -65,6 +65,7 @@ from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
 
 if TYPE_CHECKING:
     import argparse
+    import socket
 
     from diffbatch.engine.async_engine import Engine
 
@@ -354,6 +355,14 @@ class DrainingServer(uvicorn.Server):
                 name="diffbatch-shutdown", daemon=True)
             self._drain.start()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the app's shutdown on a forced exit and cancels it with the
+            # loop instead (a logged traceback); run it, it is bounded: it closes the
+            # engine, answering what is still open.
+            await self.lifespan.shutdown()
 
 
 def served_name_of(engine: Engine, model: str | None) -> str:

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from diffbatch.errors import InvalidRequestError
+
 FILES_ROUTE = "/v1/images/files"
 DEFAULT_TTL_S = 3600.0  # OpenAI's links last 60 minutes
 DEFAULT_MAX_MB = 256  # `--image-store-mb`: about 20,000 PNGs of 64x64, or 20 of 2048x2048
@@ -35,8 +37,18 @@ class StoredImage:
     expires_at: float  # the store's clock (monotonic seconds)
 
 
-class ImageStoreFullError(RuntimeError):
-    """One image is larger than the whole store."""
+class ImageStoreFullError(InvalidRequestError):
+    """One answer's images are larger than the whole store (a 400: the client can ask
+    for base64 images, or fewer or smaller ones)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="response_format")
+
+
+def max_file_bytes(width: int, height: int) -> int:
+    """An upper bound on one encoded RGB image of `width` x `height` in any of the
+    formats served (incompressible pixels stored nearly raw, plus headers)."""
+    return int(3 * width * height * 1.1) + 4096
 
 
 class ImageStore:
@@ -64,22 +76,30 @@ class ImageStore:
     def put(self, data: bytes, output_format: str) -> str:
         """Keep `data` (an encoded `output_format` image); returns its file id,
         "<random>.<format>"."""
-        if len(data) > self.max_bytes:
+        return self.put_all([data], output_format)[0]
+
+    def put_all(self, files: list[bytes], output_format: str) -> list[str]:
+        """Keep the images of one answer together (older images make room for them,
+        never one of them for another); their file ids, in order."""
+        total = sum(len(data) for data in files)
+        if total > self.max_bytes:
             raise ImageStoreFullError(
-                f"an image of {len(data)} bytes is larger than the image store "
-                f"({self.max_bytes} bytes); raise --image-store-mb or use b64_json"
+                f"the {len(files)} image file(s) of this answer take {total} bytes, more "
+                f"than this server's image store holds ({self.max_bytes} bytes); use "
+                "\"b64_json\", or ask for fewer or smaller images"
             )
-        file_id = f"{secrets.token_urlsafe(24)}.{output_format}"
+        ids = [f"{secrets.token_urlsafe(24)}.{output_format}" for _ in files]
         with self._lock:
             now = self._clock()
             self._drop_expired(now)
-            while self._num_bytes + len(data) > self.max_bytes:
+            while self._num_bytes + total > self.max_bytes:
                 _, oldest = self._images.popitem(last=False)
                 self._num_bytes -= len(oldest.data)
-            self._images[file_id] = StoredImage(data, MEDIA_TYPES[output_format],
-                                                now + self.ttl_s)
-            self._num_bytes += len(data)
-        return file_id
+            for file_id, data in zip(ids, files, strict=True):
+                self._images[file_id] = StoredImage(data, MEDIA_TYPES[output_format],
+                                                    now + self.ttl_s)
+            self._num_bytes += total
+        return ids
 
     def get(self, file_id: str) -> StoredImage | None:
         """The image `file_id` names, or None when unknown, expired or evicted."""

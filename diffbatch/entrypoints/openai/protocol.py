@@ -140,6 +140,17 @@ def _integral_to_int(value: Any) -> Any:
     return value
 
 
+# Fields with a non-null default, which `null` stands for.
+_DEFAULTED = ("n", "output_format", "lora_scale", "priority")
+
+
+def _or_null(schema: dict[str, Any]) -> None:
+    """The JSON schema of a field that also takes null (for its default)."""
+    kept = ("default", "description", "title")
+    value = {k: schema.pop(k) for k in list(schema) if k not in kept}
+    schema["anyOf"] = [value, {"type": "null"}]
+
+
 class ImageGenerationRequest(OpenAIBaseModel):
     """Body of `POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
 
@@ -175,7 +186,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         description=f"One prompt: at most {MAX_PROMPT_CHARS} characters, not only whitespace.",
     )
     model: str | None = Field(default=None, description="The served model (see /v1/models).")
-    n: int = Field(default=1, ge=1, le=MAX_N, strict=True)
+    n: int = Field(default=1, ge=1, le=MAX_N, strict=True, json_schema_extra=_or_null)
     size: str | None = Field(
         default=None,
         description='"<width>x<height>" or "auto" (the model\'s default size); both sides '
@@ -185,7 +196,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
         default=None, description='"b64_json" (the default): the images in the response; '
         '"url": links to them, valid for an hour',
     )
-    output_format: OutputFormat = Field(default="png", description='"jpg" is "jpeg"')
+    output_format: OutputFormat = Field(default="png", description='"jpg" is "jpeg"',
+                                        json_schema_extra=_or_null)
     output_compression: int | None = Field(
         default=None, ge=0, le=100, strict=True,
         description="quality of jpeg and webp (100 = best, the default); not with png",
@@ -226,9 +238,19 @@ class ImageGenerationRequest(OpenAIBaseModel):
     )
     lora_scale: float = Field(
         default=1.0, ge=-MAX_ABS_LORA_SCALE, le=MAX_ABS_LORA_SCALE, strict=True,
-        allow_inf_nan=False,
+        allow_inf_nan=False, json_schema_extra=_or_null,
     )
-    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True)
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True,
+                          json_schema_extra=_or_null)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: Any) -> Any:
+        """`null` for a field with a default is the default (OpenAI's API takes
+        `"n": null`; the official client sends it for an explicit None)."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _DEFAULTED):
+            return {k: v for k, v in data.items() if not (v is None and k in _DEFAULTED)}
+        return data
 
     @field_validator("prompt", mode="before")
     @classmethod

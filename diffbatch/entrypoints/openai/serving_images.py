@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.entrypoints.openai.errors import request_error_response
-from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
+from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore, max_file_bytes
 from diffbatch.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
@@ -279,6 +279,7 @@ class OpenAIServingImages:
         self, request: ImageGenerationRequest, width: int, height: int
     ) -> SamplingParams:
         """Stage 2: the engine-side parameters of `request` (validated again there)."""
+        self._check_store_room(request, width, height)
         return SamplingParams(
             height=height,
             width=width,
@@ -292,6 +293,22 @@ class OpenAIServingImages:
             lora_scale=request.lora_scale,
             partial_images=request.partial_images or 0,
         )
+
+    def _check_store_room(self, request: ImageGenerationRequest, width: int,
+                          height: int) -> None:
+        """Refuse, before any compute, links to images the store could not keep
+        together (a bound on their encoded size)."""
+        if request.response_format != "url" or request.stream or self.image_store is None:
+            return
+        bound = request.n * max_file_bytes(width, height)
+        if bound > self.image_store.max_bytes:
+            raise InvalidRequestError(
+                f"{request.n} image(s) of {width}x{height} may take up to {bound} bytes as "
+                f"files, more than this server's image store holds "
+                f"({self.image_store.max_bytes} bytes); use \"b64_json\", or ask for "
+                "fewer or smaller images",
+                param="response_format",
+            )
 
     def _encode_one(self, request: ImageGenerationRequest, image: Any) -> str:
         """One image as base64 in the request's format (blocking), its time recorded."""
@@ -308,7 +325,7 @@ class OpenAIServingImages:
         assert self.image_store is not None  # checked in stage 1
         files = encode_image_files(images, request.output_format, request.output_compression,
                                    self.png_compress_level)
-        return [self.image_store.put(data, request.output_format) for data in files]
+        return self.image_store.put_all(files, request.output_format)
 
     def _redact(self, message: str) -> str:
         """`message` without the server's folder names (a pipeline error may hold them)."""

@@ -10,7 +10,8 @@ decoded in full and long before anything reaches the engine:
 3. the mask has the image's size and an alpha channel: OpenAI masks are transparent
    (alpha 0) where the image is to be edited. It becomes diffbatch's mask, 255 where
    to paint, 0 where to keep;
-4. both are decoded (a truncated file is refused here) and resized to the size to
+4. both are decoded (a truncated file is refused here) upright, as viewers show them
+   (EXIF orientation), 16-bit grayscale scaled to 8 bits, and resized to the size to
    generate, the image with Lanczos, the mask with nearest neighbour (it stays binary).
 
 Every refusal is an `InvalidRequestError` naming the part (`image` or `mask`) and
@@ -82,15 +83,51 @@ def _too_large(param: str, size: tuple[int, int] | None, max_pixels: int) -> Inv
     )
 
 
+# EXIF orientations that turn the stored image by a quarter (width and height swap)
+_QUARTER_TURNS = (5, 6, 7, 8)
+_EXIF_ORIENTATION = 0x0112
+
+
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) as viewers show the image: after its EXIF orientation (a phone's
+    portrait JPEG is stored sideways with a tag saying so), read without decoding."""
+    width, height = image.size
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # an unreadable EXIF block: the pixels as stored
+        return width, height
+    return (height, width) if orientation in _QUARTER_TURNS else (width, height)
+
+
 def _decode(image: Image.Image, param: str, mode: str) -> Image.Image:
+    """Decode `image` in `mode`, upright (its EXIF orientation applied) and, for a
+    16-bit or float grayscale file, scaled to 8 bits rather than clipped."""
+    from PIL import ImageOps
+
     try:
         image.seek(0)  # the first frame of an animated PNG or WebP
-        return image.convert(mode)
+        upright = ImageOps.exif_transpose(image)
+        return _eight_bit(upright if upright is not None else image).convert(mode)
     except (OSError, ValueError, SyntaxError, EOFError):
         raise InvalidRequestError(
             f"`{param}` could not be decoded (a truncated or corrupt "
             f"{image.format or 'image'} file)", param=param,
         ) from None
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit ("I;16"), 32-bit integer ("I") or float ("F") grayscale image as 8-bit
+    "L": Pillow's own conversion clips every value above 255 (a 16-bit PNG would turn
+    almost white). Integer images holding more than 8 bits are taken as 16-bit."""
+    if not (image.mode.startswith("I") or image.mode == "F"):
+        return image
+    import numpy as np
+    from PIL import Image
+
+    values = np.asarray(image, dtype=np.float64)
+    if image.mode != "F" and values.size and values.max() > 255:
+        values = values / 257.0  # 0..65535 -> 0..255
+    return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
 
 
 def _has_alpha(image: Image.Image) -> bool:
@@ -140,13 +177,15 @@ def decode_edit_inputs(
 
     # 1-2. Identify both files and check their sizes before decoding either.
     image = _open(image_data, "image", IMAGE_FORMATS, max_pixels)
+    upload_size = _upright_size(image)
     mask = None
     if mask_data is not None:
         mask = _open(mask_data, "mask", MASK_FORMATS, max_pixels)
-        if mask.size != image.size:
+        mask_size = _upright_size(mask)
+        if mask_size != upload_size:
             raise InvalidRequestError(
-                f"`mask` must have the image's size ({image.size[0]}x{image.size[1]}), got "
-                f"{mask.size[0]}x{mask.size[1]}", param="mask",
+                f"`mask` must have the image's size ({upload_size[0]}x{upload_size[1]}), "
+                f"got {mask_size[0]}x{mask_size[1]}", param="mask",
             )
         if not _has_alpha(mask):
             raise InvalidRequestError(
@@ -154,7 +193,6 @@ def decode_edit_inputs(
                 f"should be edited, opaque elsewhere; the uploaded PNG is {mask.mode} without "
                 "transparency", param="mask",
             )
-    upload_size = image.size
     width, height = size or auto_size(*upload_size, multiple=multiple,
                                       max_pixels=max_output_pixels)
     # 3-4. Decode, turn OpenAI's alpha into a paint mask, resize to the output size.

@@ -21,7 +21,8 @@ from PIL import Image
 
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
-from diffbatch.entrypoints.openai.uploads import auto_size
+from diffbatch.entrypoints.openai.uploads import auto_size, decode_edit_inputs
+from diffbatch.errors import InvalidRequestError
 from tests.entrypoints.openai.conftest import app_client, serve_in_thread
 from tests.entrypoints.openai.test_input_validation import assert_openai_error
 from tests.fake_pipelines import FakeBatchPipeline, NoEditPipeline
@@ -127,6 +128,37 @@ async def test_auto_size_fits_the_work_limit_too(client, engine: Engine) -> None
     refused = await edit(client, png((32, 32)), num_inference_steps=801)
     message = assert_openai_error(refused, 400, "num_inference_steps")["message"]
     assert "8x8 x 801 steps = 51264 pixel-steps per image" in message
+
+
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_not_clipped() -> None:
+    values = np.linspace(0, 65535, 16 * 16).astype(np.uint16).reshape(16, 16)
+    buffer = io.BytesIO()
+    Image.fromarray(values).save(buffer, format="PNG")
+    inputs = decode_edit_inputs(buffer.getvalue(), None, max_pixels=MAX_PIXELS, size=None,
+                                multiple=8, max_output_pixels=MAX_PIXELS)
+    got = inputs.image.numpy().astype(int)
+    assert (got[..., 0] == got[..., 2]).all()  # gray
+    assert np.abs(got[..., 0] - np.rint(values / 257)).max() <= 1
+
+
+def test_an_exif_rotated_photo_is_edited_as_viewers_show_it() -> None:
+    stored = Image.new("RGB", (24, 16), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 12, 16))  # left half red, as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned a quarter clockwise: the stored left is the top
+    buffer = io.BytesIO()
+    stored.save(buffer, format="JPEG", exif=exif, quality=95)
+    inputs = decode_edit_inputs(buffer.getvalue(), None, max_pixels=MAX_PIXELS, size=None,
+                                multiple=8, max_output_pixels=MAX_PIXELS)
+    assert inputs.upload_size == (16, 24)
+    image = inputs.image.numpy().astype(int)
+    assert image.shape == (24, 16, 3)
+    assert image[:10, :, 0].mean() > 200 and image[:10, :, 2].mean() < 50  # red on top
+    assert image[14:, :, 2].mean() > 200 and image[14:, :, 0].mean() < 50
+    # a mask is compared with the image as shown
+    with pytest.raises(InvalidRequestError, match="image's size \\(16x24\\), got 24x16"):
+        decode_edit_inputs(buffer.getvalue(), mask_png((24, 16)), max_pixels=MAX_PIXELS,
+                           size=None, multiple=8, max_output_pixels=MAX_PIXELS)
 
 
 def test_auto_size_keeps_the_aspect_within_the_cap() -> None:

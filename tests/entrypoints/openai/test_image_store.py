@@ -53,9 +53,20 @@ def test_the_oldest_images_make_room_and_one_too_large_is_refused() -> None:
     ids = [store.put(bytes([i]) * 10, "png") for i in range(3)]
     assert [store.get(i) is not None for i in ids] == [False, True, True]
     assert store.num_bytes == 20
-    with pytest.raises(ImageStoreFullError, match="--image-store-mb"):
+    with pytest.raises(ImageStoreFullError, match="b64_json"):
         store.put(b"x" * 26, "png")
     assert store.get("no-such-id.png") is None
+
+
+def test_the_images_of_one_answer_are_kept_together() -> None:
+    store = ImageStore(max_bytes=25, ttl_s=60, clock=Clock())
+    old = store.put(b"o" * 10, "png")
+    ids = store.put_all([b"a" * 10, b"b" * 10], "png")
+    assert store.get(old) is None  # older images make room, never one of the answer's
+    assert [store.get(i).data for i in ids] == [b"a" * 10, b"b" * 10]
+    with pytest.raises(ImageStoreFullError, match="3 image file"):
+        store.put_all([b"x" * 10] * 3, "png")
+    assert [store.get(i) is not None for i in ids] == [True, True]  # nothing was dropped
 
 
 def test_ids_are_unguessable() -> None:
@@ -127,6 +138,23 @@ async def test_a_public_url_starts_the_links(engine: Engine) -> None:
     with pytest.raises(ValueError, match="public_url"):
         build_app(engine, served_model_name="fake", public_url="img.example.com",
                   close_engine_on_shutdown=False)
+
+
+async def test_links_the_store_could_not_keep_together_are_refused_before_any_compute(
+        engine: Engine) -> None:
+    # The fake's images are 16x16: at most 3 * 256 * 1.1 + 4096 = 4940 bytes each.
+    async with client_of(engine, image_store_bytes=10_000, image_url_ttl_s=90) as client:
+        body = {"prompt": "p", "response_format": "url", "n": 3}
+        refused = await client.post(ROUTE, headers=KEY, json=body)
+        message = assert_openai_error(refused, 400, "response_format")["message"]
+        # the bound, checked before the engine ran it (not the store's refusal after)
+        assert "3 image(s) of 16x16 may take up to" in message and "b64_json" in message
+        answer = await client.post(ROUTE, headers=KEY, json={**body, "n": 2})
+        assert answer.status_code == 200, answer.text
+        for image in answer.json()["data"]:
+            assert (await client.get(image["url"])).status_code == 200
+        missing = await client.get("/v1/images/files/nothing-here.png")
+        assert "links last 90 s after" in assert_openai_error(missing, 404, "file_id")["message"]
 
 
 async def test_without_a_store_url_is_a_400(engine: Engine) -> None:

@@ -143,3 +143,14 @@ def test_a_blank_negative_prompt_is_no_negative_prompt(blank: str) -> None:
     assert ImageGenerationRequest(prompt="p", negative_prompt=blank).negative_prompt is None
     assert ImageGenerationRequest(prompt="p", negative_prompt=" ugly ").negative_prompt \
         == " ugly "
+
+
+def test_null_is_the_default_for_fields_that_have_one() -> None:
+    """OpenAI's API takes `"n": null`; the official client sends null for a None."""
+    request = ImageGenerationRequest.model_validate({
+        "prompt": "p", "n": None, "output_format": None, "lora_scale": None,
+        "priority": None})
+    assert (request.n, request.output_format, request.lora_scale, request.priority) \
+        == (1, "png", 1.0, 0)
+    with pytest.raises(ValidationError, match="n"):
+        ImageGenerationRequest.model_validate({"prompt": "p", "n": "two"})
