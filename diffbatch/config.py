@@ -32,8 +32,9 @@ BatchErrorIsolation = Literal["bisect", "none"]
 DEFAULT_SHM_THRESHOLD_BYTES = 1 << 20  # 1 MiB: larger tensors cross processes via shm
 DEFAULT_MAX_NUM_SEQS_LIMIT = 32  # max_num_seqs="auto" never goes beyond this by default
 # max_request_work="auto": this many times the model's default image (its default size
-# and step count). On SD-class models (512x512, 50 steps) that allows 1024x1024 at up to
-# 1000 steps, or 2048x2048 at 312; an image beyond it is a mistake or an attack.
+# and step count; pixels above the default size weigh more, `diffbatch.request_work`).
+# On SD-class models (512x512, 50 steps) that allows 1024x1024 at up to 625 steps, or
+# 2048x2048 at 78; an image beyond it is a mistake or an attack.
 AUTO_REQUEST_WORK_FACTOR = 100
 
 
@@ -100,8 +101,10 @@ class EngineConfig:
         default_help="random")
     max_request_work: int | Literal["auto"] = option(
         AUTO, rule=OrAuto(IntRange(0)), metavar="PIXEL_STEPS",
-        help="most work each image of a request may ask for, as width x height x steps "
-        "(400 beyond it; 0 = no limit; a request's n, at most 10, multiplies it); auto: "
+        help="most work each image of a request may ask for, as width x height x steps, "
+        "each pixel counting (pixels / default pixels) ** 0.5 times above the model's "
+        "default size (400 beyond it; 0 = no limit; a request's n, at most 10, multiplies "
+        "it); auto: "
         f"{AUTO_REQUEST_WORK_FACTOR} times the model's default image (default size and "
         "steps)")
     worker_stall_timeout_s: float = option(

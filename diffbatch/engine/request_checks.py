@@ -13,6 +13,7 @@ import os
 from diffbatch.errors import InvalidRequestError, ModelNotFoundError
 from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.pipelines.interface import PipelineInfo
+from diffbatch.request_work import describe_work, max_steps
 from diffbatch.sampling_params import SamplingParams
 
 
@@ -57,13 +58,15 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
     # The work limit comes after the model's own limits, whose messages say more.
     # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
     # per-image limit in a form fuzzers generate from (openai/work_limit.py).
-    work = pixels * params.num_inference_steps
-    if max_request_work is not None and work > max_request_work:
+    default_pixels = info.default_height * info.default_width
+    if max_request_work is not None and params.num_inference_steps > max_steps(
+            max_request_work, pixels, default_pixels):
+        work = describe_work(params.width, params.height, params.num_inference_steps,
+                             default_pixels)
         raise InvalidRequestError(
-            f"this request asks for {params.width}x{params.height} x "
-            f"{params.num_inference_steps} steps = {work} pixel-steps per image; this "
-            f"server allows at most {max_request_work} per image "
-            "(--max-request-work): ask for fewer steps or a smaller size",
+            f"this request asks for {work}; this server allows at most {max_request_work} "
+            "per image (--max-request-work, `max_request_work` of an Engine): ask for "
+            "fewer steps or a smaller size",
             param="num_inference_steps",
         )
     accepted = info.call_arguments

@@ -137,10 +137,11 @@ def _state_work_limit(
     steps = properties["num_inference_steps"]
     steps["description"] = work_limit.describe(limit.max_request_work)
     sides = declared_sides(size_rule)
+    default_w, default_h = size_rule.default_size
     boxes = work_limit.work_limit_boxes(
         limit.max_request_work, [(w, h) for w in sides for h in sides],
         auto_pixels=auto_pixels, default_steps=limit.default_steps,
-        max_steps=_max_steps(steps),
+        max_steps=_max_steps(steps), default_pixels=default_w * default_h,
     )
     if boxes is not None:
         schema["allOf"] = [*schema.get("allOf", []), {"anyOf": boxes}]

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from diffbatch import request_work
 from diffbatch.entrypoints.openai.errors import request_error_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore, max_file_bytes
 from diffbatch.entrypoints.openai.protocol import (
@@ -251,8 +252,11 @@ class OpenAIServingImages:
         limit = getattr(self.engine, "max_request_work", None)
         if limit is None:
             return self.size_rule.max_pixels
-        steps = request.num_inference_steps or self.engine.info.default_num_inference_steps
-        return min(self.size_rule.max_pixels, limit // steps)
+        info = self.engine.info
+        steps = request.num_inference_steps or info.default_num_inference_steps
+        return min(self.size_rule.max_pixels,
+                   request_work.max_pixels(limit, steps,
+                                           info.default_height * info.default_width))
 
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
         if request.response_format == "url" and self.image_store is None:

@@ -1,11 +1,13 @@
 """The work limit (`--max-request-work`) written in JSON Schema, for `/openapi.json`.
 
 The server refuses (400) a request whose images each ask for more than `L`
-pixel-steps (width x height x num_inference_steps). JSON Schema has no product, but
+pixel-steps (width x height x num_inference_steps, the pixels above the model's
+default size weighted: `diffbatch.request_work`). JSON Schema has no product, but
 the sizes the spec declares are a finite set, so the requests the limit lets through
 are a finite union of boxes, one per step cap:
 
-    size in {the declared sizes whose L // (width x height) is c}, steps <= c
+    size in {the declared sizes whose step cap `max_steps(L, width x height)` is c},
+    steps <= c
 
 `work_limit_boxes` writes them as the branches of one `anyOf`, which the request
 schemas require (`allOf`). A request the spec calls valid is one whose work the
@@ -31,12 +33,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffbatch import request_work
+
 AUTO = "auto"
 
 
 def work_limit_boxes(
     limit: int, sizes: list[tuple[int, int]], *, auto_pixels: int, default_steps: int,
-    max_steps: int,
+    max_steps: int, default_pixels: int,
 ) -> list[dict[str, Any]] | None:
     """The `anyOf` branches that state `limit` (see the module docstring); None when no
     request the other fields allow reaches it.
@@ -47,12 +51,14 @@ def work_limit_boxes(
         auto_pixels: The pixels of the size an absent or "auto" `size` stands for.
         default_steps: The steps an absent (or null) `num_inference_steps` stands for.
         max_steps: The largest `num_inference_steps` the spec allows.
+        default_pixels: The pixels of the model's default size (above it, pixels weigh
+            more: `request_work`).
     """
     by_cap: dict[int, list[str]] = {}  # step cap -> the sizes that have it
     for width, height in sizes:
-        by_cap.setdefault(min(max_steps, limit // (width * height)), []).append(
-            f"{width}x{height}")
-    auto_cap = min(max_steps, limit // auto_pixels)
+        cap = request_work.max_steps(limit, width * height, default_pixels)
+        by_cap.setdefault(min(max_steps, cap), []).append(f"{width}x{height}")
+    auto_cap = min(max_steps, request_work.max_steps(limit, auto_pixels, default_pixels))
     by_cap.setdefault(auto_cap, [])
     if set(by_cap) == {max_steps}:
         return None
@@ -83,4 +89,6 @@ def describe(limit: int) -> str:
     """The limit in words, for the `num_inference_steps` description."""
     return (f"This server refuses (400) a request whose width x height x "
             f"num_inference_steps is above {limit} (--max-request-work; per image, n "
-            "multiplies it); the request schema states it exactly, in its `allOf`")
+            "multiplies it; above the model's default size each pixel counts "
+            f"(pixels / default pixels) ** {request_work.SIZE_EXPONENT - 1:g} times); the "
+            "request schema states it exactly, in its `allOf`")

@@ -20,10 +20,13 @@ import pytest
 import schemathesis
 
 from diffbatch import Engine
+from diffbatch.engine.request_checks import check_against_model
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.openapi import size_pattern
 from diffbatch.entrypoints.openai.protocol import NOT_BLANK_PATTERN
 from diffbatch.entrypoints.openai.serving_images import SizeRule
+from diffbatch.errors import InvalidRequestError
+from diffbatch.sampling_params import SamplingParams
 from tests.entrypoints.openai.conftest import serve_in_thread
 from tests.fake_pipelines import FakeBatchPipeline
 
@@ -237,12 +240,23 @@ def test_schemathesis_finds_no_failure(server_url: str) -> None:
 STEPS = (None, 1, 49, 50, 51, 199, 200, 201, 800, 801, 1000)
 
 
-@pytest.mark.parametrize(("schema", "auto_pixels"), [
-    ("ImageGenerationRequest", 16 * 16),  # no size: the model's default
-    ("ImageEditRequest", 8 * 8),  # no size: the image, scaled to fit (at least 8x8)
+def engine_accepts(engine: Engine, width: int, height: int, steps: int) -> bool:
+    """Whether the engine's work limit lets an image of this size and steps through."""
+    params = SamplingParams(width=width, height=height, num_inference_steps=steps)
+    try:
+        check_against_model(engine.info, params, engine.max_request_work)
+    except InvalidRequestError as exc:
+        assert exc.param == "num_inference_steps", exc.message
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("schema", "auto_side"), [
+    ("ImageGenerationRequest", 16),  # no size: the model's default
+    ("ImageEditRequest", 8),  # no size: the image, scaled to fit (at least 8x8)
 ])
 def test_the_work_limit_is_stated_exactly(spec, engine: Engine, schema: str,
-                                          auto_pixels: int) -> None:
+                                          auto_side: int) -> None:
     """For every declared size (and none) and step count (and none), the request schema
     accepts the request exactly when the server's work limit does."""
     limit = engine.max_request_work
@@ -255,14 +269,14 @@ def test_the_work_limit_is_stated_exactly(spec, engine: Engine, schema: str,
     sides = re.findall(r"\d+", pattern.split("x")[0])
     sizes = [None, "auto", *(f"{w}x{h}" for w in sides for h in sides)]
     for size in sizes:
-        pixels = auto_pixels if size in (None, "auto") else \
-            int(size.split("x")[0]) * int(size.split("x")[1])
+        width, height = (auto_side, auto_side) if size in (None, "auto") else \
+            (int(size.split("x")[0]), int(size.split("x")[1]))
         for steps in STEPS:
             body: dict[str, Any] = {"prompt": "a cat", "n": 10}
             body |= {"image": "x"} if schema == "ImageEditRequest" else {}
             body |= {"size": size} if size else {}
             body |= {"num_inference_steps": steps} if steps else {}
-            accepted = pixels * (steps or 2) <= limit
+            accepted = engine_accepts(engine, width, height, steps or 2)
             assert validator.is_valid(body) == accepted, (schema, size, steps)
 
 

@@ -270,4 +270,5 @@ def test_a_request_over_the_work_limit_is_refused_with_400(faulty: Faulty) -> No
     assert error["param"] == "num_inference_steps"
     assert f"at most {limit} per image" in error["message"]
     assert "--max-request-work" in error["message"]
-    assert "64x64 x 20 steps = 81920 pixel-steps" in error["message"]
+    assert "64x64 x 20 steps = 327680 pixel-steps per image (each pixel counted 4 times" \
+        in error["message"]
