@@ -10,6 +10,7 @@ may share a wave only if their keys are equal.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,6 +44,16 @@ MAX_GUIDANCE_SCALE = 50.0
 MAX_ABS_LORA_SCALE = 10.0
 
 
+def _as_int(value: Any) -> Any:
+    """An integer of another type (numpy's int64, ...) as a plain int; else as it is."""
+    if isinstance(value, int) or not hasattr(value, "__index__"):  # bool is an int
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(
@@ -51,6 +62,14 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
     if value < low or (high is not None and value > high):
         rule = f">= {low}" if high is None else f"between {low} and {high}"
         raise InvalidRequestError(f"`{name}` must be {rule}, got {value}", param=name)
+
+
+def _sequence(name: str, value: Any) -> tuple[Any, ...]:
+    """A schedule given as a list or tuple (of numbers, checked by the caller)."""
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        raise InvalidRequestError(
+            f"`{name}` must be a list of numbers, got {type(value).__name__}", param=name)
+    return tuple(value)
 
 
 def _check_float(
@@ -199,6 +218,9 @@ class SamplingParams:
     partial_images: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("height", "width", "num_inference_steps", "num_outputs_per_prompt", "seed",
+                     "partial_images"):
+            setattr(self, name, _as_int(getattr(self, name)))
         for name in ("height", "width"):
             value = getattr(self, name)
             if value is not None:
@@ -233,11 +255,12 @@ class SamplingParams:
             check_text("lora", self.lora, allow_nul=False)
         _check_float("lora_scale", self.lora_scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
         if self.sigmas is not None:
-            self.sigmas = tuple(float(s) for s in self.sigmas)
+            self.sigmas = _sequence("sigmas", self.sigmas)
             for s in self.sigmas:
                 _check_float("sigmas", s, 0.0)
+            self.sigmas = tuple(float(s) for s in self.sigmas)
         if self.timesteps is not None:
-            self.timesteps = tuple(self.timesteps)
+            self.timesteps = tuple(_as_int(t) for t in _sequence("timesteps", self.timesteps))
             for t in self.timesteps:
                 _check_int("timesteps", t, 0)
         if self.sigmas is not None and self.timesteps is not None:

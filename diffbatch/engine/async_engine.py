@@ -328,9 +328,21 @@ class Engine:
         Returns one `DiffusionOutput` per prompt, in order; a failed request has
         `error` set and does not raise.
         """
+        if not isinstance(prompts, str) and (
+                isinstance(prompts, bytes | dict) or not hasattr(prompts, "__iter__")):
+            raise InvalidRequestError(
+                f"`prompts` must be a string or a list of strings, got "
+                f"{type(prompts).__name__}", param="prompt")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if isinstance(sampling_params, SamplingParams | None):
             params_list = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, dict) or not hasattr(sampling_params, "__iter__"):
+            raise InvalidRequestError(
+                f"`sampling_params` must be a SamplingParams or one per prompt, got "
+                f"{type(sampling_params).__name__}"
+                + (" (build one: SamplingParams(**options))"
+                   if isinstance(sampling_params, dict) else ""),
+                param="sampling_params")
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -355,7 +367,11 @@ class Engine:
         with tqdm(total=len(futures), desc="generate", unit="req", disable=not show) as bar:
             for future in futures:
                 future.add_done_callback(lambda _: bar.update(1))
-            return [future.result() for future in futures]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:  # Ctrl-C while waiting: nobody waits for them now
+                self.abort([request.request_id for request in requests])
+                raise
 
     async def generate_async(
         self,
@@ -494,9 +510,11 @@ class Engine:
         and maps to a 503 the client may retry elsewhere. Then `close(grace_s)`.
         """
         with self._lock:
-            if self._closed or self._draining:
-                return
+            busy = self._closed or self._draining
             self._draining = True
+        if busy:  # a second call returns once the first is done, as `close` does
+            self._close_done.wait(timeout_s + 6 * SHUTDOWN_GRACE_S)
+            return
         logger.info("shutting down: %d request(s) waiting, %d running; running waves may "
                     "finish within %g s", self.core.num_waiting, self.core.num_running,
                     timeout_s)

@@ -217,6 +217,18 @@ class MultiprocExecutor(Executor):
         with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
             worker.send(WorkerCancel(call_id))
 
+    def cancel_all(self) -> None:
+        """Nobody waits for any call the worker has: stop them all (`cancel`)."""
+        with self._lock:
+            worker = self._worker
+        if worker is None:
+            return
+        with worker.pending_lock:
+            call_ids = list(worker.pending)
+        for call_id in call_ids:
+            with contextlib.suppress(Exception):
+                worker.send(WorkerCancel(call_id))
+
     def has_started(self, future: Future[BatchRunnerOutput]) -> bool:
         """Whether the worker started the call behind `future`: a wave queued behind
         the running one has not, nor (step mode) a request not yet in the running
@@ -590,4 +602,8 @@ _live_executors: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
 @atexit.register
 def _shutdown_live_executors() -> None:
     for executor in list(_live_executors):
+        # The interpreter is exiting (the script ended, or Ctrl-C ended it): nobody
+        # waits for what the worker still runs, so it stops at its next denoising step
+        # instead of running to the end of the shutdown timeout.
+        executor.cancel_all()
         executor.shutdown()

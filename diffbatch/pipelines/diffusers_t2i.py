@@ -107,6 +107,17 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 library_logs.install()
 
 
+def _unscheduled(scheduler: Any) -> set[str]:
+    """Of custom `sigmas` and `timesteps`, those the scheduler cannot take (its
+    `set_timesteps` has no such parameter): the pipeline would accept them and then
+    fail in the wave, so the engine refuses them when they are submitted."""
+    try:
+        accepted = inspect.signature(scheduler.set_timesteps).parameters
+    except (AttributeError, TypeError, ValueError):
+        return set()
+    return {name for name in ("sigmas", "timesteps") if name not in accepted}
+
+
 def _disable_progress_bars() -> None:
     import diffusers
     import transformers
@@ -247,7 +258,7 @@ class DiffusersT2IPipeline(BasePipeline):
                 name for name in self._call_params
                 if name not in _RESERVED or name in ("sigmas", "timesteps")
             ) - {"self", "kwargs", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
-                 "callback", "callback_steps"},
+                 "callback", "callback_steps"} - _unscheduled(pipe.scheduler),
             default_strengths={
                 task: float(call_parameters(task_pipe)["strength"].default)
                 for task, task_pipe in self.task_pipes.items() if task != "text-to-image"

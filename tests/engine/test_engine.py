@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 
 import pytest
@@ -128,6 +130,23 @@ def test_close_fails_every_open_request(gate):
     assert not engine.is_healthy
 
 
+def test_a_second_shutdown_returns_once_the_first_has_closed_the_engine(gate):
+    engine = gated_engine()
+    running = submit(engine, "runs", "a")
+    assert gate.entered.wait(30)
+    first = threading.Thread(target=engine.shutdown, args=(60.0,))
+    first.start()  # the running wave may finish for a minute
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (engine.shutdown(60.0), second_done.set()))
+    second.start()
+    assert not second_done.wait(0.2)  # not before the first is done
+    gate.release.set()  # the wave ends, the first shutdown closes the engine
+    second.join(60)
+    assert second_done.is_set() and engine._close_done.is_set()
+    assert running.result(5).ok
+    first.join(60)
+
+
 def test_a_failing_wave_fails_only_its_requests_and_the_engine_keeps_serving(gate):
     with gated_engine(batch_error_isolation="none") as engine:
         first = submit(engine, "first", "r0")
@@ -181,8 +200,35 @@ def test_bad_input_fails_at_the_call_and_leaves_the_engine_serving(tmp_path):
             engine.generate(["a"], SamplingParams(lora="missing"))
         with pytest.raises(InvalidRequestError, match="one per prompt"):
             engine.generate(["a", "b"], [SamplingParams()])
+        with pytest.raises(InvalidRequestError, match=r"got dict \(build one"):
+            engine.generate(["a", "b"], {"seed": 1})  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="string or a list of strings, got NoneType"):
+            engine.generate(None)  # type: ignore[arg-type]
         assert engine.generate(["a"], SamplingParams(lora="good"))[0].ok
         assert engine.generate(["a"])[0].ok
+
+
+def test_ctrl_c_in_generate_aborts_its_requests(tmp_path, monkeypatch):
+    """A KeyboardInterrupt while `generate` waits stops its wave at the next step (the
+    script is going away, or the REPL wants the engine for the next call)."""
+    monkeypatch.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(tmp_path))
+    with Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="inproc",
+                max_num_seqs=1, request_batch_max_wait_ms=0) as engine:
+        def interrupt_once_running() -> None:
+            while not (tmp_path / "ctrlc").exists():  # the wave's first step
+                threading.Event().wait(0.01)
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+
+        threading.Thread(target=interrupt_once_running, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(["steps ctrlc"])  # ten minutes of steps
+        stopped = tmp_path / "ctrlc.interrupted"  # written when the wave stops at a step
+        for _ in range(6000):  # (bounds a broken test only; the wave would run ten minutes)
+            if stopped.exists():
+                break
+            threading.Event().wait(0.01)
+        assert stopped.exists()
+        assert engine.generate(["next"])[0].ok
 
 
 def test_duplicate_active_request_id_is_rejected(gate):

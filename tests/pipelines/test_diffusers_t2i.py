@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffbatch.errors import ConfigError, ModelNotFoundError, WaveInterrupted
+from diffbatch.engine.request_checks import check_against_model
+from diffbatch.errors import ConfigError, InvalidRequestError, ModelNotFoundError, WaveInterrupted
+from diffbatch.pipelines.diffusers_edit import call_parameters
 from diffbatch.pipelines.diffusers_t2i import (
     DiffusersPerRequestPipeline,
     DiffusersT2IPipeline,
@@ -20,6 +22,7 @@ from diffbatch.pipelines.diffusers_t2i import (
 )
 from diffbatch.pipelines.library_logs import TorchvisionFallbackFilter, TruncatedPromptFilter
 from diffbatch.pipelines.registry import resolve_model_path
+from diffbatch.sampling_params import SamplingParams
 from tests.pipelines.conftest import SIZE, TINY_NAMES, TOLERANCE, make_batch, make_request
 
 PROMPTS = [("a red cat", None), ("a blue dog", "blurry"), ("a green tree photo", "ugly bad")]
@@ -128,6 +131,19 @@ def test_info_declares_the_call_arguments_extras_may_use(load_tiny) -> None:
     assert "sigmas" in accepted and "max_sequence_length" in accepted
     for name in ("timesteps", "no_such_knob", "prompt_embeds", "prompt", "generator"):
         assert name not in accepted
+
+
+def test_custom_schedules_the_scheduler_cannot_take_are_not_declared(load_tiny) -> None:
+    """SD's `__call__` takes `sigmas` and `timesteps`, its DDIM scheduler neither: the
+    engine refuses them at admission (400), not as a failed wave."""
+    pipeline = load_tiny("tiny-sd")
+    assert "sigmas" in call_parameters(pipeline.pipe)
+    accepted = pipeline.info().call_arguments
+    assert "sigmas" not in accepted and "timesteps" not in accepted
+    params = SamplingParams(height=64, width=64, num_inference_steps=2, sigmas=[1.0, 0.5])
+    with pytest.raises(InvalidRequestError, match="`sigmas` is not supported") as info:
+        check_against_model(pipeline.info(), params, None)
+    assert info.value.param == "sigmas"
 
 
 def test_generator_count_must_match(load_tiny) -> None:
