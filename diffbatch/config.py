@@ -21,6 +21,7 @@ from diffbatch.options import (
     OrAuto,
     Rule,
     Text,
+    TorchName,
     argparse_type,
     option,
 )
@@ -30,6 +31,8 @@ SchedulingPolicy = Literal["fifo", "grouped"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "grouped")
 BatchErrorIsolation = Literal["bisect", "none"]
 DEFAULT_SHM_THRESHOLD_BYTES = 1 << 20  # 1 MiB: larger tensors cross processes via shm
+# Names `dtype` takes (the torch dtypes they stand for: `pipelines.diffusers_t2i`).
+DTYPE_NAMES = ("float32", "fp32", "float", "float16", "fp16", "half", "bfloat16", "bf16")
 DEFAULT_MAX_NUM_SEQS_LIMIT = 32  # max_num_seqs="auto" never goes beyond this by default
 # max_request_work="auto": this many times the model's default image (its default size
 # and step count; pixels above the default size weigh more, `diffbatch.request_work`).
@@ -69,7 +72,7 @@ class EngineConfig:
     max_num_seqs: int | Literal["auto"] = option(
         AUTO, rule=OrAuto(IntRange(1)),
         help="most requests in one batched forward (wave); auto: per shape, the wave size "
-        "beyond which the learned cost per image stops falling by 5%% (docs/serving.md)")
+        "beyond which the learned cost per image stops falling by 5% (docs/serving.md)")
     max_num_seqs_limit: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="auto: never choose a wave larger than this",
@@ -90,11 +93,14 @@ class EngineConfig:
     executor: ExecutorKind = option(
         "mp", rule=OneOf(("mp", "inproc")),
         help="run the pipeline in a worker process (mp) or in this process (inproc)")
-    device: str | None = option(None, rule=Optional(Text()), help="torch device",
-                                default_help="cuda when available, else cpu")
-    dtype: str | None = option(None, rule=Optional(Text()),
-                               help="torch dtype, e.g. float16 or bfloat16",
-                               default_help="float32")
+    device: str | None = option(
+        None, rule=Optional(TorchName("device", r"(cpu|cuda|mps|xpu)(:\d+)?",
+                                      "cpu, cuda, cuda:N, mps or xpu")),
+        help="torch device", default_help="cuda when available, else cpu")
+    dtype: str | None = option(
+        None, rule=Optional(TorchName("dtype", "|".join(DTYPE_NAMES),
+                                      "one of " + ", ".join(DTYPE_NAMES))),
+        help="torch dtype, e.g. float16 or bfloat16", default_help="float32")
     seed: int | None = option(
         None, rule=Optional(IntRange(0)),
         help="seed of the engine's random source for requests that give none",
@@ -156,7 +162,8 @@ class EngineConfig:
         help="tensors above this many bytes cross processes in shared memory")
     torch_num_threads: int | None = option(
         None, rule=Optional(IntRange(1)), flag="--torch-threads",
-        help="torch threads in the worker", default_help="torch's default")
+        help="torch threads in the worker", default_help="the CPUs the worker may use, "
+        "fewer when other processes keep some busy (docs/serving.md#threads)")
     worker_cpus: str | None = option(
         None, rule=Optional(CpuList()), metavar="LIST",
         help="pin the worker process to these CPUs, e.g. 1 or 2-7 (taskset -c syntax; "

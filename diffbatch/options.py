@@ -10,6 +10,7 @@ an integer >= 1, got 0".
     ├── IntRange, FloatRange    numbers with bounds (bool is never a number here)
     ├── OneOf                   a closed set of strings
     ├── Text, CpuList, Directory
+    ├── TorchName               a torch device or dtype, by name or as the object
     ├── Flag                    a boolean
     ├── Optional(rule)          None or what `rule` takes
     └── OrAuto(rule)            "auto" or what `rule` takes
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +126,28 @@ class Text(Rule):
 
     def accepts(self, value: Any) -> bool:
         return isinstance(value, str) and bool(value.strip())
+
+    def parse(self, text: str) -> str:
+        if not self.accepts(text):
+            raise self._bad(text)
+        return text
+
+
+@dataclass(frozen=True)
+class TorchName(Rule):
+    """A torch device ("cpu", "cuda:1") or dtype ("bf16") by name, or the torch object
+    itself (`torch.device`, `torch.dtype`, told by its type's name: no torch import
+    here); names are matched case-insensitively, "torch." prefix allowed."""
+
+    kind: str  # "device" or "dtype": the torch type a given object may be
+    pattern: str  # what a name must match (fully), lower case
+    text: str = "a torch name"
+
+    def accepts(self, value: Any) -> bool:
+        if isinstance(value, str):
+            name = value.strip().lower().removeprefix("torch.")
+            return re.fullmatch(self.pattern, name) is not None
+        return type(value).__name__ == self.kind and type(value).__module__ == "torch"
 
     def parse(self, text: str) -> str:
         if not self.accepts(text):

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import statistics
 import sys
@@ -441,6 +442,31 @@ def _rate(text: str) -> float:
     return value
 
 
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _writable_file(text: str) -> str:
+    """A path whose folder exists (checked before the run, not after it)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"its folder does not exist: {folder!r}")
+    return text
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"must start with http:// or https://, got {text!r}")
+    return text
+
+
 _positive_int = int_at_least(1)
 _non_negative_int = int_at_least(0)
 
@@ -455,33 +481,35 @@ def _size(text: str) -> tuple[int, int]:
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `diffbatch bench serve` (vLLM's names where they exist)."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+    parser.add_argument("--base-url", type=_url, default="http://127.0.0.1:8000",
                         help="server to load, without the endpoint path")
     parser.add_argument("--endpoint", default=IMAGES_ENDPOINT, help="image generation path")
     parser.add_argument("--model", default=None,
-                        help="`model` field of each request (default: the first of /v1/models, "
-                        "or none)")
+                        help="`model` field of each request; none: the first of /v1/models, "
+                        "or none"),
     parser.add_argument("--num-prompts", type=_positive_int, default=64,
                         help="measured requests")
     parser.add_argument("--request-rate", type=_rate, default=math.inf,
                         help="requests/s of the arrival process; inf sends all at once")
-    parser.add_argument("--burstiness", type=float, default=1.0,
+    parser.add_argument("--burstiness", type=_positive_number, default=1.0,
                         help="gamma shape of the gaps between requests (1 = Poisson)")
     parser.add_argument("--max-concurrency", type=_positive_int, default=None,
-                        help="most requests in flight (default: no cap)")
-    parser.add_argument("--size", type=_size, default=(64, 64), help="<width>x<height>")
+                        help="most requests in flight; none: no cap")
+    parser.add_argument("--size", type=_size, default="64x64", help="<width>x<height>")
     parser.add_argument("--steps", type=_positive_int, default=4,
                         help="num_inference_steps of each request")
     parser.add_argument("--guidance-scale", type=float, default=None,
-                        help="guidance_scale of each request (default: the server's)")
+                        help="guidance_scale of each request; none: the server's")
     parser.add_argument("--n", type=_positive_int, default=1, help="images per request")
     parser.add_argument("--seed", type=_non_negative_int, default=0,
                         help="seeds the arrival gaps, the prompts and the request seeds")
     parser.add_argument("--warmup-requests", type=_non_negative_int, default=0,
                         help="requests sent and not measured before the run")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer`")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    parser.add_argument("--output-json", default=None, help="also write the report here")
+    parser.add_argument("--timeout", type=_positive_number, default=600.0,
+                        help="per-request timeout (s)")
+    parser.add_argument("--output-json", type=_writable_file, default=None,
+                        help="also write the report here")
     parser.add_argument("--save-requests", action="store_true",
                         help="include every request's timings in the JSON report")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -524,7 +552,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_bench_serve_arguments(parser)
     parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error", "critical"))
+                        choices=("debug", "info", "warning", "error", "critical"),
+                        help="what this tool logs")
     parser.set_defaults(func=_cmd_bench_serve)
 
 

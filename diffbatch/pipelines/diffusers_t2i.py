@@ -85,10 +85,20 @@ _SHARED_ARGUMENTS = frozenset({"txt_ids", "img_ids"})
 
 
 def resolve_device(device: str | torch.device | None) -> str:
-    """None picks "cuda" when available, else "cpu"."""
+    """None picks "cuda" when available, else "cpu"; a device this machine's torch
+    cannot use is a `ConfigError` naming it (not torch's own assertion)."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(device)
+    name = str(device).strip().lower()
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise ConfigError(
+            f"device {name!r} is not available here (torch {torch.__version__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); use "
+            "--device cpu, or leave it out to use cuda when available", param="device",
+        ) from None
+    return name
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

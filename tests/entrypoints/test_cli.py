@@ -96,6 +96,8 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--request-timeout", "0"], "must be a finite number > 0"),
         (["--port", "70000"], "must be an integer between 0 and 65535, got 70000"),
         (["--executor", "ray"], "must be one of 'mp', 'inproc', got 'ray'"),
+        (["--device", "tpu"], "must be cpu, cuda, cuda:N, mps or xpu, got 'tpu'"),
+        (["--dtype", "float99"], "must be one of float32, fp32, float, float16, fp16"),
         (["--max-queue-size", "0"], "must be an integer >= 1"),
         (["--png-compress-level", "10"], "must be an integer between 0 and 9, got 10"),
         (["--png-compress-level", "-1"], "must be an integer between 0 and 9, got -1"),

@@ -18,6 +18,7 @@ from diffbatch.pipelines.diffusers_edit import call_parameters
 from diffbatch.pipelines.diffusers_t2i import (
     DiffusersPerRequestPipeline,
     DiffusersT2IPipeline,
+    resolve_device,
     resolve_dtype,
 )
 from diffbatch.pipelines.library_logs import TorchvisionFallbackFilter, TruncatedPromptFilter
@@ -144,6 +145,14 @@ def test_custom_schedules_the_scheduler_cannot_take_are_not_declared(load_tiny) 
     with pytest.raises(InvalidRequestError, match="`sigmas` is not supported") as info:
         check_against_model(pipeline.info(), params, None)
     assert info.value.param == "sigmas"
+
+
+def test_a_device_this_torch_cannot_use_is_a_config_error_naming_it() -> None:
+    assert resolve_device("CPU") == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device 'cuda' is not available here") as info:
+            resolve_device("cuda")
+        assert info.value.param == "device"
 
 
 def test_generator_count_must_match(load_tiny) -> None:

@@ -313,7 +313,11 @@ def run_server(args: argparse.Namespace) -> None:
     except BaseException:
         engine.close()
         raise
-    logger.info("listening on http://%s:%d (docs at /docs)", args.host, args.port)
+    if args.port:
+        logger.info("listening on http://%s:%d (docs at /docs)", args.host, args.port)
+    else:  # the system picks the port when uvicorn binds: its "running on" line names it
+        logger.info("listening on %s at a port the system picks (see below; docs at /docs)",
+                    args.host)
     config = uvicorn_config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
