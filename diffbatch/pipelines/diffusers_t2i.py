@@ -143,11 +143,34 @@ def _load_model_index(model: str) -> dict[str, Any]:
     try:
         return dict(DiffusionPipeline.load_config(model))
     except Exception as exc:  # OSError, HF hub errors, offline mode, bad JSON
+        if not os.path.isdir(model) and _hub_unreachable(exc):
+            raise ModelNotFoundError(
+                f"model {model!r} (hub id) could not be loaded: it is not in the local "
+                "Hugging Face cache and the hub could not be reached from here; download "
+                f"it where the hub is reachable (`hf download {model} --local-dir DIR`) and "
+                "serve the folder, or point HF_HOME at a cache that holds it",
+                param="model",
+            ) from exc
         where = "local folder" if os.path.isdir(model) else "hub id"
         raise ModelNotFoundError(
             f"model {model!r} ({where}) could not be loaded as a diffusers pipeline: no "
             f"readable model_index.json ({type(exc).__name__}: {exc})", param="model",
         ) from exc
+
+
+def _hub_unreachable(exc: BaseException) -> bool:
+    """Whether loading failed because the hub could not be reached (offline, no DNS)
+    and the files were not cached, rather than because the repository lacks them."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled",
+                                      "ConnectError", "ConnectionError", "ConnectTimeout",
+                                      "gaierror"):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class DiffusersT2IPipeline(BasePipeline):

@@ -326,3 +326,22 @@ def test_a_wave_nobody_waits_for_stops_at_the_next_denoising_step(name: str, loa
     assert calls["denoiser"] == 2 * per_step and calls["decode"] == 0
     # The next wave runs in full: nothing of the interruption stays behind.
     assert all(out.ok for out in pipeline.forward(make_batch(requests[:1])))
+
+
+def test_a_hub_id_that_cannot_be_reached_says_so(monkeypatch) -> None:
+    """Offline, diffusers says the repository has no model_index.json; the cause is that
+    the hub could not be reached and the model is not cached."""
+    from diffusers import DiffusionPipeline
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(model: str, **kwargs: object) -> None:
+        try:
+            raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
+        except LocalEntryNotFoundError as exc:
+            raise OSError(f"{model} does not appear to have a file named model_index.json.") \
+                from exc
+
+    monkeypatch.setattr(DiffusionPipeline, "load_config", offline)
+    with pytest.raises(ModelNotFoundError, match="hub could not be reached") as info:
+        DiffusersT2IPipeline.from_pretrained("someone/some-model")
+    assert "hf download someone/some-model" in info.value.message

@@ -233,7 +233,8 @@ def _rejection_counter(engine: Engine) -> Any:
     """
 
     def on_answer(scope: dict[str, Any], status: int) -> None:
-        if scope["path"] not in _IMAGE_ROUTES or not 400 <= status < CLIENT_CLOSED_STATUS:
+        if scope["path"] not in _IMAGE_ROUTES or not 400 <= status < CLIENT_CLOSED_STATUS \
+                or scope.get("method") != "POST":  # a GET there (405) is no image request
             return
         if not scope.get("state", {}).get(SUBMITTED_STATE):
             engine.record_rejected()

@@ -95,6 +95,8 @@ async def test_answers_that_are_no_refusal_are_not_counted_as_one(client, engine
     ok = await client.post(ROUTE, json={"prompt": "p"}, headers=AUTH)
     failed = await client.post(ROUTE, json={"prompt": f"a {POISON} prompt"}, headers=AUTH)
     assert (ok.status_code, failed.status_code) == (200, 500)
+    for method in ("GET", "PUT", "OPTIONS"):  # 405: no image request was made
+        assert (await client.request(method, ROUTE, headers=AUTH)).status_code == 405
     assert counts(engine) == {**before, "completed": before["completed"] + 1,
                               "error": before["error"] + 1}
 
