@@ -157,6 +157,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from diffbatch.entrypoints.ray.server import ray_flags_given
+
+    ignored = ray_flags_given(args)
+    if ignored and not args.ray:
+        print(f"diffbatch serve: error: {', '.join(ignored)} appl"
+              f"{'ies' if len(ignored) == 1 else 'y'} only with --ray", file=sys.stderr)
+        return 2
     if args.ray:
         from diffbatch.entrypoints.ray.server import run_ray_server
 

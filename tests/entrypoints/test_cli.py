@@ -118,6 +118,12 @@ def test_bad_flags_fail_while_parsing(
     assert message in capsys.readouterr().err
 
 
+def test_ray_flags_without_ray_are_refused_before_anything_loads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "tiny-sd", "--num-replicas", "3", "--max-replicas", "1"]) == 2
+    assert "--num-replicas, --max-replicas apply only with --ray" in capsys.readouterr().err
+
+
 def test_serve_help_states_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])

@@ -121,6 +121,16 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                        help="CPUs Ray reserves for each replica")
     group.add_argument("--num-gpus-per-replica", type=non_negative, default=0.0, metavar="N",
                        help="GPUs Ray reserves for each replica (fractions allowed)")
+    parser.set_defaults(ray_only_flags={
+        action.dest: (action.option_strings[0], action.default)
+        for action in group._group_actions if action.dest != "ray"})
+
+
+def ray_flags_given(args: argparse.Namespace) -> list[str]:
+    """The Ray-only flags (`add_ray_args`) set to something but their default."""
+    flags: dict[str, tuple[str, object]] = getattr(args, "ray_only_flags", {})
+    return [flag for dest, (flag, default) in flags.items()
+            if getattr(args, dest, default) != default]
 
 
 def args_from_namespace(args: argparse.Namespace) -> RayServeArgs:
