@@ -1,7 +1,9 @@
-"""Fixtures of the Ray Serve tests: one local Ray cluster on loopback for the session.
+"""Fixtures of the Ray Serve tests: one local Ray cluster on loopback for these tests.
 
 `ray_cluster` starts Ray once (`ray.init(num_cpus=2, include_dashboard=False)`) and
-Serve's proxy on a free loopback port; each test application is deployed on it under
+Serve's proxy on a free loopback port, and stops both after this package's tests (left
+up, its controller and proxy keep polling and take CPU from every later test); each
+test application is deployed on it under
 its own route prefix and deleted afterwards. Teardown always runs `serve.shutdown()`
 and `ray.shutdown()`. Replica logs stay in Ray's session folder
 (/tmp/ray/session_*/logs/serve/), not in the test output.
@@ -73,7 +75,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster(cache_dir: str) -> Iterator[RayCluster]:
     """A local Ray cluster and Serve proxy on loopback, shared by all Ray tests."""
     ray = pytest.importorskip("ray")
