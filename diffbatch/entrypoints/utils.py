@@ -72,9 +72,9 @@ def with_cancellation(
         except asyncio.CancelledError:
             handler_task.cancel()
             await asyncio.gather(handler_task, return_exceptions=True)  # the abort
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()  # answered below instead
+            this = asyncio.current_task()
+            if this is not None:
+                this.uncancel()  # answered below instead
             raise EngineClosedError("the server is shutting down: this request was "
                                     "stopped before it finished; retry it") from None
         finally:

@@ -104,7 +104,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # imports (~6 s) plus loading a real model from disk
 # A replacement worker that fails to start (killed while loading, out of memory for a
 # moment) is started again after these pauses; after the last attempt the executor is
-# dead for good. A load that fails for good (the model folder is gone) costs ~6 s more.
+# dead for good. A load that fails for good (the model folder is gone) costs the two
+# pauses and two more starts before the engine says so.
 RESTART_PAUSES_S = (1.0, 5.0)
 
 
