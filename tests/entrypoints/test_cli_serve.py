@@ -150,20 +150,37 @@ def stop(proc: subprocess.Popen, log: Any) -> None:
     log.close()
 
 
+def serve_faulty(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Any]:
+    """`diffbatch serve` of `FaultyPipeline` (markers in `tmp_path`), one request per
+    wave and no admission wait, with `flags`; ready to take requests."""
+    proc, url, log = serve(
+        tmp_path, "--pipeline-class", "tests.fake_pipelines.FaultyPipeline",
+        "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", *flags,
+        env={"DIFFBATCH_FAKE_MARKER_DIR": str(tmp_path)})
+    try:
+        wait_ready(proc, url)
+    except BaseException:
+        stop(proc, log)
+        raise
+    return proc, url, log
+
+
+def poster(pool: ThreadPoolExecutor, url: str) -> Callable[[str], Any]:
+    """`post(prompt)`: one image request sent from `pool`; its future."""
+    def post(prompt: str) -> Any:
+        return pool.submit(httpx.post, f"{url}/v1/images/generations",
+                           json={"prompt": prompt}, timeout=START_TIMEOUT_S)
+    return post
+
+
 def test_sigterm_with_a_wave_in_flight_answers_everyone_503_and_exits(tmp_path) -> None:
     """The running wave may finish for --shutdown-timeout, then it is interrupted; every
     client gets an OpenAI-shaped 503 with Retry-After, and the server exits."""
-    proc, url, log = serve(
-        tmp_path, "--pipeline-class", "tests.fake_pipelines.FaultyPipeline",
-        "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-waves-in-flight", "1",
-        "--shutdown-timeout", "1", env={"DIFFBATCH_FAKE_MARKER_DIR": str(tmp_path)})
+    proc, url, log = serve_faulty(tmp_path, "--max-waves-in-flight", "1",
+                                  "--shutdown-timeout", "1")
     try:
-        wait_ready(proc, url)
         with ThreadPoolExecutor(3) as pool:
-            def post(prompt: str) -> Any:
-                return pool.submit(httpx.post, f"{url}/v1/images/generations",
-                                   json={"prompt": prompt}, timeout=START_TIMEOUT_S)
-
+            post = poster(pool, url)
             running = post("steps sigterm")  # ten minutes of steps, unless interrupted
             wait_for((tmp_path / "sigterm").exists, "the wave to start")
             waiting = [post("queued 0"), post("queued 1")]
@@ -189,17 +206,11 @@ def test_shutdown_answers_a_wave_queued_at_the_worker_at_once_and_a_second_ctrl_
     """A wave handed to the worker behind the running one has not started: the first
     Ctrl-C answers it at once. The second Ctrl-C exits without waiting for the running
     wave, whose client still gets an OpenAI-shaped 503, not a plain-text 500."""
-    proc, url, log = serve(
-        tmp_path, "--pipeline-class", "tests.fake_pipelines.FaultyPipeline",
-        "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-waves-in-flight", "2",
-        "--shutdown-timeout", "600", env={"DIFFBATCH_FAKE_MARKER_DIR": str(tmp_path)})
+    proc, url, log = serve_faulty(tmp_path, "--max-waves-in-flight", "2",
+                                  "--shutdown-timeout", "600")
     try:
-        wait_ready(proc, url)
         with ThreadPoolExecutor(2) as pool:
-            def post(prompt: str) -> Any:
-                return pool.submit(httpx.post, f"{url}/v1/images/generations",
-                                   json={"prompt": prompt}, timeout=START_TIMEOUT_S)
-
+            post = poster(pool, url)
             running = post("steps interrupt")  # ten minutes of steps, unless interrupted
             wait_for((tmp_path / "interrupt").exists, "the wave to start")
             queued = post("queued at the worker")
