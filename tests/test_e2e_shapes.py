@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from diffbatch import Engine, SamplingParams
-from diffbatch.pipelines.registry import DEFAULT_MODEL, packaged_models
+from diffbatch.models import DEFAULT_MODEL, packaged_models
 from scripts.shapes_data import SHAPE_COLOURS, judge_colour, judge_shape
 
 pytestmark = [

@@ -39,9 +39,20 @@ def test_the_readme_has_the_two_examples():
     assert all("__main__" not in code for code in examples)  # no main guard needed
 
 
+# Appended to an example: which model libraries the script's own process imported.
+REPORT_MODULES = """
+import sys
+print("model libraries here:", [m for m in ("diffusers", "transformers") if m in sys.modules],
+      file=sys.stderr)
+"""
+
+
 def test_default_model_example_runs_as_a_plain_script(tmp_path):
-    done = run_script(python_examples()[0], tmp_path)
+    done = run_script(python_examples()[0] + REPORT_MODULES, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the worker loads the pipeline; the script's process never imports diffusers or
+    # transformers (seconds of start-up)
+    assert "model libraries here: []" in done.stderr, done.stderr[-3000:]
     assert done.stdout.strip().startswith("[")
     for name in ("shape0.png", "shape1.png"):
         with Image.open(tmp_path / name) as image:

@@ -47,6 +47,7 @@ from diffbatch.errors import (
 )
 from diffbatch.executor.abstract import Executor
 from diffbatch.metrics import EngineMetrics
+from diffbatch.models import DEFAULT_MODEL
 from diffbatch.outputs import DiffusionOutput, PartialImage, RequestError, finalize_images
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus, validate_prompt
@@ -61,8 +62,14 @@ _SHUTTING_DOWN = "the server is shutting down"
 SHUTDOWN_GRACE_S = 2.0
 
 
-def resolve_request_batch_support(pipeline_class: Any) -> tuple[type, bool]:
-    """Resolve the configured pipeline class and read `supports_request_batch`."""
+def resolve_request_batch_support(pipeline_class: Any) -> tuple[type | None, bool]:
+    """Resolve the configured pipeline class and read `supports_request_batch`.
+
+    None (the default `DiffusersT2IPipeline`, which batches) stays None: this process
+    then never imports diffusers (seconds of CPU); the worker loads the class.
+    """
+    if pipeline_class is None:
+        return None, True
     from diffbatch.pipelines.registry import resolve_pipeline_class
 
     cls = resolve_pipeline_class(pipeline_class)
@@ -92,8 +99,6 @@ class Engine:
     # -- start-up --------------------------------------------------------------------
     def _start(self, config: EngineConfig) -> None:
         if config.model is None:  # name the default model, for logs and /v1/models
-            from diffbatch.pipelines.registry import DEFAULT_MODEL
-
             config = dataclasses.replace(config, model=DEFAULT_MODEL)
         self.config = config
         self._closed = False

@@ -18,43 +18,22 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.imports import import_by_name
+from diffbatch.models import DEFAULT_MODEL, packaged_models
 from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, DiffusersT2IPipeline
 from diffbatch.pipelines.interface import BasePipeline
 from diffbatch.pipelines.tiny import ensure_tiny_model
 
-# The default model: the trained `shapes` model shipped in diffbatch/models/ (it draws
-# simple coloured shapes a person can judge by eye), else the random-weight `tiny-sd`
-# where the package was installed without its model data.
-DEFAULT_MODEL = (
-    "shapes"
-    if os.path.isfile(os.path.join(os.path.dirname(__file__), "..", "models", "shapes",
-                                   "model_index.json"))
-    else "tiny-sd"
-)
 # Built-in tiny model name -> builder that ensures it is built and returns its folder.
 BUILTIN_MODELS: dict[str, Callable[[], str]] = {
     name: (lambda name=name: ensure_tiny_model(name))
     for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart")
 }
-# Models shipped inside the package: diffbatch/models/<name>/model_index.json.
-PACKAGED_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
 _PER_REQUEST_CLASSES: dict[type, type[DiffusersPerRequestPipeline]] = {}
-
-
-def packaged_models() -> dict[str, str]:
-    """Name -> folder of every diffusers model shipped under diffbatch/models/."""
-    if not PACKAGED_MODELS_DIR.is_dir():
-        return {}
-    return {
-        p.name: str(p) for p in sorted(PACKAGED_MODELS_DIR.iterdir())
-        if (p / "model_index.json").is_file()
-    }
 
 
 def builtin_model_names() -> list[str]:

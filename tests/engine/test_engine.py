@@ -257,7 +257,7 @@ async def test_generate_async_and_cancellation_aborts(gate):
 
 
 def test_default_model_is_named_in_the_config():
-    from diffbatch.pipelines.registry import DEFAULT_MODEL
+    from diffbatch.models import DEFAULT_MODEL
 
     with Engine(pipeline_class=FAKE, executor="inproc") as engine:
         assert engine.config.model == DEFAULT_MODEL

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import diffbatch.models
 from diffbatch.errors import ConfigError, ModelNotFoundError
-from diffbatch.pipelines import registry
 from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, DiffusersT2IPipeline
 from diffbatch.pipelines.registry import (
     BUILTIN_MODELS,
@@ -69,7 +69,7 @@ def test_packaged_model_folders_are_builtin_names(
     (tmp_path / "shapes").mkdir()
     (tmp_path / "shapes" / "model_index.json").write_text("{}")
     (tmp_path / "not-a-model").mkdir()  # no model_index.json: ignored
-    monkeypatch.setattr(registry, "PACKAGED_MODELS_DIR", tmp_path)
+    monkeypatch.setattr(diffbatch.models, "PACKAGED_MODELS_DIR", tmp_path)
     assert "shapes" in builtin_model_names()
     assert "not-a-model" not in builtin_model_names()
     assert resolve_model_path("shapes") == str(tmp_path / "shapes")

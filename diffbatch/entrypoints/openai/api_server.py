@@ -376,6 +376,6 @@ def served_name_of(engine: Engine, model: str | None) -> str:
         return model
     if getattr(engine.config, "model", None):
         return engine.config.model
-    from diffbatch.pipelines.registry import DEFAULT_MODEL
+    from diffbatch.models import DEFAULT_MODEL
 
     return DEFAULT_MODEL
