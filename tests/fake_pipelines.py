@@ -10,10 +10,12 @@ with its image, only where its mask paints.
 Partial images: a request that asks for them gets, after step s of its S steps, its
 final images scaled by s / S (`send_partial_images`).
 
-A prompt containing `POISON` makes `FakeBatchPipeline` and `PoisonTinySD` (the real
-diffusers adapter, for end-to-end tests with model "tiny-sd") fail the whole wave
-that holds it, the way a request with bad input breaks a fused forward; one with
-`LATE_POISON` fails `FakeBatchPipeline`'s wave once its partial images are sent.
+A prompt containing `POISON` makes `FakeBatchPipeline` (and `PoisonTinySD` in
+`tests.fake_tiny_sd`) fail the whole wave that holds it, the way a request with bad
+input breaks a fused forward; one with `LATE_POISON` fails `FakeBatchPipeline`'s wave
+once its partial images are sent.
+
+Nothing here imports diffusers: a worker that loads one of these starts without it.
 """
 
 from __future__ import annotations
@@ -28,12 +30,11 @@ from typing import Any
 import torch
 
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 
 POISON = "poison"  # a prompt containing it fails its wave
 LATE_POISON = "fails late"  # ...after the wave sent its partial images
-HANG = "hangs forever"  # `HangingTinySD` never finishes a call holding it
+HANG = "hangs forever"  # `tests.fake_tiny_sd.HangingTinySD` never finishes a call holding it
 
 
 def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) -> torch.Tensor:
@@ -219,26 +220,6 @@ class SmallModelPipeline(FakeBatchPipeline):
         return dataclasses.replace(super().info(), model_max_pixels=32 * 32)
 
 
-class PoisonTinySD(DiffusersT2IPipeline):
-    """The real diffusers adapter, failing every forward whose wave holds a poisoned prompt."""
-
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        poisoned = [i for i, p in enumerate(batch.prompts) if POISON in p]
-        if poisoned:
-            raise RuntimeError(f"poisoned prompt at wave position(s) {poisoned}")
-        return super().forward(batch)
-
-
-class HangingTinySD(DiffusersT2IPipeline):
-    """The real diffusers adapter, whose call for a prompt containing `HANG` never
-    returns: the worker's main thread is stuck (its heartbeat thread lives on)."""
-
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        if any(HANG in p for p in batch.prompts):
-            threading.Event().wait()
-        return super().forward(batch)
-
-
 class NoEditPipeline(FakeBatchPipeline):
     """Declares no edit tasks, like a diffusers family without image-to-image pipelines."""
 
@@ -246,7 +227,7 @@ class NoEditPipeline(FakeBatchPipeline):
         return dataclasses.replace(super().info(), default_strengths={})
 
 
-def _touch(path: str) -> None:
+def touch(path: str) -> None:
     """Write this process's pid to `path` (a marker a test waits for)."""
     with open(path, "w") as f:
         f.write(str(os.getpid()))
@@ -274,10 +255,10 @@ class FaultyPipeline(FakeBatchPipeline):
             if words[0] == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif words[0] == "hang-once" and not os.path.exists(marker):
-                _touch(marker)
+                touch(marker)
                 threading.Event().wait(600)
             elif words[0] == "steps":
-                _touch(marker)
+                touch(marker)
                 self._step(batch, marker)
         return super().forward(batch)
 
@@ -295,23 +276,5 @@ class FaultyPipeline(FakeBatchPipeline):
                 batch.check_interrupt()
                 idle.wait(0.01)
         except Exception:
-            _touch(marker + ".interrupted")
+            touch(marker + ".interrupted")
             raise
-
-
-class MarkedTinySD(DiffusersT2IPipeline):
-    """The real diffusers adapter; touches $DIFFBATCH_FAKE_MARKER once a wave (not the
-    warm-up) reaches its denoising loop."""
-
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        marker = os.environ.get("DIFFBATCH_FAKE_MARKER")
-        if marker and batch.prompts != ["warm-up"]:
-            check = batch.should_stop
-
-            def should_stop() -> bool:
-                if not os.path.exists(marker):
-                    _touch(marker)
-                return check()
-
-            batch = dataclasses.replace(batch, should_stop=should_stop)
-        return super().forward(batch)

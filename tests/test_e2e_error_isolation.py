@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a white boat", "a black car",
            "a small house", "a yellow sun", "a pink flower"]
 TOLERANCE = 1e-4
-POISON_PIPELINE = "tests.fake_pipelines.PoisonTinySD"
+POISON_PIPELINE = "tests.fake_tiny_sd.PoisonTinySD"
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

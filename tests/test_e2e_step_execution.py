@@ -166,7 +166,7 @@ def test_a_batch_that_stops_stepping_while_the_heartbeat_lives_is_stuck_and_repl
     thread beats on): once the running batch has finished no step for its stall bound
     (here the 1 s floor: 10 x a tiny tick is less), the worker is killed as stuck, the
     request fails naming why, and the replacement serves the next one."""
-    with Engine("tiny-sd", pipeline_class="tests.fake_pipelines.HangingTinySD",
+    with Engine("tiny-sd", pipeline_class="tests.fake_tiny_sd.HangingTinySD",
                 step_execution=True, max_num_seqs=2, executor="mp", worker_stall_timeout_s=1.0,
                 max_request_work=0) as engine:
         assert engine.generate(["before"], [pt(1, 3)], use_tqdm=False)[0].ok  # ticks seen

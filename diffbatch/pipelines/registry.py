@@ -15,25 +15,38 @@ subclass has no `supports_request_batch`, so it runs one request per wave.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.imports import import_by_name
 from diffbatch.models import DEFAULT_MODEL, packaged_models
-from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, DiffusersT2IPipeline
-from diffbatch.pipelines.interface import BasePipeline
-from diffbatch.pipelines.tiny import ensure_tiny_model
+
+if TYPE_CHECKING:
+    from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline
+    from diffbatch.pipelines.interface import BasePipeline
+
+# diffusers (and transformers) are imported only by what uses them: the default and
+# the per-request adapters, the tiny models' builder. A worker that loads a pipeline
+# class of its own starts without them (seconds of CPU).
+
+
+def _build_tiny(name: str) -> str:
+    from diffbatch.pipelines.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(name)
+
 
 # Built-in tiny model name -> builder that ensures it is built and returns its folder.
 BUILTIN_MODELS: dict[str, Callable[[], str]] = {
-    name: (lambda name=name: ensure_tiny_model(name))
+    name: functools.partial(_build_tiny, name)
     for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart")
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
-_PER_REQUEST_CLASSES: dict[type, type[DiffusersPerRequestPipeline]] = {}
+_PER_REQUEST_CLASSES: dict[type, type] = {}
 
 
 def builtin_model_names() -> list[str]:
@@ -80,6 +93,8 @@ def resolve_pipeline_class(spec: Any) -> type:
             and `forward`.
     """
     if spec is None:
+        from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+
         return DiffusersT2IPipeline
     obj = import_by_name(spec, what="pipeline_class") if isinstance(spec, str) else spec
     if _is_diffusers_pipeline(obj):
@@ -96,6 +111,8 @@ def resolve_pipeline_class(spec: Any) -> type:
 
 def per_request_class(diffusers_class: type) -> type[DiffusersPerRequestPipeline]:
     """A `DiffusersPerRequestPipeline` subclass bound to `diffusers_class` (cached)."""
+    from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline
+
     if diffusers_class not in _PER_REQUEST_CLASSES:
         _PER_REQUEST_CLASSES[diffusers_class] = type(
             f"PerRequest{diffusers_class.__name__}",

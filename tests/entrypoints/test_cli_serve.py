@@ -236,7 +236,7 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
     marker = tmp_path / "in-loop"
     semaphores_before = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")}
     proc, url, log = serve(
-        tmp_path, "tiny-sd", "--pipeline-class", "tests.fake_pipelines.MarkedTinySD",
+        tmp_path, "tiny-sd", "--pipeline-class", "tests.fake_tiny_sd.MarkedTinySD",
         "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-request-work", "0",
         env={"DIFFBATCH_FAKE_MARKER": str(marker)})
     try:
