@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from diffbatch import Engine, SamplingParams
+from diffbatch.ipc import shm
 from tests.fake_pipelines import fake_images
 
 pytestmark = pytest.mark.slow
@@ -20,8 +21,10 @@ PROMPTS = ["a red cat", "a blue dog", "a green tree", "a white boat", "a black c
            "a small house", "a yellow sun", "a pink flower"]
 
 
-def shm_segments() -> set[str]:
-    return {os.path.basename(p) for p in glob.glob("/dev/shm/diffbatch*")}
+def shm_segments(*pids: int) -> set[str]:
+    """The shared-memory segments processes `pids` created (not other tests' ones)."""
+    return {os.path.basename(p) for pid in pids
+            for p in glob.glob(f"/dev/shm/{shm.segment_prefix(pid)}*")}
 
 
 def pt(seed: int, size: int = 64, steps: int = 2) -> SamplingParams:
@@ -91,11 +94,11 @@ def test_np_output_is_the_float_image_channels_last(sd_engine):
 
 def test_two_hundred_concurrent_requests_each_get_their_own_image():
     """Large (> 1 MiB) results cross through shared memory; none is mixed up."""
-    before = shm_segments()
     size = 384  # 3*384*384 float32 = 1.7 MiB per image: above the shm threshold
     # no work limit: the fake model's default request is 16x16, and 100x that is small
     with Engine(pipeline_class="tests.fake_pipelines.FakeBatchPipeline", executor="mp",
                 max_num_seqs=8, request_batch_max_wait_ms=5, max_request_work=0) as engine:
+        worker = engine.executor.worker_pid
         prompts = [f"prompt number {i}" for i in range(200)]
         outs = engine.generate(prompts, [pt(10_000 + i, size=size) for i in range(200)])
         for i, out in enumerate(outs):
@@ -104,7 +107,7 @@ def test_two_hundred_concurrent_requests_each_get_their_own_image():
                                    size, size)
             assert torch.equal(out.images, expected), f"request {i} got someone else's image"
         assert max(o.batch_size for o in outs) > 1
-    assert shm_segments() <= before
+    assert not shm_segments(os.getpid(), worker)  # every segment was unlinked
 
 
 def test_per_request_pipeline_through_the_worker():

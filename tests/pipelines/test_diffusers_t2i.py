@@ -270,7 +270,8 @@ import logging
 from diffbatch import Engine, SamplingParams
 LONG = " ".join(["a red circle"] * 40) + " and the secret word zebrafinch42"
 for executor in ("inproc", "mp"):
-    with Engine("tiny-sd", executor=executor, torch_num_threads=1) as engine:
+    with Engine("tiny-sd", executor=executor, torch_num_threads=1, max_num_seqs=1,
+                request_batch_max_wait_ms=0) as engine:
         out = engine.generate([LONG], SamplingParams(num_inference_steps=1), use_tqdm=False)
         assert out[0].ok, out[0].error
 logging.getLogger("transformers.utils.import_utils").warning("another transformers warning")
