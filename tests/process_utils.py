@@ -13,6 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from diffbatch.ipc import shm
+
+
+def segments_of(pid: int) -> list[str]:
+    """Names of the shared-memory segments process `pid` created that still exist."""
+    return [p.name for p in Path("/dev/shm").iterdir()
+            if p.name.startswith(shm.segment_prefix(pid))]
+
 
 def worker_pids(parent_pid: int) -> set[int]:
     """Pids of the live (not zombie) `python -m diffbatch.worker` children of a process."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import time
@@ -12,19 +11,13 @@ import pytest
 import torch
 
 from diffbatch import Engine, SamplingParams
-from diffbatch.ipc import shm
 from tests.fake_pipelines import fake_images
+from tests.process_utils import segments_of
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a white boat", "a black car",
            "a small house", "a yellow sun", "a pink flower"]
-
-
-def shm_segments(*pids: int) -> set[str]:
-    """The shared-memory segments processes `pids` created (not other tests' ones)."""
-    return {os.path.basename(p) for pid in pids
-            for p in glob.glob(f"/dev/shm/{shm.segment_prefix(pid)}*")}
 
 
 def pt(seed: int, size: int = 64, steps: int = 2) -> SamplingParams:
@@ -107,7 +100,7 @@ def test_two_hundred_concurrent_requests_each_get_their_own_image():
                                    size, size)
             assert torch.equal(out.images, expected), f"request {i} got someone else's image"
         assert max(o.batch_size for o in outs) > 1
-    assert not shm_segments(os.getpid(), worker)  # every segment was unlinked
+    assert not segments_of(os.getpid()) + segments_of(worker)  # every one was unlinked
 
 
 def test_per_request_pipeline_through_the_worker():

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.openai.conftest import disconnect, open_raw_request
 from tests.entrypoints.openai.test_edits import decode
-from tests.process_utils import wait_gone, worker_pids
+from tests.process_utils import segments_of, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -269,7 +269,7 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
             proc.wait()
         assert wait_gone(worker, 60.0), "the worker outlived its server"
         for pid in (proc.pid, worker):
-            assert not [p for p in SHM.iterdir() if p.name.startswith(f"diffbatch_{pid}_")]
+            assert not segments_of(pid)
         new = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")} - semaphores_before
         left = unmapped(new)  # a live process's (another test's) semaphore is in use
         assert not left, f"semaphores left behind: {sorted(left)}"

@@ -49,7 +49,7 @@ from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
 from diffbatch.sched.output import SchedulerOutput
 from diffbatch.worker.worker import worker_main
-from tests.process_utils import wait_gone, worker_pids
+from tests.process_utils import segments_of, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -173,10 +173,6 @@ def request(request_id: str, prompt: str = "a cat", **extra) -> DiffusionRequest
 
 def wave(wave_id: int, *requests: DiffusionRequest) -> SchedulerOutput:
     return SchedulerOutput(wave_id=wave_id, requests=list(requests), key=None)
-
-
-def segments_of(pid: int) -> list[str]:
-    return [p.name for p in SHM_DIR.iterdir() if p.name.startswith(shm.segment_prefix(pid))]
 
 
 def process_gone(pid: int) -> bool:
