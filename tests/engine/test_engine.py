@@ -44,6 +44,16 @@ def test_capability_from_class_object_or_dotted_name(spec):
         assert engine.pipeline_class is FakeBatchPipeline
 
 
+def test_the_default_pipeline_is_known_to_batch_without_importing_it():
+    """The engine's process takes the default class's capability on trust (it never
+    imports diffusers); the class itself must agree."""
+    from diffbatch.engine.async_engine import resolve_request_batch_support
+    from diffbatch.pipelines.registry import resolve_pipeline_class
+
+    assert resolve_request_batch_support(None) == (None, True)
+    assert resolve_pipeline_class(None).supports_request_batch is True
+
+
 @pytest.mark.parametrize("spec", ["tests.fake_pipelines.Missing", "no_such_module.Pipe",
                                   "tests.fake_pipelines.NotAPipeline"])
 def test_bad_pipeline_class_is_a_clear_config_error(spec):
