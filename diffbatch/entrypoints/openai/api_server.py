@@ -62,6 +62,7 @@ from diffbatch.entrypoints.openai.serving_images import (
     OpenAIServingImages,
 )
 from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
+from diffbatch.models import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     import argparse
@@ -376,6 +377,4 @@ def served_name_of(engine: Engine, model: str | None) -> str:
         return model
     if getattr(engine.config, "model", None):
         return engine.config.model
-    from diffbatch.models import DEFAULT_MODEL
-
     return DEFAULT_MODEL
