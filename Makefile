@@ -50,9 +50,14 @@ install-dev: $(VENV)/.installed-dev
 serve: install
 	$(VENV)/bin/diffbatch serve $(MODEL) --port $(PORT) $(SERVE_ARGS)
 
+# The suite runs in TEST_WORKERS processes, a test file to a process (its module
+# fixtures, servers and workers start once); TEST_WORKERS=0 runs it in this one.
+TEST_WORKERS ?= 2
+
 test: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
-	DIFFBATCH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -p no:cacheprovider
+	DIFFBATCH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts

@@ -1,0 +1,64 @@
+"""Smoke tests of the zero-config benchmarks, `defaults.py` (served with no tuning flags
+against the plain diffusers loop) and `auto_batching.py` (`auto` against a grid of fixed
+settings): each runs end to end on a minimal setting (see `tests.bench.smoke`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.bench.smoke import BENCHMARKS, MINIMAL, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def test_defaults_smoke(tmp_path: Path) -> None:
+    report = run_script("defaults.py", tmp_path / "defaults.json", *MINIMAL,
+                        "--models", "tiny-sd", "--num-images", "4", "--concurrency", "4",
+                        "--extra-batches", "2", "--repeats", "1")
+    [row] = report["results"]
+    assert row["model"] == "tiny-sd" and row["batch_B"] >= 1
+    assert row["served"]["images_per_s"] > 0 and row["served"]["mean_wave_size"] >= 1
+    assert {"1", "2", str(row["batch_B"])} == set(row["plain"]) == set(row["served_over_plain"])
+    assert all(p["images_per_s"] > 0 for p in row["plain"].values())
+    assert set(row["bars"]) == {"served_over_plain_at_B", "served_over_plain_at_1"}
+    assert row["pass"] == all(bar["pass"] for bar in row["bars"].values())
+    assert report["verdicts"] == {"tiny-sd": "PASS" if row["pass"] else "FAIL"}
+
+
+def test_auto_batching_smoke(tmp_path: Path) -> None:
+    report = run_script("auto_batching.py", tmp_path / "auto.json", *MINIMAL, "--quick",
+                        "--grid-seqs", "2", "--grid-waits", "0", "--loads", "0.5",
+                        "--burst", "3", "--num-requests", "3", "--capacity-requests", "3",
+                        "--warmup-requests", "2")
+    assert set(report["settings"]) == {"auto", "seqs2_wait0"}
+    assert report["settings"]["auto"]["max_num_seqs"] is None
+    [result] = report["results"]
+    assert (result["model"], result["size"]) == ("tiny-sd", 64)
+    assert result["capacity_rps"] > 0 and result["capacity_setting"] != "auto"
+    loads = ["saturated", "poisson_0.5x", "burst_3"]
+    assert list(result["loads"]) == list(result["verdicts"]) == loads
+    assert {(r["load"], r["setting"]) for r in result["results"]} == {
+        (load, name) for load in loads for name in report["settings"]}
+    assert all(r["failed"] == 0 and r["throughput_rps"] > 0 for r in result["results"])
+    for verdict in result["verdicts"].values():
+        assert verdict["best_fixed_throughput_setting"] in report["settings"]
+        assert verdict["throughput_ratio"] > 0 and verdict["p50_bar_ms"] > 0
+        assert verdict["pass"] == (verdict["throughput_pass"] and verdict["p50_pass"]
+                                   and verdict["dominance_pass"])
+    assert report["pass"] == result["pass"]
+    # Judged again from the file alone (in this process: no server is run): the same
+    # verdicts, marked as rejudged.
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import auto_batching
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    auto_batching.main(["--rejudge", str(tmp_path / "auto.json"),
+                        "--out", str(tmp_path / "again.json"), "--no-plot"])
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["rejudged"]["from"] == str(tmp_path / "auto.json")
+    assert again["results"][0]["verdicts"] == result["verdicts"]
