@@ -1,4 +1,5 @@
-"""Shared test set-up: offline hub, a private model cache, light torch threading."""
+"""Shared test set-up: offline hub, a private model cache, light torch threading, and
+the order files run in."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ os.environ.setdefault(
 import pytest
 import torch
 
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # pytest-xdist is a [dev] dependency; without it the suite runs serially
+    LoadFileScheduling = None
+
 torch.set_num_threads(1)
 
 
@@ -29,3 +35,52 @@ torch.set_num_threads(1)
 def cache_dir() -> str:
     """The model cache folder of this test session (shared with worker processes)."""
     return os.environ["DIFFBATCH_CACHE_DIR"]
+
+
+# The longest test files (or groups), longest first, from `--durations` of a serial run:
+# `make test` hands them to its processes first. A hint only: a stale list costs time,
+# never a failure.
+LONGEST_FIRST = (
+    "tests/entrypoints/ray/", "tests/bench/test_ray_benchmarks_smoke.py",  # one process
+    "tests/test_e2e_step_execution.py", "tests/bench/test_benchmarks_smoke.py",
+    "tests/executor/test_multiproc.py", "tests/bench/test_auto_benchmarks_smoke.py",
+    "tests/entrypoints/test_cli_serve.py", "tests/bench/test_reliability_smoke.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The order files run in: `LONGEST_FIRST`, then the other files with end-to-end
+    (`slow`) tests, then the rest, each file's tests kept together and in order.
+    `make test` hands whole files to its processes in this order: the long ones start
+    first, and the quick ones fill the gaps at the end."""
+    has_slow = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item: pytest.Item) -> tuple[int, bool]:
+        nodeid = item.nodeid
+        for i, prefix in enumerate(LONGEST_FIRST):
+            if nodeid.startswith(prefix):
+                return i, False
+        return len(LONGEST_FIRST), item.path not in has_slow
+
+    items.sort(key=rank)
+
+
+RAY_TEST_FILES = ("tests/entrypoints/ray/", "tests/bench/test_ray_benchmarks_smoke.py")
+
+if LoadFileScheduling is not None:
+
+    class FilesWithRayTogether(LoadFileScheduling):
+        """`--dist loadfile`, except that every test that starts a Ray cluster
+        (`RAY_TEST_FILES`) goes to one process: two local Ray clusters starting at once
+        on a small machine can miss Ray's fixed wait for its raylet."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(RAY_TEST_FILES):
+                return "ray"
+            return super()._split_scope(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+        if config.getoption("dist") != "loadfile":
+            return None  # another --dist mode: xdist's own scheduler
+        return FilesWithRayTogether(config, log)
+

@@ -1,18 +1,14 @@
 """Waiting on other processes and threads from tests: worker processes found in /proc
-and waited on with pidfds, a bounded poll for state another thread or process
-changes (where there is nothing to wait on), and the machine-wide turn the tests
-that start a Ray cluster take."""
+and waited on with pidfds, and a bounded poll for state another thread or process
+changes (where there is nothing to wait on)."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import select
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,21 +66,3 @@ def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 30.0,
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
         idle.wait(poll_s)
-
-
-@contextlib.contextmanager
-def one_ray_cluster_at_a_time() -> Iterator[None]:
-    """Hold the machine's Ray turn: a lock file that every test starting a Ray cluster
-    (in this process or in a script it runs) holds for the cluster's lifetime.
-
-    Test processes run side by side (`pytest -n`), and two local Ray clusters
-    starting at once on a small machine can miss Ray's fixed wait for its raylet; the
-    lock makes the second wait its turn instead. It is released when the holder exits,
-    however it exits."""
-    path = Path(tempfile.gettempdir(), "diffbatch-tests-ray.lock")
-    with path.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)

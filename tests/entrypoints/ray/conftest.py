@@ -31,7 +31,6 @@ import pytest
 from diffbatch.entrypoints.ray.proxy import serve_start_options
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from tests.fake_pipelines import FakeBatchPipeline
-from tests.process_utils import one_ray_cluster_at_a_time
 from tests.process_utils import wait_until as poll_until
 
 RAY_NUM_CPUS = 2
@@ -84,24 +83,22 @@ def ray_cluster(cache_dir: str) -> Iterator[RayCluster]:
     # Replicas are Ray workers: they inherit this environment (offline hub, the
     # session's model cache) and need the repository on their path for test pipelines.
     python_path = os.environ.get("PYTHONPATH")
-    with one_ray_cluster_at_a_time():
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, python_path) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, python_path) if p)
+    try:
+        # "local": always a new cluster of our own, never one `ray start`ed here.
+        ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
+    finally:
+        _restore_env("PYTHONPATH", python_path)  # the cluster's processes have it now
+    try:
+        port = _free_port()
+        serve.start(**serve_start_options("127.0.0.1", port))
+        yield RayCluster(url=f"http://127.0.0.1:{port}")
+    finally:
         try:
-            # "local": always a new cluster of our own, never one `ray start`ed here.
-            ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", configure_logging=False,
-                     log_to_driver=False)
+            serve.shutdown()
         finally:
-            _restore_env("PYTHONPATH", python_path)  # the cluster's processes have it now
-        try:
-            port = _free_port()
-            serve.start(**serve_start_options("127.0.0.1", port))
-            yield RayCluster(url=f"http://127.0.0.1:{port}")
-        finally:
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
+            ray.shutdown()
 
 
 def _restore_env(name: str, value: str | None) -> None:
