@@ -37,12 +37,13 @@ def cache_dir() -> str:
     return os.environ["DIFFBATCH_CACHE_DIR"]
 
 
+# The tests that start a Ray cluster: a parallel run gives them all to one process.
+RAY_TEST_FILES = ("tests/entrypoints/ray/", "tests/bench/test_ray_benchmarks_smoke.py")
 # The longest test files (or groups), longest first, from `--durations` of a serial run:
 # `make test` hands them to its processes first. A hint only: a stale list costs time,
 # never a failure.
 LONGEST_FIRST = (
-    "tests/entrypoints/ray/", "tests/bench/test_ray_benchmarks_smoke.py",  # one process
-    "tests/test_e2e_step_execution.py", "tests/bench/test_benchmarks_smoke.py",
+    *RAY_TEST_FILES, "tests/test_e2e_step_execution.py", "tests/bench/test_benchmarks_smoke.py",
     "tests/executor/test_multiproc.py", "tests/bench/test_auto_benchmarks_smoke.py",
     "tests/entrypoints/test_cli_serve.py", "tests/bench/test_reliability_smoke.py",
 )
@@ -64,8 +65,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     items.sort(key=rank)
 
-
-RAY_TEST_FILES = ("tests/entrypoints/ray/", "tests/bench/test_ray_benchmarks_smoke.py")
 
 if LoadFileScheduling is not None:
 

@@ -15,11 +15,12 @@ import pytest
 
 from diffbatch.ipc import shm
 
+SHM_DIR = Path("/dev/shm")  # where Linux shows POSIX shared memory and named semaphores
+
 
 def segments_of(pid: int) -> list[str]:
     """Names of the shared-memory segments process `pid` created that still exist."""
-    return [p.name for p in Path("/dev/shm").iterdir()
-            if p.name.startswith(shm.segment_prefix(pid))]
+    return [p.name for p in SHM_DIR.iterdir() if p.name.startswith(shm.segment_prefix(pid))]
 
 
 def worker_pids(parent_pid: int) -> set[int]:

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.openai.conftest import disconnect, open_raw_request
 from tests.entrypoints.openai.test_edits import decode
-from tests.process_utils import segments_of, wait_gone, worker_pids
+from tests.process_utils import SHM_DIR, segments_of, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,6 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path) -> None:
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHM = Path("/dev/shm")
 
 
 def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
@@ -239,7 +238,7 @@ def unmapped(names: set[str]) -> set[str]:
     files = {}  # (device "major:minor" as maps writes it, inode) -> name
     for name in names:
         with contextlib.suppress(OSError):
-            stat = (SHM / name).stat()
+            stat = (SHM_DIR / name).stat()
             device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
             files[(device, stat.st_ino)] = name
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -253,7 +252,7 @@ def unmapped(names: set[str]) -> set[str]:
 
 def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tmp_path) -> None:
     marker = tmp_path / "in-loop"
-    semaphores_before = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")}
+    semaphores_before = {p.name for p in SHM_DIR.iterdir() if p.name.startswith("sem.")}
     proc, url, log = serve(
         tmp_path, "tiny-sd", "--pipeline-class", "tests.fake_tiny_sd.MarkedTinySD",
         "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-request-work", "0",
@@ -270,7 +269,7 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
         assert wait_gone(worker, 60.0), "the worker outlived its server"
         for pid in (proc.pid, worker):
             assert not segments_of(pid)
-        new = {p.name for p in SHM.iterdir() if p.name.startswith("sem.")} - semaphores_before
+        new = {p.name for p in SHM_DIR.iterdir() if p.name.startswith("sem.")} - semaphores_before
         left = unmapped(new)  # a live process's (another test's) semaphore is in use
         assert not left, f"semaphores left behind: {sorted(left)}"
     finally:

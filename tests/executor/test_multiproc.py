@@ -49,11 +49,10 @@ from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
 from diffbatch.sched.output import SchedulerOutput
 from diffbatch.worker.worker import worker_main
-from tests.process_utils import segments_of, wait_gone, worker_pids
+from tests.process_utils import SHM_DIR, segments_of, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
-SHM_DIR = Path("/dev/shm")
 IMAGE_SHAPE = (1, 3, 512, 512)  # float32: 3 MiB, above the 1 MiB shm threshold
 DEADLINE_S = 120.0  # upper bound for waits on worker start-up (imports torch)
 
