@@ -52,6 +52,7 @@ def _add_seconds(
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `diffbatch serve [MODEL]` and its flags (vLLM's names where they exist)."""
     from diffbatch.entrypoints.openai.api_server import (
+        DEFAULT_BODY_TIMEOUT_S,
         DEFAULT_HEADER_TIMEOUT_S,
         DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         DEFAULT_LIMIT_CONCURRENCY,
@@ -142,6 +143,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_seconds(server, "--header-timeout", DEFAULT_HEADER_TIMEOUT_S,
                  "close a connection whose request headers are not complete after this "
                  "long (408)")
+    _add_seconds(server, "--body-timeout", DEFAULT_BODY_TIMEOUT_S,
+                 "close a connection whose request body pauses (no bytes) this long (408)")
     _add_seconds(server, "--keep-alive-timeout", DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                  "close an idle keep-alive connection after this long")
     server.add_argument(

@@ -9,6 +9,7 @@ import pytest
 
 from diffbatch.entrypoints import cli
 from diffbatch.entrypoints.openai.api_server import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_LIMIT_CONCURRENCY,
@@ -49,6 +50,7 @@ def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.header_timeout, args.keep_alive_timeout, args.limit_concurrency) == (
         DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_LIMIT_CONCURRENCY,
     ) == (10.0, 5.0, 1024)
+    assert args.body_timeout == DEFAULT_BODY_TIMEOUT_S == 30.0
     assert args.func is cli._cmd_serve
 
 
@@ -60,6 +62,7 @@ def test_serve_every_flag(tmp_path) -> None:
         "--request-timeout", "2.5", "--max-image-pixels", "4096", "--lora-dir", str(tmp_path),
         "--log-level", "DEBUG", "--seed", "3", "--device", "cpu", "--dtype", "float32",
         "--header-timeout", "2.5", "--keep-alive-timeout", "30", "--limit-concurrency", "64",
+        "--body-timeout", "7",
     )
     assert args.model == "tiny-sd"
     assert (args.host, args.port, args.max_num_seqs) == ("0.0.0.0", 9001, 4)
@@ -69,6 +72,7 @@ def test_serve_every_flag(tmp_path) -> None:
     assert args.lora_dir == str(tmp_path)
     assert (args.log_level, args.seed, args.device, args.dtype) == ("debug", 3, "cpu", "float32")
     assert (args.header_timeout, args.keep_alive_timeout, args.limit_concurrency) == (2.5, 30, 64)
+    assert args.body_timeout == 7.0
 
 
 @pytest.mark.parametrize("level", [0, 9])

@@ -50,6 +50,7 @@ from diffbatch.entrypoints.openai.image_store import (
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
 from diffbatch.entrypoints.openai.middleware import (
     ArrivalNoticeMiddleware,
+    HeadAsGetMiddleware,
     HTTPMetrics,
     HTTPMetricsMiddleware,
     RequestGuardMiddleware,
@@ -84,6 +85,9 @@ _OPEN_PREFIXES = (f"{FILES_ROUTE}/",)
 # are a few hundred bytes: 10 s is generous on any link, and bounds how long a
 # slow-header client holds a connection (uvicorn alone never times them out).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+# `--body-timeout`: the longest pause in a request body before a 408 (nginx's
+# `client_body_timeout` is 60 s); an upload of 32 MB does not pause this long.
+DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default: an idle keep-alive connection
 # Most open connections and requests in progress; above it, 503. Each request in
 # progress can hold a body of up to `max_body_bytes`; the benchmark client opens up
@@ -113,6 +117,7 @@ def build_app(
     public_url: str | None = None,
     close_engine_on_shutdown: bool = True,
     shutdown_grace_s: float | None = None,
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """Build the FastAPI app that serves `engine`.
 
@@ -136,6 +141,8 @@ def build_app(
         close_engine_on_shutdown: Close the engine when the server shuts down.
         shutdown_grace_s: Bound on each stage of closing the engine at shutdown (the
             last waves, then the worker); None = the engine's own bounds.
+        body_timeout_s: Longest pause in a request body (no bytes arriving) before a
+            408 that closes the connection; None = no limit.
 
     Returns:
         The app; serve it with uvicorn (see `run_server`).
@@ -152,6 +159,8 @@ def build_app(
         raise ValueError(f"image_store_bytes must be >= 0, got {image_store_bytes}")
     if public_url is not None and not public_url.startswith(("http://", "https://")):
         raise ValueError(f"public_url must start with http:// or https://, got {public_url!r}")
+    if body_timeout_s is not None and not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0 or None, got {body_timeout_s}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -172,6 +181,9 @@ def build_app(
         summary="OpenAI-compatible image generation with request-level batching",
         version=_version(),
         lifespan=lifespan,
+        # a path with a trailing slash is a 404 like any unknown path, not a redirect
+        # to a URL built from the client's own Host header
+        redirect_slashes=False,
     )
     http_metrics = HTTPMetrics()
     app.state.engine = engine
@@ -202,7 +214,7 @@ def build_app(
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        json_routes=frozenset({IMAGES_ROUTE}),
                        upload_routes=frozenset({EDITS_ROUTE}), max_upload_bytes=max_upload_bytes,
-                       open_prefixes=_OPEN_PREFIXES)
+                       open_prefixes=_OPEN_PREFIXES, body_timeout_s=body_timeout_s)
     # Outside the guard: the notice opens before the body is read.
     app.add_middleware(ArrivalNoticeMiddleware, engine=engine, routes=_IMAGE_ROUTES)
     app.add_middleware(
@@ -212,6 +224,7 @@ def build_app(
         on_answer=_rejection_counter(engine),
     )
     app.add_middleware(RequestIdEchoMiddleware)
+    app.add_middleware(HeadAsGetMiddleware)
     return app
 
 
@@ -311,6 +324,7 @@ def run_server(args: argparse.Namespace) -> None:
                                else args.image_store_mb) << 20,
             image_url_ttl_s=args.image_url_ttl,
             public_url=args.public_url,
+            body_timeout_s=args.body_timeout,
         )
     except BaseException:
         engine.close()

@@ -18,10 +18,19 @@ can refuse from headers and size alone, in this order:
 4. JSON body that is not UTF-8 (JSON on the wire is UTF-8, RFC 8259) -> 400
    `invalid_json`.
 
+A body that stops arriving (no bytes for `body_timeout_s` while more are due) gets a
+408 in the OpenAI shape and its connection is closed: the header timeout of
+`http_protocol.py` ends when the headers are complete, and a client that then sends
+its body slowly, or never, would otherwise hold a connection and a request slot for
+as long as it likes.
+
 A client that disconnects while its body is still being read gets no answer: the
 guard records 499 (client closed), like a disconnect while the request runs,
 instead of handing a truncated body on to be refused as malformed.
 
+`HeadAsGetMiddleware` answers `HEAD` like `GET` without the body (uvicorn leaves
+the body out of the answer to a `HEAD`), as Starlette's own routes do; FastAPI's
+routes alone answer it 405.
 `RequestIdEchoMiddleware` puts the client's `x-request-id` on every answer.
 `HTTPMetricsMiddleware` counts every answer by route and status, times it, and
 logs each failed answer in one DEBUG line (method, path, status, duration).
@@ -29,6 +38,7 @@ logs each failed answer in one DEBUG line (method, path, status, duration).
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import logging
 import secrets
@@ -101,8 +111,10 @@ class RequestGuardMiddleware:
         self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
         json_routes: frozenset[str], upload_routes: frozenset[str] = frozenset(),
         max_upload_bytes: int | None = None, open_prefixes: tuple[str, ...] = (),
+        body_timeout_s: float | None = None,
     ) -> None:
         self.app = app
+        self.body_timeout_s = body_timeout_s  # longest pause in a body (None: no limit)
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.json_routes = json_routes  # paths whose POST body is JSON (checked here)
@@ -150,6 +162,15 @@ class RequestGuardMiddleware:
         if body == 413:  # over the limit while counting (chunked upload)
             await self._too_large(limit, None)(scope, receive, send)
             return
+        if body == 408:  # the body stopped arriving
+            logger.info("closing a connection: no bytes of its %s body for %g s",
+                        scope["path"], self.body_timeout_s)
+            await error_response(
+                408, f"the request body stopped arriving: no bytes for "
+                f"{self.body_timeout_s:g} s; the connection is closed",
+                code="request_timeout", headers={"Connection": "close"},
+            )(scope, receive, send)
+            return
         assert isinstance(body, bytes)
         if upload:  # the form parser reads binary parts; its text fields are checked there
             await self.app(scope, _replay(body, receive), send)
@@ -193,12 +214,16 @@ class RequestGuardMiddleware:
         )
 
     async def _read_body(self, receive: Receive, limit: int) -> bytes | int:
-        """Read the whole body, or say why not: 413 once it passes the limit, 499
-        (`CLIENT_CLOSED_STATUS`) if the client went away before sending all of it."""
+        """Read the whole body, or say why not: 413 once it passes the limit, 408 when
+        no bytes came for `body_timeout_s`, 499 (`CLIENT_CLOSED_STATUS`) if the client
+        went away before sending all of it."""
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                return 408
             if message["type"] != "http.request":  # http.disconnect
                 return CLIENT_CLOSED_STATUS
             chunk = message.get("body", b"")
@@ -223,6 +248,19 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class HeadAsGetMiddleware:
+    """Answer `HEAD` as `GET`; see the module docstring."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            # a copy: the server's own scope keeps "HEAD", so it sends no body
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
 
 
 class RequestIdEchoMiddleware:

@@ -80,6 +80,43 @@ def test_the_header_timeout_starts_again_for_each_request_on_a_keep_alive_connec
         assert answer.startswith(b"HTTP/1.1 408 "), answer
 
 
+@pytest.mark.parametrize("route", [ROUTE, "/v1/images/edits"])
+def test_a_body_that_stops_arriving_gets_408_and_the_connection_is_closed(
+    http_base: type, route: str,
+) -> None:
+    config = {"http_base": http_base}
+    with gated_server(config=config, body_timeout_s=HEADER_TIMEOUT_S) as (server, gate):
+        gate.release.set()
+        content_type = "application/json" if route == ROUTE else \
+            "multipart/form-data; boundary=b"
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}"
+                         "\r\nContent-Length: 50\r\n\r\n{\"prompt\": \"a".encode())
+            answer = read_until_closed(sock)  # the other 36 bytes never come
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), answer
+        error = json.loads(body)["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_timeout")
+        assert set(error) == {"message", "type", "param", "code"}
+        assert server.engine.num_unfinished == 0
+        # a body that arrives in time is served as usual
+        response = httpx.post(f"{server.url}{ROUTE}", json={"prompt": "p"}, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics", "/"])
+def test_head_answers_as_get_without_the_body(http_base: type, path: str) -> None:
+    with gated_server(config={"http_base": http_base}) as (server, gate):
+        gate.release.set()
+        got = httpx.get(f"{server.url}{path}", timeout=60)
+        head = httpx.head(f"{server.url}{path}", timeout=60)
+    assert (got.status_code, head.status_code) == (200, 200)
+    assert got.content and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    if path != "/metrics":  # the metrics change between the two requests
+        assert head.headers["content-length"] == got.headers["content-length"]
+
+
 def test_a_keep_alive_connection_survives_a_refused_lora(tmp_path) -> None:
     with gated_server(lora_dir=str(tmp_path)) as (server, gate):
         gate.release.set()

@@ -198,6 +198,16 @@ async def test_a_multipart_post_to_a_route_that_does_not_exist_is_a_404(client) 
     assert_openai_error(response, 404)
 
 
+@pytest.mark.parametrize(("method", "path"), [("POST", f"{ROUTE}/"), ("GET", "/v1/waves/"),
+                                              ("GET", "/health/")])
+async def test_a_path_with_a_trailing_slash_is_a_404_not_a_redirect(client, method: str,
+                                                                   path: str) -> None:
+    response = await client.request(method, path, json={"prompt": "p"},
+                                    headers={"host": "evil.example"})
+    assert_openai_error(response, 404)
+    assert "location" not in response.headers
+
+
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/models/fake"])
 @pytest.mark.parametrize("headers", [None, JSON, {"content-type": "text/plain"}])
 async def test_a_post_to_a_get_route_is_a_405(client, path: str, headers) -> None:
