@@ -59,15 +59,18 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
     # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
     # per-image limit in a form fuzzers generate from (openai/work_limit.py).
     default_pixels = info.default_height * info.default_width
-    if max_request_work is not None and params.num_inference_steps > max_steps(
-            max_request_work, pixels, default_pixels):
+    step_cap = None if max_request_work is None else \
+        max_steps(max_request_work, pixels, default_pixels)
+    if step_cap is not None and params.num_inference_steps > step_cap:
         work = describe_work(params.width, params.height, params.num_inference_steps,
                              default_pixels)
+        # the size when even one step of it is over the limit (the HTTP layer names the
+        # sides `size`), else the steps
         raise InvalidRequestError(
             f"this request asks for {work}; this server allows at most {max_request_work} "
             "per image (--max-request-work, `max_request_work` of an Engine): ask for "
-            "fewer steps or a smaller size",
-            param="num_inference_steps",
+            + ("a smaller size" if step_cap < 1 else "fewer steps or a smaller size"),
+            param="height" if step_cap < 1 else "num_inference_steps",
         )
     accepted = info.call_arguments
     if accepted is None:

@@ -246,7 +246,14 @@ def engine_accepts(engine: Engine, width: int, height: int, steps: int) -> bool:
     try:
         check_against_model(engine.info, params, engine.max_request_work)
     except InvalidRequestError as exc:
-        assert exc.param == "num_inference_steps", exc.message
+        # the size is blamed when one step of it is over the limit, else the steps
+        one_step = SamplingParams(width=width, height=height, num_inference_steps=1)
+        try:
+            check_against_model(engine.info, one_step, engine.max_request_work)
+            blamed = "num_inference_steps"
+        except InvalidRequestError:
+            blamed = "height"
+        assert exc.param == blamed, exc.message
         return False
     return True
 

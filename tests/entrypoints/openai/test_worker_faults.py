@@ -272,3 +272,9 @@ def test_a_request_over_the_work_limit_is_refused_with_400(faulty: Faulty) -> No
     assert "--max-request-work" in error["message"]
     assert "64x64 x 20 steps = 327680 pixel-steps per image (each pixel counted 4 times" \
         in error["message"]
+    # a size over the limit at one step blames the size
+    response = httpx.post(f"{faulty.server.url}{ROUTE}", timeout=DEADLINE_S, json={
+        "prompt": "a cat", "size": "512x512", "num_inference_steps": 1})
+    error = response.json()["error"]
+    assert (response.status_code, error["param"]) == (400, "size"), response.text
+    assert "ask for a smaller size" in error["message"]
