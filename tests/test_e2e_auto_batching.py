@@ -65,3 +65,22 @@ def test_low_load_runs_waves_of_one_without_waiting(engine):
     waited = {reason: after.get(reason, 0.0) - before.get(reason, 0.0) for reason in after}
     assert waited.get("none", 0.0) == 6
     assert sum(waited.values()) == 6
+
+
+def test_step_mode_learns_its_batch_from_the_ticks_without_a_calibration():
+    """No calibration: the wave curve is empty (capacity 1), so the running batch must
+    grow from what its own ticks measure while a burst waits."""
+    with Engine("tiny-sd", step_execution=True, calibration_budget_s=0) as engine:
+        shape = engine.policy.default_shape
+        assert engine.policy.cost.capacity(shape) == 1
+
+        async def burst():
+            return await asyncio.gather(*(
+                engine.generate_async(f"a burst {i}", PARAMS.clone(seed=i,
+                                                                   num_inference_steps=8))
+                for i in range(12)))
+
+        outs = asyncio.run(burst())
+        assert all(out.ok for out in outs)
+        assert max(out.batch_size for out in outs) > 1
+        assert engine.policy.step_cost.num_sizes(shape) >= 2  # learned from the ticks

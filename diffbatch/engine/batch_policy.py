@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
-from diffbatch.engine.cost_model import Shape, WaveCostModel
+from diffbatch.engine.cost_model import MIN_SAMPLES, Shape, WaveCostModel
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
+    from diffbatch.outputs import TickStats
     from diffbatch.pipelines.interface import PipelineInfo
     from diffbatch.sampling_params import SamplingParamsKey
 
@@ -154,6 +155,10 @@ class BatchPolicy:
                                    info.cfg_threshold is not None
                                    and info.default_guidance_scale > info.cfg_threshold)
         self.cost = WaveCostModel(self.limit, self.default_shape)
+        # step mode: one step of a running batch of B requests, learned from the ticks
+        # (size B, one step); the calibration's wave curve stands in until it knows two
+        # sizes of a shape
+        self.step_cost = WaveCostModel(self.limit, self.default_shape)
         self.arrivals = ArrivalRate(clock)
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
         self._tick_ms: dict[Shape, deque[float]] = {}  # step mode: recent tick times
@@ -172,7 +177,7 @@ class BatchPolicy:
     def set_limit(self, limit: int) -> None:
         """Lower the auto limit (e.g. to what memory allows, found by calibration)."""
         self.limit = max(1, min(self.limit, limit))
-        self.cost.limit = self.limit
+        self.cost.limit = self.step_cost.limit = self.limit
 
     # -- capacity ------------------------------------------------------------------
     def capacity(self, key: SamplingParamsKey | None, num_waiting: int = 0) -> int:
@@ -192,16 +197,35 @@ class BatchPolicy:
                 return min(trial, num_waiting)
         return capacity
 
-    def step_capacity(self, key: SamplingParamsKey | None) -> int:
-        """Step mode: most requests in the running batch of `key`. A tick is one step
-        of the batch, so the wave cost curve's capacity rule holds for it; "auto"
-        takes the capacity learned for the key's shape (the calibration's curve, as
-        step mode feeds no waves back)."""
+    def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
+        """Step mode: most requests in the running batch of `key`, with `demand`
+        requests of it running or waiting.
+
+        A tick is one step of the batch, so the capacity rule of the wave curve holds
+        for the tick curve (`step_cost`: batch size -> tick time, from the ticks
+        themselves). Until that curve knows two sizes of the shape, the calibration's
+        wave curve decides. With more demand than the capacity, the next doubling the
+        tick curve has not measured `MIN_SAMPLES` times is tried, as waves do: a
+        calibration that ran on a busy machine cannot pin the batch small for good.
+        """
         if not self.batching:
             return 1
         if not self.config.auto_capacity:
             return self.config.capacity_limit
-        return self.limit if key is None else self.cost.capacity(Shape.of(key))
+        if key is None:
+            return self.limit
+        shape = Shape.of(key)
+        if self.step_cost.num_sizes(shape) >= 2:
+            capacity = self.step_cost.capacity(shape)
+            trial = self.step_cost.next_size_to_try(shape)
+        else:
+            capacity = self.cost.capacity(shape)
+            trial = capacity * 2
+            if trial > self.limit or self.step_cost.num_samples(shape, trial) >= MIN_SAMPLES:
+                trial = None
+        if demand > capacity and trial is not None and trial > capacity:
+            return min(trial, demand)
+        return capacity
 
     # -- admission wait --------------------------------------------------------------
     def plan_wait(
@@ -287,13 +311,18 @@ class BatchPolicy:
             return None
         return max(factor * expected_ms / 1000.0, floor_s)
 
-    def observe_tick(self, key: SamplingParamsKey | None, step_ms: float) -> None:
-        """Step mode: one tick of a running batch of `key` took `step_ms`."""
-        if key is None or not self.serving:
+    def observe_tick(self, key: SamplingParamsKey | None, tick: TickStats) -> None:
+        """Step mode: one tick of a running batch of `key`. Every tick bounds the
+        stall; a tick without joins or leaves (one denoising step and nothing else)
+        teaches the tick curve."""
+        if key is None or not self.serving or tick.batch_size < 1:
             return
+        shape = Shape.of(key)
         with self._lock:
-            ticks = self._tick_ms.setdefault(Shape.of(key), deque(maxlen=TICKS_KEPT))
-            ticks.append(step_ms)
+            ticks = self._tick_ms.setdefault(shape, deque(maxlen=TICKS_KEPT))
+            ticks.append(tick.step_ms)
+        if self.learns and tick.joins == 0 and tick.leaves == 0:
+            self.step_cost.observe(shape, tick.batch_size, 1, tick.step_ms)
 
     def step_stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:
         """Step mode: how long a running batch of `key` (up to `size` requests) may go
@@ -328,7 +357,9 @@ class BatchPolicy:
         out: dict[str, dict[str, object]] = {}
         for label, table in per_image.items():
             shape = shapes[label]
-            out[label] = {"per_image_ms": table, "capacity": self.cost.capacity(shape),
+            # step mode's capacity comes from its tick curve once that knows two sizes
+            learned = self.step_cost if self.step_cost.num_sizes(shape) >= 2 else self.cost
+            out[label] = {"per_image_ms": table, "capacity": learned.capacity(shape),
                           "wait_ms": waits.get(label, 0.0)}
         return out
 

@@ -180,6 +180,18 @@ class WaveCostModel:
                     return None  # no gain at all: gains have stopped
             return None
 
+    def num_sizes(self, shape: Shape) -> int:
+        """How many wave sizes of `shape` have been measured."""
+        with self._lock:
+            curve = self._curves.get(shape)
+            return 0 if curve is None else len(curve.ms)
+
+    def num_samples(self, shape: Shape, size: int) -> int:
+        """How many observations of a wave of `size` of `shape` are kept."""
+        with self._lock:
+            curve = self._curves.get(shape)
+            return 0 if curve is None else len(curve.samples.get(size, ()))
+
     def per_image_ms(self) -> dict[str, dict[int, float]]:
         """Shape label -> wave size -> measured forward ms per image (for metrics)."""
         with self._lock:

@@ -25,7 +25,9 @@ The worker dying under the batch fails the requests it held with a clear error
 (step mode does not re-run them: any of them may have caused the crash); requests
 refused while a replacement starts are queued again. Every tick's statistics come
 back with the outputs and feeds the step metrics. With "auto", the batch's capacity
-is what the start-up calibration learned for its shape (`BatchPolicy.step_capacity`).
+is learned from the ticks (`BatchPolicy.step_capacity`: the start-up calibration's
+capacity first, then the tick curve, trying the next doubling while more requests
+want the batch than it holds).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class StepEngineCore(EngineCore):
             return None
         self.last_admission_reason = ""
         key = self._running_key()
-        capacity = self.policy.step_capacity(key or self.scheduler.next_key())
+        capacity = self.policy.step_capacity(key or self.scheduler.next_key(),
+                                             self._demand())
         room = PREFETCH_FACTOR * capacity - len(self.in_flight)
         if room <= 0:
             return None
@@ -99,10 +102,17 @@ class StepEngineCore(EngineCore):
             wave = self.scheduler.schedule_joiners(key, room)
         return None if wave.is_empty else wave
 
+    def _demand(self) -> int:
+        """(Holding `cond`.) Requests in flight and waiting: what the running batch
+        could hold if its capacity allowed."""
+        return sum(not record.future.done() for record in self.in_flight) \
+            + self.scheduler.num_waiting
+
     def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
         """Send the joiners to the worker; each becomes its own entry in flight."""
         dispatched = time.monotonic()
-        capacity = self.policy.step_capacity(wave.key)
+        with self.cond:
+            capacity = self.policy.step_capacity(wave.key, self._demand() + len(wave.requests))
         futures = self.executor.submit_join(
             wave, capacity, stall_after_s=self.policy.step_stall_bound_s(wave.key, capacity))
         records = [InFlightWave(replace(wave, requests=[request]), future, dispatched, "join")
@@ -156,7 +166,6 @@ class StepEngineCore(EngineCore):
                        runner_output: BatchRunnerOutput) -> None:
         """Tick statistics feed the metrics and the running batch's stall bound."""
         for tick in runner_output.ticks:
-            if tick.batch_size > 0:
-                self.policy.observe_tick(key, tick.step_ms)
+            self.policy.observe_tick(key, tick)
             if self.metrics is not None and self.serving:
                 self.metrics.observe_tick(tick)

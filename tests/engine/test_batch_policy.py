@@ -6,7 +6,8 @@ import pytest
 
 from diffbatch.config import EngineConfig
 from diffbatch.engine.batch_policy import ArrivalRate, BatchPolicy, choose_wait
-from diffbatch.engine.cost_model import Shape
+from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
+from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
 
@@ -102,6 +103,11 @@ def teach(p: BatchPolicy, wave_ms=tiny_sd_like, sizes=(1, 2, 4, 8, 16, 32)) -> N
     for size in sizes:
         p.cost.observe(p.default_shape, size, 4, wave_ms(size))
     p.serving = True
+
+
+def tick(batch_size: int, step_ms: float, joins: int = 0, leaves: int = 0) -> TickStats:
+    """A tick of the running batch: `step_ms` for one step of `batch_size` requests."""
+    return TickStats(batch_size, step_ms, step_ms * 0.95, joins, leaves)
 
 
 def test_fixed_settings_pass_through():
@@ -209,21 +215,73 @@ def test_step_mode_stall_bound_follows_the_longest_recent_tick_and_the_curve():
     step_key = key().for_step_execution()
     p = policy(wave_stall_factor=10, worker_stall_timeout_s=0.5)
     assert p.step_stall_bound_s(step_key, 8) is None  # nothing known: the heartbeat alone
-    p.observe_tick(step_key, 900.0)  # the warm-up, before serving: not learned
+    p.observe_tick(step_key, tick(8, 900.0))  # the warm-up, before serving: not learned
     assert p.step_stall_bound_s(step_key, 8) is None
     p.serving = True
     for ms in (20.0, 80.0, 30.0):
-        p.observe_tick(step_key, ms)
+        p.observe_tick(step_key, tick(8, ms))
     assert p.step_stall_bound_s(step_key, 8) == pytest.approx(0.8)  # 10 x the longest
-    p.observe_tick(key(128).for_step_execution(), 500.0)  # another shape's ticks
+    p.observe_tick(key(128).for_step_execution(), tick(8, 500.0))  # another shape's ticks
     assert p.step_stall_bound_s(step_key, 8) == pytest.approx(0.8)
     teach(p)  # the curve: one step of a wave of 32 is (40 + 7 * 32) / 4 = 66 ms
     assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.8)  # the tick is longer
     for _ in range(64):  # the long tick ages out: the curve's step is the longer
-        p.observe_tick(step_key, 1.0)
+        p.observe_tick(step_key, tick(8, 1.0))
     assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.66)
     assert p.step_stall_bound_s(step_key, 1) == 0.5  # 10 x 11.75 ms: the floor holds
     assert policy(wave_stall_factor=0).step_stall_bound_s(step_key, 8) is None
+
+
+def test_step_capacity_grows_from_the_ticks_past_a_calibration_that_said_one():
+    """A calibration on a busy machine found no gain (capacity 1); with demand, the
+    running batch tries doublings and keeps those the ticks say pay."""
+    step_key = key().for_step_execution()
+    p = policy()
+    teach(p, wave_ms=lambda size: 100.0 * size)  # no gain at any size: capacity 1
+    assert p.step_capacity(step_key) == 1
+    assert p.step_capacity(step_key, demand=1) == 1  # no more demand than capacity
+
+    def step_ms(size: int) -> float:  # a tick gains up to 4, then costs per request
+        return 10.0 + 2.0 * min(size, 4) + 12.0 * max(0, size - 4)
+
+    def run_ticks(size: int) -> None:
+        for _ in range(MIN_SAMPLES):
+            p.observe_tick(step_key, tick(size, step_ms(size)))
+
+    run_ticks(1)
+    assert p.step_capacity(step_key, demand=6) == 2  # the doubling is tried
+    run_ticks(2)
+    assert p.step_capacity(step_key, demand=6) == 4  # 2 paid: the next one
+    assert p.step_capacity(step_key, demand=3) == 3  # never above the demand
+    run_ticks(4)
+    assert p.step_capacity(step_key) == 4
+    assert p.step_capacity(step_key, demand=20) == 8
+    run_ticks(8)  # 8 costs more per request than 4: tried enough, not kept
+    assert p.step_capacity(step_key) == 4
+    assert p.step_capacity(step_key, demand=20) == 4
+    assert p.snapshot()[p.default_shape.label()]["capacity"] == 4
+
+
+def test_only_steady_ticks_teach_the_step_capacity():
+    step_key = key().for_step_execution()
+    p = policy()
+    teach(p, wave_ms=lambda size: 100.0 * size)
+    for _ in range(MIN_SAMPLES):  # ticks with joins or leaves carry encoding and decoding
+        p.observe_tick(step_key, tick(1, 5.0, joins=1))
+        p.observe_tick(step_key, tick(2, 6.0, leaves=1))
+        p.observe_tick(step_key, tick(0, 0.0, leaves=1))  # a leave between ticks
+    assert p.step_cost.num_sizes(Shape.of(step_key)) == 0
+    assert p.step_capacity(step_key, demand=6) == 2  # the calibration's doubling
+
+
+def test_fixed_step_capacity_is_never_exceeded():
+    step_key = key().for_step_execution()
+    p = policy(max_num_seqs=3)
+    p.serving = True
+    for size in (1, 2, 3):
+        for _ in range(MIN_SAMPLES):
+            p.observe_tick(step_key, tick(size, 10.0))
+    assert p.step_capacity(step_key, demand=50) == 3
 
 
 def test_arrivals_before_serving_do_not_count():
