@@ -207,6 +207,7 @@ class MultiprocExecutor(Executor):
             "frozen": float(self.num_frozen),
             "stuck_waves": float(self.num_stuck_waves),
             "restarts": float(self.num_restarts),
+            "torch_threads": float(worker.torch_threads if worker else 0),
         }
 
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:
@@ -435,6 +436,7 @@ class MultiprocExecutor(Executor):
             if isinstance(reply, WorkerHeartbeat):
                 if reply.ticks != worker.last_ticks:  # the running batch moved on
                     worker.last_ticks, worker.last_progress = reply.ticks, now
+                worker.torch_threads = reply.torch_threads
                 self._check_running_call(worker, now)
                 continue
             if isinstance(reply, WorkerJoined):  # step mode: these calls have started

@@ -116,6 +116,7 @@ class WorkerProcess:
         # step mode: the running batch's tick count the last heartbeat carried, and
         # when it last changed (the batch made progress then)
         self.last_ticks = 0
+        self.torch_threads = 0  # as the last heartbeat said
         self.last_progress = 0.0
         self.resumed = 0.0  # when this process last woke from a suspension of its own
         self.stalled: str | None = None  # why it was killed as stalled ("frozen: ...")

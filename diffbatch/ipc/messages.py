@@ -144,6 +144,7 @@ class WorkerHeartbeat:
     # step mode: ticks the running batch has finished so far (progress of the batch,
     # whose requests may run for long without a reply); 0 in request mode
     ticks: int = 0
+    torch_threads: int = 0  # torch's thread count in the worker now (0: not known)
 
 
 def heartbeat_interval_s(stall_timeout_s: float) -> float:

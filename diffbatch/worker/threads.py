@@ -12,10 +12,20 @@ worker's environment:
   then sleep) is what makes a small model fast: forcing `PASSIVE` makes every
   region pay a thread wake-up, several times slower at batch 1
   (docs/benchmarks.md). Spinning only hurts when other busy processes want the same
-  cores, so the default is kept unless other processes already keep the CPUs busy
-  when the worker starts (measured over `LOAD_WINDOW_S` from /proc/stat, this
-  process's own time left out): with less than half a CPU to spare, `PASSIVE` is
-  chosen. The user's own `OMP_WAIT_POLICY` wins.
+  cores: a team thread that the kernel deschedules for another process holds up
+  every region it is in, and the others spin meanwhile (measured here, a 64x64
+  `tiny-sd` forward at batch 8 beside one busy process: 261 ms with 2 spinning
+  threads, 167 ms with 2 passive ones, 47 ms with 1 thread). So the threads are the
+  CPUs the other processes leave free: `threads_for(usable, other_load)`, the other
+  load measured over `LOAD_WINDOW_S` from /proc/stat with this process's own time
+  left out. A user's thread count that is more than the CPUs left free gets
+  `PASSIVE`. The user's own `OMP_WAIT_POLICY` wins.
+
+The load changes while the worker serves, so a thread count chosen here is followed
+by the worker's `ThreadGovernor`, which measures the other processes' load every
+`GOVERN_INTERVAL_S` between waves (or ticks) and moves torch's thread count to the
+CPUs they leave free: down at once, up after two intervals in a row say so. A thread
+count the user set is never changed.
 
 The choice is logged, and the start-up calibration then measures the wave times it
 gives (`diffbatch.engine.calibration`). On CUDA the forward runs on the GPU and
@@ -26,10 +36,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 LOAD_WINDOW_S = 0.2  # how long the executor watches the machine before starting a worker
+GOVERN_INTERVAL_S = 1.0  # how often a serving worker re-measures the machine's load
+# Set in the worker's environment when the executor chose its thread count: the most
+# threads the worker's `ThreadGovernor` may use (absent: the user's count, left alone).
+AUTO_THREADS_ENV = "DIFFBATCH_AUTO_THREADS"
+
+
+def threads_for(usable_cpus: int, other_load: float) -> int:
+    """The torch threads for `usable_cpus` CPUs when other processes keep `other_load`
+    of them busy: the CPUs they leave free, rounded (at least 1)."""
+    return max(1, min(usable_cpus, int(usable_cpus - other_load + 0.5)))
 
 
 @dataclass(frozen=True)
@@ -39,12 +59,17 @@ class ThreadChoice:
     num_threads: int | None  # OMP_NUM_THREADS to set; None: leave it as it is
     wait_policy: str | None  # OMP_WAIT_POLICY to set; None: leave it as it is
     reason: str
+    auto_max: int | None = None  # chosen here: the most a governor may use (else None)
 
     def apply(self, env: dict[str, str]) -> None:
         if self.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.num_threads)
         if self.wait_policy is not None:
             env["OMP_WAIT_POLICY"] = self.wait_policy
+        if self.auto_max is not None:
+            env[AUTO_THREADS_ENV] = str(self.auto_max)
+        else:
+            env.pop(AUTO_THREADS_ENV, None)
 
 
 def choose_threads(
@@ -63,7 +88,9 @@ def choose_threads(
         torch_num_threads: the config's explicit thread count, if any.
     """
     usable = max(1, usable_cpus)
+    free = threads_for(usable, other_load)
     reasons = []
+    auto_max = None
     if torch_num_threads is not None:
         threads: int | None = torch_num_threads
         reasons.append(f"{torch_num_threads} torch threads (torch_num_threads)")
@@ -71,20 +98,93 @@ def choose_threads(
         threads = None
         reasons.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} (yours)")
     else:
-        threads = usable
-        reasons.append(f"{usable} torch threads ({usable} usable CPUs)")
+        threads, auto_max = free, usable
+        reasons.append(f"{free} torch threads: {usable} usable CPUs, other processes keep "
+                       f"{other_load:.1f} busy (followed while serving)")
+    fixed = threads if threads is not None else _int_or_none(env.get("OMP_NUM_THREADS"))
     if "OMP_WAIT_POLICY" in env:
         policy = None
         reasons.append(f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']} (yours)")
-    elif other_load > usable - 0.5:
+    elif fixed is not None and fixed > 1 and fixed > free:
         policy = "PASSIVE"
-        reasons.append(f"OpenMP waits passively: other processes keep {other_load:.1f} of "
-                       f"{usable} CPUs busy, spinning threads would fight them")
+        reasons.append(f"OpenMP waits passively: {fixed} threads where other processes "
+                       f"leave {free} of {usable} CPUs free, spinning threads would fight them")
     else:
         policy = None
-        reasons.append(f"OpenMP's default wait (other processes use {other_load:.1f} of "
-                       f"{usable} CPUs)")
-    return ThreadChoice(threads, policy, "; ".join(reasons))
+        reasons.append("OpenMP's default wait")
+    return ThreadChoice(threads, policy, "; ".join(reasons), auto_max)
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+class ThreadGovernor:
+    """Torch's thread count, following the other processes' load (module docstring).
+
+    `poll()` is called between waves (or ticks): at most once per `interval_s` it
+    measures the load since the last measurement and sets the thread count with
+    `set_threads` when it should change.
+    """
+
+    def __init__(self, max_threads: int, current: int, *,
+                 set_threads: Callable[[int], None],
+                 load_since: Callable[[], float] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = GOVERN_INTERVAL_S,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.max_threads = max(1, max_threads)
+        self.threads = max(1, min(current, self.max_threads))
+        self._set = set_threads
+        self._load_since = load_since or LoadMeter().other_load_since_last
+        self._clock = clock
+        self._interval_s = interval_s
+        self._log = log
+        self._last = clock()
+        self._load_since()  # start the first interval now
+        self._ups = 0  # intervals in a row that asked for more threads
+
+    def poll(self) -> None:
+        now = self._clock()
+        if now - self._last < self._interval_s:
+            return
+        self._last = now
+        other = self._load_since()
+        target = threads_for(self.max_threads, other)
+        if target > self.threads:
+            self._ups += 1
+            if self._ups < 2:
+                return
+        self._ups = 0
+        if target != self.threads:
+            if self._log is not None:
+                self._log(f"torch threads {self.threads} -> {target}: other processes kept "
+                          f"{other:.1f} of {self.max_threads} CPUs busy")
+            self.threads = target
+            self._set(target)
+
+
+class LoadMeter:
+    """The CPUs other processes kept busy between two readings (this process's own
+    CPU time left out), from /proc/stat; 0 where it cannot be read."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, float, float] | None = None
+
+    def other_load_since_last(self) -> float:
+        try:
+            reading = (_busy_ticks(), time.process_time(), time.monotonic())
+            ticks = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, AttributeError):
+            return 0.0
+        last, self._last = self._last, reading
+        if last is None or reading[2] <= last[2]:
+            return 0.0
+        others = (reading[0] - last[0]) / ticks - (reading[1] - last[1])
+        return max(0.0, others / (reading[2] - last[2]))
 
 
 def usable_cpu_count(pinned: frozenset[int] | None = None) -> int:
@@ -135,4 +235,5 @@ def _busy_ticks() -> int:
     return sum(fields[:8]) - idle
 
 
-__all__ = ["ThreadChoice", "choose_threads", "other_cpu_load", "usable_cpu_count"]
+__all__ = ["AUTO_THREADS_ENV", "LoadMeter", "ThreadChoice", "ThreadGovernor", "choose_threads",
+           "other_cpu_load", "threads_for", "usable_cpu_count"]

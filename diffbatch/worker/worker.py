@@ -63,6 +63,7 @@ from diffbatch.ipc.messages import (
 from diffbatch.outputs import BatchRunnerOutput, PartialImage
 from diffbatch.worker.malloc import tune_malloc
 from diffbatch.worker.step_runner import StepRunner
+from diffbatch.worker.threads import AUTO_THREADS_ENV, ThreadGovernor
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -151,10 +152,41 @@ def worker_main(
                 time.monotonic() - start, "" if tuned else " (malloc thresholds left as they were)")
     if not _send_quietly(conn, WorkerReady(os.getpid(), info=info)):
         return
+    governor = _thread_governor(config)
     _serve(runner, conn, config.shm_threshold_bytes,
-           heartbeat_interval_s(config.worker_stall_timeout_s), steps)
+           heartbeat_interval_s(config.worker_stall_timeout_s), steps,
+           govern=governor.poll if governor is not None else _nothing,
+           threads=_thread_count(governor))
     conn.close()
     logger.info("worker %d exiting", os.getpid())
+
+
+def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
+    """A `ThreadGovernor` when the executor chose the thread count (it says so in
+    `AUTO_THREADS_ENV`); None when the user set it (it stays)."""
+    max_threads = os.environ.get(AUTO_THREADS_ENV)
+    if config.torch_num_threads is not None or not (max_threads or "").isdigit():
+        return None
+    import torch
+
+    return ThreadGovernor(int(max_threads or 1), torch.get_num_threads(),
+                          set_threads=torch.set_num_threads,
+                          log=lambda text: logger.info("worker %d: %s", os.getpid(), text))
+
+
+def _thread_count(governor: ThreadGovernor | None) -> Callable[[], int]:
+    """What the heartbeat reports as torch's thread count (read in the main thread at
+    start: OpenMP's count is per thread, the heartbeat's own would say nothing)."""
+    if governor is not None:
+        return lambda: governor.threads
+    import torch
+
+    fixed = torch.get_num_threads()
+    return lambda: fixed
+
+
+def _nothing() -> None:
+    pass
 
 
 def _pin(worker_cpus: str) -> None:
@@ -279,17 +311,20 @@ def _receive(conn: Connection, inbox: Inbox) -> None:
 
 
 def _beat(channel: _Channel, interval_s: float, stop: threading.Event,
-          ticks: Callable[[], int]) -> None:
+          ticks: Callable[[], int], threads: Callable[[], int] = lambda: 0) -> None:
     """The heartbeat thread: one `WorkerHeartbeat` per interval while serving, with the
     running batch's tick count (step mode; the engine sees a batch that stopped)."""
     while not stop.wait(interval_s):
-        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic(), ticks())):
+        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic(), ticks(), threads())):
             return
 
 
 def _serve(runner: Any, conn: Connection, threshold_bytes: int,
-           heartbeat_s: float = 0.0, steps: StepRunner | None = None) -> None:
-    """Serve calls until a shutdown call or a closed pipe; see the module docstring."""
+           heartbeat_s: float = 0.0, steps: StepRunner | None = None,
+           govern: Callable[[], None] = _nothing,
+           threads: Callable[[], int] = lambda: 0) -> None:
+    """Serve calls until a shutdown call or a closed pipe; see the module docstring.
+    `govern` runs before each call (and each tick): the thread governor's poll."""
     channel = _Channel(conn)
     inbox = Inbox()
     threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
@@ -297,7 +332,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
     stop_beating = threading.Event()
     if heartbeat_s > 0:
         ticks = (lambda: 0) if steps is None else (lambda: steps.num_ticks)
-        threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating, ticks),
+        threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating, ticks,
+                                             threads),
                          daemon=True, name="diffbatch-worker-heartbeat").start()
     accepted = _accepted_kwargs(runner)
     try:
@@ -307,7 +343,7 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
             steps.report_joins_to(
                 lambda call_ids: _send_quietly(channel, WorkerJoined(call_ids)))
             serve_steps(steps, runner, inbox,
-                        lambda reply: _send_reply(channel, reply), threshold_bytes)
+                        lambda reply: _send_reply(channel, reply), threshold_bytes, govern)
             return
         while True:
             call = inbox.get()
@@ -318,6 +354,7 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
             elif call.method == "shutdown":
                 return
             else:
+                govern()
                 should_stop = functools.partial(inbox.is_cancelled, call.call_id)
                 on_partial_image = functools.partial(_send_partial_image, channel,
                                                      call.call_id,
@@ -333,7 +370,7 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
 
 def serve_steps(
     steps: StepRunner, runner: Any, inbox: Inbox, send: Callable[[WorkerReply], bool],
-    threshold_bytes: int | None,
+    threshold_bytes: int | None, govern: Callable[[], None] = _nothing,
 ) -> None:
     """Step mode's loop: run ticks back to back while requests run, taking joins and
     cancels between ticks; each request is answered the tick it leaves the batch.
@@ -370,6 +407,7 @@ def serve_steps(
                     outputs={output.request_id: output}, num_forwards=0,
                     ticks=steps.take_ticks()))):
                 return
+        govern()
         finished = steps.tick()
         ticks = steps.take_ticks() if finished else []
         for i, (call_id, output) in enumerate(finished):
