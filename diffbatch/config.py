@@ -197,7 +197,7 @@ class EngineConfig:
         if unknown:
             name = unknown[0]
             close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean `{close[0]}`?" if close else ""
+            hint = f"; did you mean `{close[0]}`?" if close else "."
             raise ConfigError(
                 f"unknown engine option `{name}`{hint} Engine options are the EngineConfig "
                 "fields; arguments for the pipeline's `from_pretrained` go in "

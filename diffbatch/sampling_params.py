@@ -321,7 +321,8 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied (and validated)."""
-        return replace(self, extra=dict(self.extra), **changes)
+        changes.setdefault("extra", dict(self.extra))  # a copy: the dict is mutable
+        return replace(self, **changes)
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,16 @@ def test_params_with_images_compare_and_print_without_pixels():
     assert a.clone(seed=2).image is a.image
 
 
+def test_clone_replaces_or_copies_the_extras():
+    a = SamplingParams(seed=1, extra={"eta": 0.5})
+    b = a.clone(extra={"eta": 0.0})
+    assert (a.extra, b.extra) == ({"eta": 0.5}, {"eta": 0.0})
+    c = a.clone(seed=2)
+    assert c.extra == a.extra and c.extra is not a.extra  # a copy, not the same dict
+    with pytest.raises(InvalidRequestError):
+        a.clone(extra=["eta"])  # validated like the constructor's
+
+
 def test_partial_images_are_checked_and_stay_out_of_the_key():
     with pytest.raises(InvalidRequestError, match="`partial_images` must be between 0") as info:
         SamplingParams(partial_images=-1)

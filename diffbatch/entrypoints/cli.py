@@ -41,6 +41,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _non_empty(flag: str) -> Callable[[str], str]:
+    """An argparse type: the string given, refused when empty."""
+    def check(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{flag} must not be empty")
+        return text
+
+    check.__name__ = "non-empty string"  # what argparse names in its error
+    return check
+
+
 def _add_seconds(
     group: argparse._ArgumentGroup, flag: str, default: float | None, help: str,
 ) -> None:
@@ -92,7 +103,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="model name clients pass and /v1/models lists (default: MODEL)",
     )
     server.add_argument(
-        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None, type=_non_empty("--api-key"),
         help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
     )
     _add_seconds(server, "--request-timeout", None,

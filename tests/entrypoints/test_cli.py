@@ -111,6 +111,8 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--header-timeout", "0"], "must be a finite number > 0"),
         (["--keep-alive-timeout", "-1"], "must be a finite number > 0"),
         (["--limit-concurrency", "0"], "must be an integer >= 1"),
+        (["--body-timeout", "0"], "must be a finite number > 0"),
+        (["--api-key", ""], "--api-key must not be empty"),
     ],
 )
 def test_bad_flags_fail_while_parsing(
@@ -244,3 +246,24 @@ def test_worker_cpus_flag() -> None:
     assert parse("serve", "--worker-cpus", "0-1").worker_cpus == "0-1"
     with pytest.raises(SystemExit):
         parse("serve", "--worker-cpus", "1-")
+
+
+def test_a_port_in_use_or_an_unknown_host_fails_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import socket
+
+    from diffbatch import Engine
+
+    def no_engine(cls, config):
+        raise AssertionError("the engine must not start")
+
+    monkeypatch.setattr(Engine, "from_config", classmethod(no_engine))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "tiny-sd", "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+    assert cli.main(["serve", "tiny-sd", "--host", "no-such-host.invalid"]) == 1
+    assert "cannot listen on no-such-host.invalid:8000" in caplog.text

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -63,6 +64,7 @@ from diffbatch.entrypoints.openai.serving_images import (
     OpenAIServingImages,
 )
 from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
+from diffbatch.errors import ConfigError
 from diffbatch.models import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -303,12 +305,31 @@ def uvicorn_config(
     )
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Raise `ConfigError` when the server could not listen at `host`:`port` (an
+    unknown host, a port taken), as uvicorn would find only once the model is loaded.
+    Port 0 (the system picks one) always can."""
+    if not port:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind(address)
+    except OSError as exc:  # socket.gaierror included
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                          "(--host, --port)", param="port") from None
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
     from diffbatch import Engine, EngineConfig
     from diffbatch.engine.async_engine import SHUTDOWN_GRACE_S
 
-    engine = Engine.from_config(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    check_can_listen(args.host, args.port)  # before the model loads, not after
+    engine = Engine.from_config(config)
     shutdown_timeout_s = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
     try:
         app = build_app(
