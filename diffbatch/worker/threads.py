@@ -127,7 +127,8 @@ class ThreadGovernor:
 
     `poll()` is called between waves (or ticks): at most once per `interval_s` it
     measures the load since the last measurement and sets the thread count with
-    `set_threads` when it should change.
+    `set_threads` when it should change. A measurement over more than two intervals
+    (the worker had nothing to do) decides nothing: it only starts the next one.
     """
 
     def __init__(self, max_threads: int, current: int, *,
@@ -149,10 +150,15 @@ class ThreadGovernor:
 
     def poll(self) -> None:
         now = self._clock()
-        if now - self._last < self._interval_s:
+        elapsed = now - self._last
+        if elapsed < self._interval_s:
             return
         self._last = now
         other = self._load_since()
+        if elapsed > 2 * self._interval_s:
+            # the worker sat idle: the load of that stretch says little about now (a
+            # benchmark's plain loop, say), so this poll starts a fresh interval
+            return
         target = threads_for(self.max_threads, other)
         if target > self.threads:
             self._ups += 1

@@ -98,6 +98,14 @@ def test_the_governor_gives_up_threads_at_once_and_takes_them_back_slowly():
     assert m.after(1.5, g) == 2 and m.set_to == [1, 2]  # no call without a change
 
 
+def test_the_governor_does_not_act_on_the_load_of_an_idle_stretch():
+    m = Machine()
+    g = m.governor()
+    m.load = 1.5  # busy while the worker had nothing to do
+    assert m.after(30.0, g) == 2 and m.set_to == []
+    assert m.after(1.5, g) == 1  # still busy over the interval that followed
+
+
 def test_the_governor_never_goes_past_its_bounds():
     m = Machine()
     g = m.governor(max_threads=4, current=4)
