@@ -107,7 +107,11 @@ class Engine:
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
         self._rng = random.Random(config.seed)
-        # 1. Capability, from the class attribute, before anything is loaded.
+        # 1. The model's name and the capability (a class attribute), before anything
+        #    is loaded: a misspelt model fails here, not after a worker started.
+        from diffbatch.pipelines.registry import check_model_spec
+
+        check_model_spec(config.model)
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
         )

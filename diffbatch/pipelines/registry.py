@@ -15,6 +15,7 @@ subclass has no `supports_request_batch`, so it runs one request per wave.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -65,9 +66,7 @@ def resolve_model_path(model: str | None) -> str:
     """
     if model is None:
         model = DEFAULT_MODEL
-    if not isinstance(model, str) or not model:
-        raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}",
-                                 param="model")
+    check_model_spec(model)
     if model in BUILTIN_MODELS:
         return BUILTIN_MODELS[model]()
     packaged = packaged_models()
@@ -76,11 +75,26 @@ def resolve_model_path(model: str | None) -> str:
     expanded = os.path.expanduser(model)
     if os.path.isdir(expanded):
         return os.path.abspath(expanded)
+    return model  # a hub id
+
+
+def check_model_spec(model: Any) -> None:
+    """Raise `ModelNotFoundError` for a spec `resolve_model_path` would refuse, without
+    building or loading anything (the engine checks before it starts a worker)."""
+    if not isinstance(model, str) or not model:
+        raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}",
+                                 param="model")
+    if model in BUILTIN_MODELS or model in packaged_models() \
+            or os.path.isdir(os.path.expanduser(model)):
+        return
     if _HUB_ID.match(model) and ".." not in model and not os.path.isabs(model):
-        return model
+        return
+    names = builtin_model_names()
+    close = difflib.get_close_matches(model, names, n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else ""
     raise ModelNotFoundError(
         f"model {model!r} is not a built-in name, an existing local folder or a hub id "
-        f"(org/name); built-in models: {', '.join(builtin_model_names())}",
+        f"(org/name){hint}; built-in models: {', '.join(names)}",
         param="model",
     )
 

@@ -14,6 +14,7 @@ from diffbatch.pipelines.registry import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
     builtin_model_names,
+    check_model_spec,
     load_pipeline,
     packaged_models,
     resolve_model_path,
@@ -61,6 +62,8 @@ def test_unknown_model_lists_the_builtin_names(bad: str) -> None:
         resolve_model_path(bad)
     assert repr(bad) in e.value.message
     assert e.value.status_code == 404
+    with pytest.raises(ModelNotFoundError, match=r"\(did you mean `shapes`\?\)"):
+        check_model_spec("shape")
 
 
 def test_packaged_model_folders_are_builtin_names(
