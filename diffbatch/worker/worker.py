@@ -61,6 +61,7 @@ from diffbatch.ipc.messages import (
     send_message,
 )
 from diffbatch.outputs import BatchRunnerOutput, PartialImage
+from diffbatch.worker import lifeline
 from diffbatch.worker.malloc import tune_malloc
 from diffbatch.worker.step_runner import StepRunner
 from diffbatch.worker.threads import AUTO_THREADS_ENV, ThreadGovernor
@@ -87,9 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lifeline-fd", type=int, default=None,
                         help="inherited pipe read end; EOF means the engine process is gone")
     args = parser.parse_args(argv)
-    if args.lifeline_fd is not None:
-        threading.Thread(target=_watch_lifeline, args=(args.lifeline_fd,), daemon=True,
-                         name="diffbatch-lifeline").start()
+    if args.lifeline_fd is not None:  # `__main__` started it already; again is harmless
+        lifeline.on_exit(_sweep_own_segments)
+        lifeline.watch(args.lifeline_fd)
     conn = Connection(args.conn_fd)
     try:
         start = recv_message(conn)
@@ -101,21 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _watch_lifeline(fd: int) -> None:
-    """Exit the process when the engine process is gone (its end of the pipe closed).
-
-    Only the engine holds the write end and never writes, so the read returns only
-    at EOF: when the engine exits or is killed. The main thread may be deep inside a
-    forward; nothing there is worth finishing for nobody, so this exits at once,
-    after removing the shared-memory segments this worker created.
-    """
-    try:
-        while os.read(fd, 1):
-            pass
-    except OSError:
-        pass
+def _sweep_own_segments() -> None:
+    """Remove the shared-memory segments this worker created (the engine is gone and
+    will never unlink them)."""
     shm.sweep(shm.segment_prefix(os.getpid()))
-    os._exit(0)
 
 
 def worker_main(

@@ -756,3 +756,28 @@ def test_the_worker_gives_up_torch_threads_to_busy_processes(monkeypatch) -> Non
             process.kill()
             process.wait()
         engine.close()
+
+
+def test_a_worker_whose_engine_is_gone_exits_before_it_imports_torch() -> None:
+    """The lifeline is watched from the first line of `python -m diffbatch.worker`: an
+    engine killed during a worker's start-up does not leave it importing for seconds."""
+    import socket
+
+    ours, theirs = socket.socketpair()  # the engine's end stays open: no EOF there
+    read_end, write_end = os.pipe()
+    os.close(write_end)  # the engine is gone before the worker starts
+    try:
+        worker = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "diffbatch.worker",
+             "--conn-fd", str(theirs.fileno()), "--lifeline-fd", str(read_end)],
+            pass_fds=(theirs.fileno(), read_end), capture_output=True, text=True,
+            timeout=DEADLINE_S)
+    finally:
+        os.close(read_end)
+        ours.close()
+        theirs.close()
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in worker.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "diffbatch.worker.lifeline" in imported
+    assert "torch" not in imported
