@@ -222,15 +222,10 @@ def _cgroup_cpu_quota() -> float | None:
 
 def other_cpu_load(window_s: float = LOAD_WINDOW_S) -> float:
     """CPUs kept busy by other processes over the next `window_s` (0 where unknown)."""
-    try:
-        ticks = os.sysconf("SC_CLK_TCK")
-        busy0, own0 = _busy_ticks(), time.process_time()
-        time.sleep(window_s)  # a measurement window, not a synchronisation
-        busy1, own1 = _busy_ticks(), time.process_time()
-    except (OSError, ValueError, AttributeError):
-        return 0.0
-    others = (busy1 - busy0) / ticks - (own1 - own0)
-    return max(0.0, others / window_s)
+    meter = LoadMeter()
+    meter.other_load_since_last()  # the first reading starts the window
+    time.sleep(window_s)  # a measurement window, not a synchronisation
+    return meter.other_load_since_last()
 
 
 def _busy_ticks() -> int:
