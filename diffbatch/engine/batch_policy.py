@@ -215,17 +215,22 @@ class BatchPolicy:
         if key is None:
             return self.limit
         shape = Shape.of(key)
-        if self.step_cost.num_sizes(shape) >= 2:
-            capacity = self.step_cost.capacity(shape)
+        learned = self._step_curve(shape)
+        capacity = learned.capacity(shape)
+        if learned is self.step_cost:
             trial = self.step_cost.next_size_to_try(shape)
         else:
-            capacity = self.cost.capacity(shape)
             trial = capacity * 2
             if trial > self.limit or self.step_cost.num_samples(shape, trial) >= MIN_SAMPLES:
                 trial = None
         if demand > capacity and trial is not None and trial > capacity:
             return min(trial, demand)
         return capacity
+
+    def _step_curve(self, shape: Shape) -> WaveCostModel:
+        """The curve step mode's capacity of `shape` comes from: the tick curve once it
+        knows two batch sizes, the calibration's wave curve before."""
+        return self.step_cost if self.step_cost.num_sizes(shape) >= 2 else self.cost
 
     # -- admission wait --------------------------------------------------------------
     def plan_wait(
@@ -357,9 +362,8 @@ class BatchPolicy:
         out: dict[str, dict[str, object]] = {}
         for label, table in per_image.items():
             shape = shapes[label]
-            # step mode's capacity comes from its tick curve once that knows two sizes
-            learned = self.step_cost if self.step_cost.num_sizes(shape) >= 2 else self.cost
-            out[label] = {"per_image_ms": table, "capacity": learned.capacity(shape),
+            out[label] = {"per_image_ms": table,
+                          "capacity": self._step_curve(shape).capacity(shape),
                           "wait_ms": waits.get(label, 0.0)}
         return out
 

@@ -66,11 +66,12 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
                              default_pixels)
         # the size when even one step of it is over the limit (the HTTP layer names the
         # sides `size`), else the steps
+        size_alone = step_cap < 1
         raise InvalidRequestError(
             f"this request asks for {work}; this server allows at most {max_request_work} "
             "per image (--max-request-work, `max_request_work` of an Engine): ask for "
-            + ("a smaller size" if step_cap < 1 else "fewer steps or a smaller size"),
-            param="height" if step_cap < 1 else "num_inference_steps",
+            + ("a smaller size" if size_alone else "fewer steps or a smaller size"),
+            param="height" if size_alone else "num_inference_steps",
         )
     accepted = info.call_arguments
     if accepted is None:
