@@ -13,9 +13,10 @@ worker's environment:
   region pay a thread wake-up, several times slower at batch 1
   (docs/benchmarks.md). Spinning only hurts when other busy processes want the same
   cores: a team thread that the kernel deschedules for another process holds up
-  every region it is in, and the others spin meanwhile (measured here, a 64x64
-  `tiny-sd` forward at batch 8 beside one busy process: 261 ms with 2 spinning
-  threads, 167 ms with 2 passive ones, 47 ms with 1 thread). So the threads are the
+  every region it is in, and the others spin meanwhile (`benchmarks/
+  threads_under_load.py`, a 64x64 `tiny-sd` forward beside one busy process, batch 1 /
+  8: 112 / 366 ms with 2 spinning threads, 31 / 53 ms with 2 passive ones, 20 / 65 ms
+  with 1 thread). So the threads are the
   CPUs the other processes leave free: `threads_for(usable, other_load)`, the other
   load measured over `LOAD_WINDOW_S` from /proc/stat with this process's own time
   left out. A user's thread count that is more than the CPUs left free gets
