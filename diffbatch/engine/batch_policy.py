@@ -7,8 +7,9 @@ default) it chooses both per shape, from the learned cost curve
 
 - capacity per shape comes from `WaveCostModel.capacity` (the wave size beyond
   which a bigger wave stops cutting the cost per image by 5%), bounded by the
-  limit; with a backlog bigger than that, the next doubling is tried once so the
-  curve keeps learning;
+  limit; with a backlog bigger than that, the next doubling is tried so the curve
+  keeps learning (`capacity`: at once when the trial wave takes the whole backlog,
+  else only once the backlog has outlasted two waves);
 - the admission wait follows the rule below.
 
 The admission wait runs only while nothing is in flight (as a fixed wait does).
@@ -55,6 +56,9 @@ INCOMING_WAIT_MS = 20.0
 RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
+# A backlog beyond a trial wave's size counts as sustained (worth a trial that leaves
+# requests behind it) once it has lasted this many of the capacity's wave times.
+SUSTAINED_BACKLOG_WAVES = 2.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,9 @@ class BatchPolicy:
         self.arrivals = ArrivalRate(clock)
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
         self._tick_ms: dict[Shape, deque[float]] = {}  # step mode: recent tick times
+        # since when a backlog of the shape has stood beyond its next trial size
+        self._deep_backlog_since: dict[Shape, float] = {}
+        self._clock = clock
         self._lock = threading.Lock()
         # Waves teach the cost model only once the engine serves: the warm-up wave
         # (first call, cold caches) would skew it.
@@ -181,21 +188,43 @@ class BatchPolicy:
 
     # -- capacity ------------------------------------------------------------------
     def capacity(self, key: SamplingParamsKey | None, num_waiting: int = 0) -> int:
-        """Most requests in a wave of `key`; with a backlog of `num_waiting` beyond the
-        learned capacity, the next untried doubling (so the curve keeps learning)."""
+        """Most requests in the next wave of `key`, with `num_waiting` requests waiting.
+
+        The learned capacity, except with a backlog beyond it: then a wave of the next
+        untried doubling (`WaveCostModel.next_size_to_try`) measures whether it pays,
+        so the curve keeps learning. The trial runs at once when it takes the whole
+        backlog: it then delays nobody behind it (a burst of 64 at capacity 16 runs
+        as 16, 16, 31, and its 32nd request finishes with the second wave, not with a
+        trial wave of 32 ahead of it). A backlog beyond the trial size must first
+        outlast `SUSTAINED_BACKLOG_WAVES` waves of the capacity: under a sustained
+        overload the throughput the trial may find is worth its latency, while a
+        burst drains before that and runs its trial last.
+        """
+        capacity = self._learned_capacity(key)
+        if key is None or not self.batching or not self.config.auto_capacity:
+            return capacity
+        shape = Shape.of(key)
+        trial = self.cost.next_size_to_try(shape) if num_waiting > capacity else None
+        now = self._clock()
+        with self._lock:
+            if trial is None or num_waiting <= trial:
+                self._deep_backlog_since.pop(shape, None)
+                return capacity if trial is None else num_waiting
+            since = self._deep_backlog_since.setdefault(shape, now)
+        wave_ms = self.cost.estimate_ms(shape, capacity, key.num_denoising_steps)
+        if wave_ms is None or (now - since) * 1000.0 >= SUSTAINED_BACKLOG_WAVES * wave_ms:
+            return trial
+        return capacity
+
+    def _learned_capacity(self, key: SamplingParamsKey | None) -> int:
+        """The capacity of `key` itself, with no trial wave."""
         if not self.batching:
             return 1
         if not self.config.auto_capacity:
             return self.config.capacity_limit
         if key is None:
             return self.limit
-        shape = Shape.of(key)
-        capacity = self.cost.capacity(shape)
-        if num_waiting > capacity:
-            trial = self.cost.next_size_to_try(shape)
-            if trial is not None:
-                return min(trial, num_waiting)
-        return capacity
+        return self.cost.capacity(Shape.of(key))
 
     def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
         """Step mode: most requests in the running batch of `key`, with `demand`
@@ -238,7 +267,7 @@ class BatchPolicy:
     ) -> WaitPlan:
         """What the admission wait should do with `num_waiting` requests of `key` idle
         and `num_incoming` announced ones still on their way (see `ArrivalNotice`)."""
-        capacity = self.capacity(key)
+        capacity = self._learned_capacity(key)
         if not self.batching or capacity <= 1:
             return WaitPlan(target=1, max_wait_ms=0.0, stable_window_ms=0.0)
         wait = self.config.request_batch_max_wait_ms

@@ -134,14 +134,39 @@ def test_auto_capacity_follows_the_learned_curve_per_shape():
     assert policy(max_num_seqs_limit=8).limit == 8
 
 
-def test_a_backlog_beyond_capacity_tries_the_next_doubling_once():
-    p = policy()
+def test_a_backlog_beyond_capacity_tries_the_next_doubling():
+    clock = Clock()
+    p = policy(clock)
     teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a try
     assert p.capacity(key()) == 4
-    assert p.capacity(key(), num_waiting=20) == 8
+    # a trial that takes the whole backlog runs at once: it delays nobody behind it
+    assert p.capacity(key(), num_waiting=8) == 8
     assert p.capacity(key(), num_waiting=6) == 6  # no bigger than the backlog
     p.observe_wave(key(), 8, tiny_sd_like(8))
-    assert p.capacity(key(), num_waiting=20) == 16  # 8 paid too: try 16
+    assert p.capacity(key(), num_waiting=16) == 16  # 8 paid too: try 16
+
+
+def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
+    clock = Clock()
+    p = policy(clock)
+    teach(p, sizes=(1, 2, 4))  # capacity 4, trial 8
+    wave_s = tiny_sd_like(4) / 1000.0
+    # a burst: the backlog beyond the trial runs in waves of the capacity ...
+    assert p.capacity(key(), num_waiting=20) == 4
+    clock.now += wave_s
+    assert p.capacity(key(), num_waiting=16) == 4
+    clock.now += wave_s * 0.9  # not yet two waves deep
+    assert p.capacity(key(), num_waiting=12) == 4
+    # ... until it drains to the trial size: the trial runs last
+    assert p.capacity(key(), num_waiting=8) == 8
+    # a new backlog starts its count afresh
+    clock.now += wave_s * 10
+    assert p.capacity(key(), num_waiting=30) == 4
+    clock.now += wave_s * 2  # two waves later it still stands: sustained
+    assert p.capacity(key(), num_waiting=30) == 8
+    # asking about the admission wait does not end the backlog's count
+    p.plan_wait(key(), 1)
+    assert p.capacity(key(), num_waiting=30) == 8
 
 
 def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
