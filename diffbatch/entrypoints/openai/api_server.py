@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from diffbatch.entrypoints.openai.api_router import (
     EDITS_ROUTE,
@@ -83,6 +84,7 @@ DEFAULT_MAX_UPLOAD_MB = 32
 _IMAGE_ROUTES = frozenset({IMAGES_ROUTE, EDITS_ROUTE})
 # `/v1` paths served without the API key: image links, whose unguessable id is the key.
 _OPEN_PREFIXES = (f"{FILES_ROUTE}/",)
+DOCS_ASSETS_PATH = "/docs/assets"  # Swagger UI's and ReDoc's scripts, served locally
 # Connection-level defaults (`diffbatch serve --header-timeout ...`). A client's headers
 # are a few hundred bytes: 10 s is generous on any link, and bounds how long a
 # slow-header client holds a connection (uvicorn alone never times them out).
@@ -178,7 +180,10 @@ def build_app(
                 logger.info("shutting down: closing the engine")
                 await asyncio.to_thread(engine.close, shutdown_grace_s)
 
-    app = FastAPI(
+    # FastAPIOffline: /docs and /redoc load their scripts from this server, not from a
+    # CDN, so they work on a machine without internet access
+    app = FastAPIOffline(
+        static_url=DOCS_ASSETS_PATH,
         title="diffbatch",
         summary="OpenAI-compatible image generation with request-level batching",
         version=_version(),

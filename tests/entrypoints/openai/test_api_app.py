@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import random
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -169,6 +170,19 @@ async def test_api_key(keyed_client) -> None:
     assert (await keyed_client.post(ROUTE, json=body, headers=right)).status_code == 200
     for open_path in ("/health", "/metrics", "/docs", "/openapi.json"):
         assert (await keyed_client.get(open_path)).status_code == 200, open_path
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+async def test_api_docs_load_nothing_from_another_host(keyed_client, page: str) -> None:
+    """The docs pages work offline: every script and stylesheet they name is served
+    here (also with an API key set), none comes from a CDN."""
+    html = (await keyed_client.get(page)).text
+    assets = re.findall(r"""(?:src|href)=["']([^"']+\.(?:js|css))["']""", html)
+    assert assets, html
+    for asset in assets:
+        assert asset.startswith("/"), asset  # this server, not https://cdn...
+        response = await keyed_client.get(asset)
+        assert response.status_code == 200 and len(response.content) > 1000, asset
 
 
 async def test_models(client) -> None:

@@ -285,3 +285,23 @@ def test_an_api_key_server_refuses_without_the_key_and_works_with_it(page: Any,
             page.wait_for_selector(FINAL)
             assert page.is_hidden("#error")
             page.wait_for_selector("#waves li")  # the strip polls with the key too
+
+
+def test_the_api_docs_render_without_any_other_host(page: Any, gated) -> None:
+    """/docs (Swagger UI) shows the image operations with every request to another
+    host refused, as on a machine without internet access."""
+    url, _, _ = gated
+    elsewhere: list[str] = []
+
+    def only_this_server(route: Any) -> None:
+        if route.request.url.startswith(url):
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_this_server)
+    assert page.goto(f"{url}/docs").status == 200
+    expect(page.locator(".opblock-summary-path[data-path='/v1/images/generations']")
+           ).to_be_visible()
+    assert not elsewhere, elsewhere
