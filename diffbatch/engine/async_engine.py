@@ -527,6 +527,11 @@ class Engine:
         logger.info("shutting down: %d request(s) waiting, %d running; running waves may "
                     "finish within %g s", self.core.num_waiting, self.core.num_running,
                     timeout_s)
+        # A worker that dies from here on is not replaced (it would load the model for
+        # nobody), and the requests it ran are answered as shut down, not re-run.
+        self.executor.stop_restarting()
+        self.core.drain(EngineClosedError(
+            f"{_SHUTTING_DOWN}: the worker process stopped under this request; retry it"))
         waiting = self.core.finish_waiting(RequestStatus.FINISHED_ERROR)
         self._fail(waiting, EngineClosedError(
             _SHUTTING_DOWN + ": this request had not started; retry it"))

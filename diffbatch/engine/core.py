@@ -158,6 +158,8 @@ class EngineCore:
         self.max_waves_in_flight = max(1, executor.max_concurrent_waves)
         self.in_flight: deque[InFlightWave] = deque()  # oldest first; only the loop changes it
         self._reruns: deque[_Rerun] = deque()  # waves to dispatch again, oldest first
+        # `drain`: what a wave the worker dies under fails with once shutting down
+        self._drain_error: Exception | None = None
         self.num_incoming = 0  # announced requests not yet added (see ArrivalNotice)
         self._open_notices: dict[int, float] = {}  # id(notice) -> opened, oldest first
         executor.set_ready_listener(self._notify)
@@ -285,6 +287,12 @@ class EngineCore:
             self.cond.notify_all()
         self._cancel(unwanted)
         return aborted
+
+    def drain(self, error: Exception) -> None:
+        """Shutting down: no wave runs again after a worker death (no replacement will
+        start); the requests of a wave the worker dies under fail with `error`."""
+        with self.cond:
+            self._drain_error = error
 
     def finish_waiting(self, status: RequestStatus) -> list[DiffusionRequest]:
         """Finish every request that is not running: those queued here, those held to
@@ -482,6 +490,11 @@ class EngineCore:
         try:
             return record.future.result()
         except WorkerDiedError as exc:
+            if self._drain_error is not None:
+                logger.warning("wave %d: %s during shutdown; not re-run", wave.wave_id,
+                               exc.message)
+                return BatchRunnerOutput.failed(
+                    wave.req_ids, RequestError.from_exception(self._drain_error))
             return self._after_death(record, exc)
         except Exception as exc:
             return BatchRunnerOutput.failed(wave.req_ids, self._executor_error(wave, exc))

@@ -102,6 +102,11 @@ class Executor(ABC):
         aborted. Never blocks; a finished or unknown future is ignored. An executor
         that runs waves in the caller's thread lets the runner see the aborts itself."""
 
+    def stop_restarting(self) -> None:  # noqa: B027 - optional
+        """From now on a runner that dies is not replaced (the engine is shutting down:
+        a replacement would load the model for nobody); its pending work fails as it
+        would otherwise. An executor without restarts ignores it."""
+
     @property
     def is_restarting(self) -> bool:
         """Whether the runner died and a replacement is starting (work can wait)."""

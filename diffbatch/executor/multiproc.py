@@ -156,6 +156,7 @@ class MultiprocExecutor(Executor):
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
         self._restart_on_death = restart_on_death
+        self._no_restarts = False  # `stop_restarting`: the engine is shutting down
         self.max_concurrent_waves = config.max_waves_in_flight
         self._lock = threading.Lock()
         self._health = threading.Condition(self._lock)  # notified when serving changes
@@ -218,6 +219,10 @@ class MultiprocExecutor(Executor):
             return
         with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
             worker.send(WorkerCancel(call_id))
+
+    def stop_restarting(self) -> None:
+        with self._lock:
+            self._no_restarts = True
 
     def cancel_all(self) -> None:
         """Nobody waits for any call the worker has: stop them all (`cancel`)."""
@@ -521,7 +526,7 @@ class MultiprocExecutor(Executor):
                 self._worker = None
                 self.num_deaths += 1
                 self._dead_reason = f"worker process {worker.pid} died ({exit_text})"
-                if self._restart_on_death and not closed:
+                if self._restart_on_death and not closed and not self._no_restarts:
                     thread = threading.Thread(
                         target=self._restart, name="diffbatch-worker-restart", daemon=True
                     )

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # per stage: graceful exit, then terminate, then kill
+SIGTERM_GRACE_S = 0.5  # after SIGTERM, before SIGKILL (see `WorkerProcess.stop`)
 
 
 def describe_exit(code: int | None) -> str:
@@ -247,7 +248,9 @@ class WorkerProcess:
         if self._wait(timeout_s if graceful else 0) is None:
             with self._proc_lock, contextlib.suppress(ProcessLookupError):
                 self.process.terminate()
-        if self._wait(timeout_s) is None:
+        # The worker keeps SIGTERM's default action, which ends it at once; one that is
+        # still there is stopped (SIGSTOP) or stuck in the kernel, and only SIGKILL ends it.
+        if self._wait(min(timeout_s, SIGTERM_GRACE_S)) is None:
             logger.warning("worker process %d ignored SIGTERM; killing it", self.pid)
             with self._proc_lock, contextlib.suppress(ProcessLookupError):
                 self.process.kill()

@@ -189,6 +189,35 @@ def test_a_forward_that_hangs_while_the_heartbeat_lives_is_a_stuck_worker(
         engine.close()
 
 
+def test_a_worker_that_dies_during_a_shutdown_is_not_replaced_and_its_wave_is_a_503(
+    tmp_path: Path, pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Shutting down, a worker that dies (or is killed as frozen) under a running wave
+    starts no replacement, and its requests are answered as shut down (503, retry),
+    at once, not re-run or held until the shutdown timeout."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(tmp_path))
+        engine = Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="mp",
+                        max_num_seqs=1, request_batch_max_wait_ms=0, wave_stall_factor=0,
+                        torch_num_threads=1)
+    try:
+        pid = engine.executor.worker_pid
+        running = pool.submit(engine.generate, "hang-once draining", use_tqdm=False)
+        wait_until((tmp_path / "draining").exists, timeout_s=DEADLINE_S, what="the hang")
+        shutdown = pool.submit(engine.shutdown, 10 * DEADLINE_S)  # far beyond this test
+        wait_until(lambda: engine.core._drain_error is not None, what="the shutdown")
+        caplog.clear()
+        os.kill(pid, signal.SIGKILL)
+        error = running.result(DEADLINE_S)[0].error
+        assert error is not None and error.status_code == 503, error
+        assert "shutting down" in error.message and "retry" in error.message
+        shutdown.result(DEADLINE_S)  # done without waiting out its timeout
+        assert engine.executor.num_restarts == 0
+        assert not [r for r in caplog.records if "started worker process" in r.message]
+    finally:
+        engine.close()
+
+
 def test_a_disconnect_stops_its_wave_at_the_next_step(faulty: Faulty) -> None:
     server = faulty.server
     faulty.healthy_worker()
