@@ -210,7 +210,10 @@ def test_a_request_still_in_the_workers_queue_is_run_again_when_the_worker_dies(
         waits = asyncio.ensure_future(engine.generate_async("waits", pt(2, 6)))
         while len(started_and_queued(engine)[0]) < 1 or len(started_and_queued(engine)[1]) < 1:
             await asyncio.sleep(0.005)
-        assert engine.num_running == 1  # the one in the batch; the queued one waits
+        # the one in the batch runs; the one in the worker's queue waits (and counts
+        # against --max-queue-size, with the metrics' waiting gauges)
+        assert engine.num_running == 1 and engine.num_waiting == 1
+        assert sum(engine.core.num_waiting_by_key().values()) == 1
         os.kill(engine.executor.worker_pid, signal.SIGKILL)
         return await asyncio.gather(runs, waits)
 

@@ -42,6 +42,7 @@ from diffbatch.errors import WorkerDiedError
 from diffbatch.outputs import BatchRunnerOutput, RequestError
 
 if TYPE_CHECKING:
+    from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import SamplingParamsKey
     from diffbatch.sched.output import SchedulerOutput
 
@@ -72,11 +73,34 @@ class StepEngineCore(EngineCore):
     @property
     def num_running(self) -> int:
         """Requests in the worker's running batch (cancelled ones still leaving it
-        included); those handed ahead into its queue are waiting (`finish_waiting`)."""
+        included); those handed ahead into its queue are waiting (`num_waiting`)."""
         with self.cond:
             records = [record for record in self.in_flight if not record.future.done()]
         return sum(len(record.wave.requests) for record in records
                    if self.executor.has_started(record.future))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued here and those handed ahead to the worker that have not
+        joined its running batch yet (what `--max-queue-size` bounds)."""
+        with self.cond:
+            waiting = self.scheduler.num_waiting
+        return waiting + len(self._handed_ahead())
+
+    def num_waiting_by_key(self) -> dict[str, int]:
+        counts = super().num_waiting_by_key()
+        for request in self._handed_ahead():
+            assert request.key is not None
+            short = request.key.short()
+            counts[short] = counts.get(short, 0) + 1
+        return counts
+
+    def _handed_ahead(self) -> list[DiffusionRequest]:
+        """(Without `cond`.) The open requests in the worker's queue, not in its batch."""
+        with self.cond:
+            records = [record for record in self.in_flight if not record.future.done()]
+        return [request for record in records if not self.executor.has_started(record.future)
+                for request in record.wave.requests if not request.is_finished]
 
     def _running_key(self) -> SamplingParamsKey | None:
         """(Holding `cond`.) The key of the batch in the worker, None when it is empty."""
