@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from diffbatch.entrypoints.openai.errors import error_response
@@ -344,17 +345,28 @@ class HTTPMetricsMiddleware:
         route = scope["path"] if scope["path"] in self.routes else "other"
         start = time.perf_counter()
         status = 0
+        complete = False  # the answer's last body part was sent
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
                 self.metrics.duration_s.labels(route).observe(time.perf_counter() - start)
+            elif (message["type"] == "http.response.body" and not message.get("more_body")) \
+                    or message["type"] == "http.response.pathsend":  # (a file, whole)
+                complete = True
             await send(message)
 
+        gone = False  # the client went away after the answer started, before its end
         try:
             await self.app(scope, receive, send_and_record)
+            gone = bool(status) and not complete  # a stream stopped before its last event
+        except (ClientDisconnect, OSError):  # sending to a client that went away
+            gone = bool(status) and not complete
+            raise
         finally:
+            if gone:
+                status = CLIENT_CLOSED_STATUS
             if status >= 400 or not status:
                 # Successful image requests get their one DEBUG line from serving_images.
                 logger.debug("%s %s -> %s in %.1f ms", scope["method"], scope["path"],

@@ -237,6 +237,8 @@ def test_a_client_gone_mid_stream_stops_its_wave_at_the_next_step(faulty: Faulty
     faulty.healthy_worker()
     cancelled = faulty.metric("diffbatch_waves_cancelled_total")
     aborted = server.engine.metrics.count("aborted")
+    http_metric = server.app.state.http_metrics.registry.get_sample_value
+    disconnects = http_metric("diffbatch_http_client_disconnects_total")
     body = {"prompt": "steps streamed-away", "stream": True, "partial_images": 1}
     with httpx.stream("POST", f"{server.url}{ROUTE}", json=body,
                       timeout=DEADLINE_S) as response:
@@ -248,6 +250,11 @@ def test_a_client_gone_mid_stream_stops_its_wave_at_the_next_step(faulty: Faulty
     faulty.wait_for_marker("streamed-away.interrupted")  # stopped at its next step
     wait_until(lambda: server.engine.num_running == 0, what="the running gauge to drop")
     assert faulty.metric("diffbatch_waves_cancelled_total") == cancelled + 1
+    # a client gone mid-stream went before its answer (the image) as any other does
+    wait_until(lambda: http_metric("diffbatch_http_client_disconnects_total")
+               == disconnects + 1, what="the disconnect to be counted")
+    assert http_metric("diffbatch_http_requests_total",
+                       {"route": ROUTE, "method": "POST", "status": "499"}) >= 1
     assert server.engine.metrics.count("aborted") == aborted + 1
 
 
