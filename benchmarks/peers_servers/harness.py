@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -239,15 +240,30 @@ def running(
     log_dir = log_dir or tempfile.mkdtemp(prefix="diffbatch-bench-logs-")
     servers: list[Server] = []
     try:
-        groups = [[spec] for spec in specs] if one_at_a_time else [list(specs)]
-        for group in groups:
-            started = [Server(spec, log_dir) for spec in group]
-            servers.extend(started)
-            _wait_healthy(started, startup_timeout_s)
-        yield {s.spec.name: s for s in servers}
+        with _exit_on_sigterm():
+            groups = [[spec] for spec in specs] if one_at_a_time else [list(specs)]
+            for group in groups:
+                started = [Server(spec, log_dir) for spec in group]
+                servers.extend(started)
+                _wait_healthy(started, startup_timeout_s)
+            yield {s.spec.name: s for s in servers}
     finally:
         for server in reversed(servers):
             server.stop()
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM (e.g. from `timeout`) ends the benchmark through `SystemExit`, so the
+    servers it started are stopped on the way out instead of left running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_healthy(servers: list[Server], startup_timeout_s: float) -> None:
