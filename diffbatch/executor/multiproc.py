@@ -93,7 +93,12 @@ from diffbatch.ipc.messages import (
     recv_message,
 )
 from diffbatch.outputs import BatchRunnerOutput
-from diffbatch.worker.threads import choose_threads, other_cpu_load, usable_cpu_count
+from diffbatch.worker.threads import (
+    choose_threads,
+    cpu_contention,
+    other_cpu_load,
+    usable_cpu_count,
+)
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -488,12 +493,20 @@ class MultiprocExecutor(Executor):
         call, since = running
         if call.stall_after_s is None or now - since <= call.stall_after_s:
             return
+        # On a machine busier than it has CPUs, every wave runs slower: the bound
+        # stretches with the load (up to 4x) so a slow but working worker is not killed,
+        # its work lost and a model load added to the overload.
+        contention = cpu_contention()
+        bound_s = call.stall_after_s * contention
+        if now - since <= bound_s:
+            return
         what, expected = (("the running batch finished no step for", "expected step time")
                           if call.in_batch else (f"{call.what} ran", "expected time"))
+        load = f" x {contention:.1f} for the machine's load" if contention > 1.0 else ""
         self._kill_stalled(
             worker, f"stuck: {what} {now - since:.1f} s, past its bound of "
-            f"{call.stall_after_s:.1f} s (--wave-stall-factor x its {expected}, at least "
-            "--worker-stall-timeout) while its heartbeat lived", stuck_wave=True)
+            f"{bound_s:.1f} s (--wave-stall-factor x its {expected}, at least "
+            f"--worker-stall-timeout{load}) while its heartbeat lived", stuck_wave=True)
 
     def _kill_stalled(self, worker: WorkerProcess, reason: str, *,
                       stuck_wave: bool = False) -> None:

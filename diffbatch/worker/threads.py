@@ -206,6 +206,27 @@ def usable_cpu_count(pinned: frozenset[int] | None = None) -> int:
     return max(1, cpus)
 
 
+MAX_CONTENTION = 4.0  # `cpu_contention` never says more than this (see there)
+
+
+def cpu_contention(load_average: float | None = None, usable_cpus: int | None = None,
+                   ) -> float:
+    """How many times slower than on an idle machine CPU work may run now: the
+    1-minute load average (runnable processes) per usable CPU, between 1 and
+    `MAX_CONTENTION`; 1 where the load average cannot be read.
+
+    The cap keeps a host's load average, which a container sees in place of its own,
+    from stretching what depends on it without end.
+    """
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except (OSError, AttributeError):
+            return 1.0
+    cpus = usable_cpus if usable_cpus is not None else usable_cpu_count()
+    return min(MAX_CONTENTION, max(1.0, load_average / max(1, cpus)))
+
+
 def _cgroup_cpu_quota() -> float | None:
     """CPUs allowed by a cgroup v2 `cpu.max` quota; None when unlimited or unknown."""
     try:
@@ -238,4 +259,4 @@ def _busy_ticks() -> int:
 
 
 __all__ = ["AUTO_THREADS_ENV", "LoadMeter", "ThreadChoice", "ThreadGovernor", "choose_threads",
-           "other_cpu_load", "threads_for", "usable_cpu_count"]
+           "cpu_contention", "other_cpu_load", "threads_for", "usable_cpu_count"]

@@ -781,3 +781,31 @@ def test_a_worker_whose_engine_is_gone_exits_before_it_imports_torch() -> None:
                 if line.startswith("import time:")}
     assert "diffbatch.worker.lifeline" in imported
     assert "torch" not in imported
+
+
+def test_the_stuck_wave_bound_stretches_with_the_machines_load(monkeypatch):
+    """A wave past its bound on an idle machine is stuck; on a machine with 4x more
+    runnable processes than CPUs the same wave is only slow (every wave is), and its
+    worker lives until the stretched bound."""
+    import threading
+    from types import SimpleNamespace
+
+    from diffbatch.executor import multiproc
+
+    executor = multiproc.MultiprocExecutor.__new__(multiproc.MultiprocExecutor)
+    executor.num_frozen = executor.num_stuck_waves = 0
+    killed: list[bool] = []
+    process = SimpleNamespace(kill=lambda: killed.append(True))
+    call = SimpleNamespace(stall_after_s=1.0, in_batch=False, what="wave 1 (1 request)")
+    worker = SimpleNamespace(stalled=None, pid=1, _proc_lock=threading.Lock(),
+                             process=process, running_call=lambda: (call, 100.0))
+    monkeypatch.setattr(multiproc, "cpu_contention", lambda: 4.0)
+    executor._check_running_call(worker, now=103.0)  # 3 s: within 4 x 1 s
+    assert not killed and worker.stalled is None
+    executor._check_running_call(worker, now=104.5)
+    assert killed and "x 4.0 for the machine's load" in worker.stalled
+    killed.clear()
+    worker.stalled = None
+    monkeypatch.setattr(multiproc, "cpu_contention", lambda: 1.0)
+    executor._check_running_call(worker, now=101.5)  # idle: 1.5 s is past 1 s
+    assert killed and "load" not in worker.stalled

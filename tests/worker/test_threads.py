@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from diffbatch.worker.threads import (
     AUTO_THREADS_ENV,
+    MAX_CONTENTION,
     LoadMeter,
     ThreadGovernor,
     choose_threads,
+    cpu_contention,
     other_cpu_load,
     threads_for,
     usable_cpu_count,
@@ -121,3 +123,11 @@ def test_the_load_meter_reads_this_machine():
     meter = LoadMeter()
     assert meter.other_load_since_last() == 0.0  # the first reading starts an interval
     assert meter.other_load_since_last() >= 0.0
+
+
+def test_cpu_contention_is_the_load_per_cpu_between_one_and_its_cap():
+    assert cpu_contention(0.3, 2) == 1.0  # an idle machine: work runs at full speed
+    assert cpu_contention(2.0, 2) == 1.0  # every CPU busy, nothing waiting
+    assert cpu_contention(7.0, 2) == 3.5  # 7 runnable processes on 2 CPUs
+    assert cpu_contention(40.0, 2) == MAX_CONTENTION  # e.g. a container seeing its host's load
+    assert 1.0 <= cpu_contention() <= MAX_CONTENTION  # this machine, now
