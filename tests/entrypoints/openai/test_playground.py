@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -261,6 +262,40 @@ def test_a_generate_click_shows_streamed_partial_images_then_the_image(
             finally:
                 gate.release.set()
                 gate.finish.set()
+
+
+def partial_image_event() -> str:
+    """One server-sent partial image event (a gray 8x8 PNG)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 128, 128)).save(buffer, "PNG")
+    data = {"type": "image_generation.partial_image", "partial_image_index": 0,
+            "b64_json": base64.b64encode(buffer.getvalue()).decode(),
+            "output_format": "png", "size": "8x8"}
+    return f"event: image_generation.partial_image\ndata: {json.dumps(data)}\n\n"
+
+
+_PARTIAL = partial_image_event()
+
+
+@pytest.mark.parametrize("body", [
+    pytest.param(_PARTIAL, id="ends-without-its-image"),
+    pytest.param(_PARTIAL + "event: image_generation.partial_image\ndata: {cut off\n\n",
+                 id="breaks-off-mid-event"),
+])
+def test_a_stream_that_stops_short_fails_its_card_and_frees_the_button(
+        page: Any, gated, body: str) -> None:
+    """A streamed answer that ends before its image (a server gone mid-stream) shows an
+    error, marks its card failed and enables Generate again; the page raises nothing."""
+    url, _, _ = gated
+    open_playground(page, url)
+    page.route("**/v1/images/generations", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    page.fill("#previews", "2")
+    page.click("#submit")
+    page.wait_for_selector("#error:not([hidden])")
+    expect(page.locator(".card[data-state='failed']")).to_have_count(1)
+    assert page.is_enabled("#submit")
+    assert page.text_content("#status").startswith("0 of 1 done")
 
 
 def test_an_api_key_server_refuses_without_the_key_and_works_with_it(page: Any,

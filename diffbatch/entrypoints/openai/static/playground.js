@@ -95,28 +95,38 @@ async function submit(event) {
   }
   const copies = Math.max(1, Math.min(16, numberField("requests") || 1));
   const firstSeed = numberField("seed");
-  const requests = [];
-  for (let i = 0; i < copies; i++) {
-    const seed = firstSeed === undefined ? undefined : firstSeed + i;
-    requests.push(state.mode === "edit" ? await editRequest(seed) : generationRequest(seed));
-  }
+  // Disabled before anything is awaited (an edit's mask is encoded first): a second
+  // press meanwhile sends nothing.
   $("submit").disabled = true;
-  setStatus(`${copies} request${copies > 1 ? "s" : ""} sent…`);
-  const started = performance.now();
-  const outcomes = await Promise.all(requests.map((r) => send(r)));
-  const failed = outcomes.filter((o) => o.error);
-  $("submit").disabled = false;
-  setStatus(`${copies - failed.length} of ${copies} done in ${Math.round(performance.now() - started)} ms`);
-  if (failed.length) showError(failed[0].error);
+  try {
+    const requests = [];
+    for (let i = 0; i < copies; i++) {
+      const seed = firstSeed === undefined ? undefined : firstSeed + i;
+      requests.push(state.mode === "edit" ? await editRequest(seed) : generationRequest(seed));
+    }
+    setStatus(`${copies} request${copies > 1 ? "s" : ""} sent…`);
+    const started = performance.now();
+    const outcomes = await Promise.all(requests.map((r) => send(r)));
+    const failed = outcomes.filter((o) => o.error);
+    setStatus(`${copies - failed.length} of ${copies} done in ${Math.round(performance.now() - started)} ms`);
+    if (failed.length) showError(failed[0].error);
+  } finally {
+    $("submit").disabled = false;
+  }
 }
 
-async function send({ url, init }) {
-  let response;
+// One request's whole answer; never throws: a failure at any point (the connection
+// lost mid-stream, a body that is not what was promised) is its `error`.
+async function send(request) {
   try {
-    response = await fetch(url, init);
+    return await receive(request);
   } catch (err) {
-    return { error: `network error: ${err}` };
+    return { error: `network error: ${err.message || err}` };
   }
+}
+
+async function receive({ url, init }) {
+  const response = await fetch(url, init);
   if (!response.ok) return { error: await errorMessage(response) };
   if ((response.headers.get("content-type") || "").startsWith("text/event-stream")) {
     return readStream(response);
@@ -136,25 +146,35 @@ async function send({ url, init }) {
 }
 
 // A streamed answer: one card, its partial images, then its image (or an error event).
+// A stream that breaks off or ends without its image marks its card failed.
 async function readStream(response) {
   let card = null;
-  for await (const { event, data } of serverSentEvents(response)) {
-    if (event === "error") {
-      if (card) card.dataset.state = "failed";
-      return { error: data.error.message };
+  let completed = false;
+  try {
+    for await (const { event, data } of serverSentEvents(response)) {
+      if (event === "error") {
+        if (card) card.dataset.state = "failed";
+        return { error: data.error.message };
+      }
+      card = card || addCard();
+      if (event.endsWith(".partial_image")) {
+        showPartial(card, data);
+      } else if (event.endsWith(".completed")) {
+        completed = true;
+        const extra = data.diffbatch || {};
+        showFinal(card, data.b64_json, data.output_format, data.size, {
+          batchSize: String(extra.batch_size), queueMs: extra.queue_ms,
+          executeMs: extra.execute_ms, seed: extra.seed,
+        });
+      }
     }
-    card = card || addCard();
-    if (event.endsWith(".partial_image")) {
-      showPartial(card, data);
-    } else if (event.endsWith(".completed")) {
-      const extra = data.diffbatch || {};
-      showFinal(card, data.b64_json, data.output_format, data.size, {
-        batchSize: String(extra.batch_size), queueMs: extra.queue_ms,
-        executeMs: extra.execute_ms, seed: extra.seed,
-      });
-    }
+  } catch (err) {
+    if (card) card.dataset.state = "failed";
+    throw err;
   }
-  return {};
+  if (completed) return {};
+  if (card) card.dataset.state = "failed";
+  return { error: "the stream ended before its image arrived (the server stopped?)" };
 }
 
 // The events of a text/event-stream body: {event, data (parsed JSON)}, as they arrive.
