@@ -9,6 +9,7 @@ guessing.
     │   ├── ModelNotFoundError          404 not_found_error
     │   └── PayloadTooLargeError        413 invalid_request_error
     ├── ConfigError                     (start-up; never reaches HTTP)
+    │   └── ModelLoadError              (the model does not load)
     ├── QueueFullError                  503 server_overloaded
     ├── RequestAbortedError             499 request_aborted
     │   └── WaveInterrupted             (a wave nobody waits for stopped between steps)
@@ -59,6 +60,12 @@ class PayloadTooLargeError(InvalidRequestError):
 
 class ConfigError(DiffbatchError, ValueError):
     """An engine or server option is invalid; raised at start-up."""
+
+
+class ModelLoadError(ConfigError):
+    """The model named at start-up exists but does not load (a broken or incomplete
+    folder, weights that do not match their config); the message names the model and
+    the loader's own error."""
 
 
 class QueueFullError(DiffbatchError):

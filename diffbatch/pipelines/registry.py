@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from diffbatch.errors import ConfigError, ModelNotFoundError
+from diffbatch.errors import ConfigError, DiffbatchError, ModelLoadError, ModelNotFoundError
 from diffbatch.imports import import_by_name
 from diffbatch.models import DEFAULT_MODEL, packaged_models
 
@@ -151,7 +151,16 @@ def load_pipeline(
         kwargs["device"] = device
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return cls.from_pretrained(path, **kwargs)
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except DiffbatchError:
+        raise
+    except Exception as exc:
+        # One clear start-up error (the CLI prints it as one line) instead of the
+        # loader's traceback; the cause stays chained for a debugger.
+        raise ModelLoadError(
+            f"could not load the model {model or DEFAULT_MODEL!r} with {cls.__name__}: "
+            f"{type(exc).__name__}: {exc}") from exc
 
 
 def _is_diffusers_pipeline(obj: Any) -> bool:

@@ -219,6 +219,37 @@ def test_main_reports_a_start_up_error(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["serve", "nope", "--log-level", "critical"]) == 1
 
 
+@pytest.mark.parametrize("broken", ["no-unet", "bad-model-index"])
+def test_a_model_folder_that_does_not_load_is_one_error_line_not_a_traceback(
+        tmp_path, caplog: pytest.LogCaptureFixture, broken: str) -> None:
+    """A user's diffusers folder with a part missing or a bad model_index.json: `serve`
+    exits 1 with one line naming the model and the loader's error."""
+    import json
+    import shutil
+
+    from diffbatch.pipelines.tiny import ensure_tiny_model
+
+    folder = tmp_path / "my-model"
+    shutil.copytree(ensure_tiny_model("tiny-sd"), folder)
+    if broken == "no-unet":
+        shutil.rmtree(folder / "unet")
+    else:
+        index = json.loads((folder / "model_index.json").read_text())
+        index["_class_name"] = "NoSuchPipeline"
+        (folder / "model_index.json").write_text(json.dumps(index))
+    code = cli.main(["serve", str(folder), "--executor", "inproc", "--port", "0",
+                     "--log-level", "error"])
+    assert code == 1
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not [r for r in errors if r.exc_info], "a traceback was logged"
+    message = errors[-1].getMessage()
+    assert "failed to start: " in message and str(folder) in message
+    if broken == "no-unet":  # the part that is missing, by name
+        assert "names the component(s) unet, but the folder has no unet" in message
+    else:
+        assert "could not load the model" in message and "NoSuchPipeline" in message
+
+
 def test_scheduling_flags() -> None:
     args = parse("serve")
     assert (args.scheduling_policy, args.max_head_wait_ms, args.max_wave_pixels,

@@ -29,6 +29,7 @@ from diffbatch.config import EngineConfig
 from diffbatch.errors import (
     EngineClosedError,
     EngineDeadError,
+    ModelLoadError,
     ModelNotFoundError,
     WorkerDiedError,
 )
@@ -330,7 +331,8 @@ def test_submitted_calls_queue_at_the_worker_and_each_gets_its_own_answer(execut
     ("factory", "exc_type", "message"),
     [
         ("MissingModelPipeline", ModelNotFoundError, "model 'test/fake' is not served here"),
-        ("BrokenPipeline", RuntimeError, "ValueError: weights are corrupt"),
+        ("BrokenPipeline", ModelLoadError, "could not load the model .*ValueError: weights "
+         "are corrupt"),
     ],
 )
 def test_load_failure_fails_startup_with_the_workers_message(factory, exc_type, message):
