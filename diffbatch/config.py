@@ -121,10 +121,11 @@ class EngineConfig:
     wave_stall_factor: float = option(
         10.0, rule=FloatRange(0.0), metavar="K",
         help="mp: a wave still running after K times its expected time (the learned cost "
-        "curve of its shape and size) and at least --worker-stall-timeout means the "
-        "worker is stuck though its heartbeat lives (a hung forward): it is handled as a "
-        "silent one; a shape with no wave measured yet has no expected time (0 = "
-        "heartbeat only)")
+        "curve of its shape and size) and at least --worker-stall-timeout, counted from "
+        "its start or its last finished denoising step and stretched up to 4x on a "
+        "machine busier than it has CPUs, means the worker is stuck though its heartbeat "
+        "lives (a hung forward): it is handled as a silent one; a shape with no wave "
+        "measured yet has no expected time (0 = heartbeat only)")
     max_queue_size: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="most waiting requests; more are refused (HTTP 503 with Retry-After)",

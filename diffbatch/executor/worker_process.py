@@ -114,8 +114,8 @@ class WorkerProcess:
         self.reader: threading.Thread | None = None
         self.last_heard = time.monotonic()  # the last message from it (reader thread)
         self.last_reply = 0.0  # when the last reply came: the next call started then
-        # step mode: the running batch's tick count the last heartbeat carried, and
-        # when it last changed (the batch made progress then)
+        # the progress count the last heartbeat carried (step mode: the running batch's
+        # ticks; request mode: denoising steps), and when it last changed
         self.last_ticks = 0
         self.torch_threads = 0  # as the last heartbeat said
         self.last_progress = 0.0
@@ -172,7 +172,8 @@ class WorkerProcess:
     def running_call(self) -> tuple[PendingCall, float] | None:
         """The call the worker runs now (the oldest unanswered: it runs them in order)
         and since when: its sending, the previous reply, a resume of this process, or
-        (step mode) the running batch's last tick, whichever came last."""
+        the last progress the heartbeat reported (step mode: the running batch's last
+        tick; request mode: the wave's last denoising step), whichever came last."""
         with self.pending_lock:
             call = next(iter(self.pending.values()), None)
         if call is None:

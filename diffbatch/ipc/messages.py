@@ -141,8 +141,9 @@ class WorkerHeartbeat:
     """Worker -> engine, sent by a thread of its own while the worker serves."""
 
     sent: float  # the worker's time.monotonic() when it was sent (for logs)
-    # step mode: ticks the running batch has finished so far (progress of the batch,
-    # whose requests may run for long without a reply); 0 in request mode
+    # progress of the work in hand, whose calls may run for long without a reply:
+    # step mode, ticks the running batch has finished so far; request mode, the
+    # denoising steps the waves have finished (their pipelines' between-step asks)
     ticks: int = 0
     torch_threads: int = 0  # torch's thread count in the worker now (0: not known)
 

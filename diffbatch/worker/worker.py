@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import itertools
 import logging
 import os
 import signal
@@ -320,8 +321,18 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
     threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
                      name="diffbatch-worker-receive").start()
     stop_beating = threading.Event()
+    # Request mode: a wave's pipeline asks `should_stop` between its denoising steps
+    # (every diffusers pipeline does), so the number of asks is its progress: the
+    # heartbeat carries it, and the engine's stuck-wave bound counts from the last step.
+    steps_asked = itertools.count(1)
+    last_step = [0]
+
+    def should_stop_after_a_step(call_id: int) -> bool:
+        last_step[0] = next(steps_asked)
+        return inbox.is_cancelled(call_id)
+
     if heartbeat_s > 0:
-        ticks = (lambda: 0) if steps is None else (lambda: steps.num_ticks)
+        ticks = (lambda: last_step[0]) if steps is None else (lambda: steps.num_ticks)
         threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating, ticks,
                                              threads),
                          daemon=True, name="diffbatch-worker-heartbeat").start()
@@ -345,7 +356,7 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                 return
             else:
                 govern()
-                should_stop = functools.partial(inbox.is_cancelled, call.call_id)
+                should_stop = functools.partial(should_stop_after_a_step, call.call_id)
                 on_partial_image = functools.partial(_send_partial_image, channel,
                                                      call.call_id,
                                                      threshold_bytes=threshold_bytes)
