@@ -159,9 +159,9 @@ class BatchPolicy:
                                    info.cfg_threshold is not None
                                    and info.default_guidance_scale > info.cfg_threshold)
         self.cost = WaveCostModel(self.limit, self.default_shape)
-        # step mode: one step of a running batch of B requests, learned from the ticks
-        # (size B, one step); the calibration's wave curve stands in until it knows two
-        # sizes of a shape
+        # step mode: one step of a running batch of B requests (its fused denoiser
+        # call), learned from the ticks; the calibration's wave curve stands in until it
+        # knows two sizes of a shape
         self.step_cost = WaveCostModel(self.limit, self.default_shape)
         self.arrivals = ArrivalRate(clock)
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
@@ -346,17 +346,18 @@ class BatchPolicy:
         return max(factor * expected_ms / 1000.0, floor_s)
 
     def observe_tick(self, key: SamplingParamsKey | None, tick: TickStats) -> None:
-        """Step mode: one tick of a running batch of `key`. Every tick bounds the
-        stall; a tick without joins or leaves (one denoising step and nothing else)
-        teaches the tick curve."""
+        """Step mode: one tick of a running batch of `key`. Its whole time bounds the
+        stall; its fused denoiser call's time teaches the tick curve. That leaves out
+        the joiners' text encoding and the leavers' decoding, so every tick teaches,
+        also when each has joins and leaves (requests of one or two steps)."""
         if key is None or not self.serving or tick.batch_size < 1:
             return
         shape = Shape.of(key)
         with self._lock:
             ticks = self._tick_ms.setdefault(shape, deque(maxlen=TICKS_KEPT))
             ticks.append(tick.step_ms)
-        if self.learns and tick.joins == 0 and tick.leaves == 0:
-            self.step_cost.observe(shape, tick.batch_size, 1, tick.step_ms)
+        if self.learns and tick.forward_ms > 0:
+            self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
 
     def step_stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:
         """Step mode: how long a running batch of `key` (up to `size` requests) may go

@@ -287,16 +287,20 @@ def test_step_capacity_grows_from_the_ticks_past_a_calibration_that_said_one():
     assert p.snapshot()[p.default_shape.label()]["capacity"] == 4
 
 
-def test_only_steady_ticks_teach_the_step_capacity():
+def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():
+    """Ticks with joins and leaves teach too, by their fused denoiser call (their
+    encoding and decoding left out): requests of one step, every tick of which has
+    both, still grow the batch."""
     step_key = key().for_step_execution()
     p = policy()
-    teach(p, wave_ms=lambda size: 100.0 * size)
-    for _ in range(MIN_SAMPLES):  # ticks with joins or leaves carry encoding and decoding
-        p.observe_tick(step_key, tick(1, 5.0, joins=1))
-        p.observe_tick(step_key, tick(2, 6.0, leaves=1))
-        p.observe_tick(step_key, tick(0, 0.0, leaves=1))  # a leave between ticks
-    assert p.step_cost.num_sizes(Shape.of(step_key)) == 0
-    assert p.step_capacity(step_key, demand=6) == 2  # the calibration's doubling
+    teach(p, wave_ms=lambda size: 100.0 * size)  # the calibration found no gain
+    for _ in range(MIN_SAMPLES):  # (batch, tick ms, denoiser ms, joins, leaves)
+        p.observe_tick(step_key, TickStats(1, 50.0, 5.0, 1, 1))  # encode and decode
+        p.observe_tick(step_key, TickStats(2, 90.0, 6.0, 2, 2))  # dominate the tick
+        p.observe_tick(step_key, TickStats(0, 0.0, 0.0, 0, 1))  # a leave between ticks
+    assert p.step_cost.num_sizes(Shape.of(step_key)) == 2
+    assert p.step_capacity(step_key) == 2  # per request 5 -> 3 ms
+    assert p.step_capacity(step_key, demand=6) == 4  # 2 paid: the next doubling
 
 
 def test_fixed_step_capacity_is_never_exceeded():
