@@ -117,6 +117,14 @@ class Engine:
         )
         if config.capacity_limit > 1 and not config.auto_capacity \
                 and not self.supports_request_batch:
+            diffusers_class = getattr(self.pipeline_class, "diffusers_class", None)
+            if diffusers_class is not None:  # a diffusers class named as pipeline_class
+                raise ConfigError(
+                    f"max_num_seqs={config.max_num_seqs} needs a pipeline that batches "
+                    f"requests, but pipeline_class {diffusers_class.__name__} (a diffusers "
+                    "class) runs one request per forward; use max_num_seqs=1, or leave "
+                    "pipeline_class out: diffbatch's adapter batches the model's own "
+                    "pipeline")
             raise ConfigError(
                 f"max_num_seqs={config.max_num_seqs} needs a pipeline with "
                 f"`supports_request_batch = True`, but {self.pipeline_class.__name__} does "

@@ -42,9 +42,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _non_empty(flag: str) -> Callable[[str], str]:
-    """An argparse type: the string given, refused when empty."""
+    """An argparse type: the string given, refused when empty (or only spaces)."""
     def check(text: str) -> str:
-        if not text:
+        if not text.strip():
             raise argparse.ArgumentTypeError(f"{flag} must not be empty")
         return text
 
@@ -99,7 +99,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=port, default=8000, help="port to listen on")
     server.add_argument(
-        "--served-model-name", default=None,
+        "--served-model-name", default=None, type=_non_empty("--served-model-name"),
         help="model name clients pass and /v1/models lists (default: MODEL)",
     )
     server.add_argument(
@@ -220,6 +220,9 @@ def configure_logging(level: str) -> None:
     """Log `level` and above to stderr, in one line per record."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger("diffbatch").setLevel(level.upper())
+    # huggingface_hub prints through a handler of its own and also passes each record
+    # to the root logger: one copy is enough (its own)
+    logging.getLogger("huggingface_hub").propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -66,6 +66,15 @@ def test_batching_with_a_non_batch_pipeline_is_a_start_up_error_naming_the_fix()
         Engine(pipeline_class=FakeSinglePipeline, executor="inproc", max_num_seqs=4)
 
 
+def test_batching_a_diffusers_class_given_by_name_names_that_class_and_the_fix():
+    with pytest.raises(ConfigError, match=r"pipeline_class StableDiffusionPipeline \(a "
+                       r"diffusers class\) runs one request per forward; use max_num_seqs=1, "
+                       r"or leave pipeline_class out") as info:
+        Engine("tiny-sd", pipeline_class="diffusers.StableDiffusionPipeline",
+               executor="inproc", max_num_seqs=4)
+    assert "PerRequest" not in info.value.message
+
+
 def test_non_batch_pipeline_takes_the_per_request_path():
     with Engine(pipeline_class=FakeSinglePipeline, executor="inproc") as engine:
         assert engine.supports_request_batch is False

@@ -113,6 +113,8 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--limit-concurrency", "0"], "must be an integer >= 1"),
         (["--body-timeout", "0"], "must be a finite number > 0"),
         (["--api-key", ""], "--api-key must not be empty"),
+        (["--served-model-name", ""], "--served-model-name must not be empty"),
+        (["--served-model-name", "  "], "--served-model-name must not be empty"),
     ],
 )
 def test_bad_flags_fail_while_parsing(
