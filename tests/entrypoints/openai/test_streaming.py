@@ -89,6 +89,27 @@ def test_the_openai_client_iterates_partial_images_then_the_image(url: str) -> N
     assert completed.b64_json == plain.json()["data"][0]["b64_json"]
 
 
+def http_sample(url: str, name: str, labels: str = "") -> float:
+    """One sample of the server's /metrics text (0 when absent)."""
+    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+    for line in httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_stream_read_to_its_end_counts_as_a_200_not_a_disconnect(url: str) -> None:
+    ok = 'method="POST",route="/v1/images/generations",status="200"'
+    before = (http_sample(url, "diffbatch_http_requests_total", ok),
+              http_sample(url, "diffbatch_http_client_disconnects_total"))
+    events = list(client(url).images.generate(model="fake", prompt="to the end", stream=True,
+                                              partial_images=2))
+    assert events[-1].type == "image_generation.completed"
+    assert (http_sample(url, "diffbatch_http_requests_total", ok),
+            http_sample(url, "diffbatch_http_client_disconnects_total")) \
+        == (before[0] + 1, before[1])
+
+
 def test_without_partial_images_the_image_is_one_event(url: str) -> None:
     response = httpx.post(f"{url}{ROUTE}", json={"prompt": "a cat", "stream": True,
                                                  "output_format": "jpeg"},
