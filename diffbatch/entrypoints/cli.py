@@ -24,7 +24,6 @@ from diffbatch.arg_types import (
 from diffbatch.config import add_cli_args
 
 logger = logging.getLogger(__name__)
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 API_KEY_ENV = "DIFFBATCH_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -233,9 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name (default: `sys.argv[1:]`).
 
     Returns:
-        0 on a clean exit (a served server's Ctrl-C or SIGTERM included), 1 when the
-        command failed to start (the reason is logged), 130 when Ctrl-C stopped it
-        before it was up (the shell's code for an interrupted command).
+        0 on a clean exit, 1 when the command failed to start (the reason is logged).
     """
     from diffbatch.errors import DiffbatchError
 
@@ -244,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return INTERRUPTED_EXIT_CODE
+        return 0
     except DiffbatchError as exc:
         logger.error("diffbatch %s failed to start: %s", args.command, exc.message)
         return 1

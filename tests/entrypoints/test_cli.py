@@ -252,16 +252,6 @@ def test_a_model_folder_that_does_not_load_is_one_error_line_not_a_traceback(
         assert "could not load the model" in message and "NoSuchPipeline" in message
 
 
-def test_ctrl_c_before_the_server_is_up_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
-    def interrupted_start(args) -> None:  # Ctrl-C while the model loads
-        raise KeyboardInterrupt
-
-    import diffbatch.entrypoints.openai.api_server as api_server
-
-    monkeypatch.setattr(api_server, "run_server", interrupted_start)
-    assert cli.main(["serve", "tiny-sd", "--log-level", "critical"]) == 130
-
-
 def test_scheduling_flags() -> None:
     args = parse("serve")
     assert (args.scheduling_policy, args.max_head_wait_ms, args.max_wave_pixels,
