@@ -220,9 +220,6 @@ def configure_logging(level: str) -> None:
     """Log `level` and above to stderr, in one line per record."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger("diffbatch").setLevel(level.upper())
-    # huggingface_hub prints through a handler of its own and also passes each record
-    # to the root logger: one copy is enough (its own)
-    logging.getLogger("huggingface_hub").propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,9 +4,12 @@
 - `TruncatedPromptFilter` keeps users' prompts out of the log: the pipelines warn, at
   WARNING and for every such request, with the part of a prompt the text encoder cut
   off. The warning stays (a prompt was cut), without the text: prompts are logged at
-  DEBUG at most (docs/serving.md).
+  DEBUG at most (docs/serving.md);
+- huggingface_hub prints through a handler of its own and also passes each record on
+  to the root logger, so a configured root printed every hub warning twice: its
+  records stop at its own handler.
 
-`install()` adds both, once per process.
+`install()` does all three, once per process.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def install() -> None:
     import transformers.utils.logging
 
     TorchvisionFallbackFilter.install()
+    logging.getLogger("huggingface_hub").propagate = False
     libraries = [diffusers.utils.logging.get_logger("diffusers"),
                  transformers.utils.logging.get_logger("transformers"), logging.getLogger()]
     for logger in libraries:

@@ -126,9 +126,6 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_level is not None and not logging.getLogger().handlers:
         logging.basicConfig(level=log_level, format=_LOG_FORMAT)
-        # huggingface_hub prints through a handler of its own and also passes each
-        # record to the root logger: one copy is enough (its own)
-        logging.getLogger("huggingface_hub").propagate = False
     start = time.monotonic()
     tuned = tune_malloc()  # before torch allocates anything
     try:

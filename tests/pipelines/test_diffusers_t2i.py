@@ -265,6 +265,22 @@ def test_truncation_warnings_keep_the_note_and_drop_the_prompt() -> None:
     assert TruncatedPromptFilter().filter(other) and other.getMessage() == "unrelated warning"
 
 
+def test_a_huggingface_hub_warning_is_printed_once_not_again_by_the_root_logger() -> None:
+    """The hub prints through its own handler; with a root handler configured (as the
+    CLI and the worker do) its records must not reach that one too."""
+    from huggingface_hub.utils import logging as hub_logging
+
+    seen: list[logging.LogRecord] = []
+    root_handler = logging.Handler()
+    root_handler.emit = seen.append  # type: ignore[method-assign]
+    logging.getLogger().addHandler(root_handler)
+    try:
+        hub_logging.get_logger("huggingface_hub.file_download").warning("retrying")
+    finally:
+        logging.getLogger().removeHandler(root_handler)
+    assert not [r for r in seen if r.name.startswith("huggingface_hub")]
+
+
 _ENGINE_START = """
 import logging
 from diffbatch import Engine, SamplingParams
