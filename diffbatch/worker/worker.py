@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
-import itertools
 import logging
 import os
 import signal
@@ -324,15 +323,14 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
     # Request mode: a wave's pipeline asks `should_stop` between its denoising steps
     # (every diffusers pipeline does), so the number of asks is its progress: the
     # heartbeat carries it, and the engine's stuck-wave bound counts from the last step.
-    steps_asked = itertools.count(1)
-    last_step = [0]
+    steps_done = [0]  # written by the main thread only
 
     def should_stop_after_a_step(call_id: int) -> bool:
-        last_step[0] = next(steps_asked)
+        steps_done[0] += 1
         return inbox.is_cancelled(call_id)
 
     if heartbeat_s > 0:
-        ticks = (lambda: last_step[0]) if steps is None else (lambda: steps.num_ticks)
+        ticks = (lambda: steps_done[0]) if steps is None else (lambda: steps.num_ticks)
         threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating, ticks,
                                              threads),
                          daemon=True, name="diffbatch-worker-heartbeat").start()
