@@ -160,8 +160,7 @@ class MultiprocExecutor(Executor):
         self._env = _worker_env(config)
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._restart_on_death = restart_on_death
-        self._no_restarts = False  # `stop_restarting`: the engine is shutting down
+        self._restart_on_death = restart_on_death  # False after `stop_restarting`
         self.max_concurrent_waves = config.max_waves_in_flight
         self._lock = threading.Lock()
         self._health = threading.Condition(self._lock)  # notified when serving changes
@@ -227,7 +226,7 @@ class MultiprocExecutor(Executor):
 
     def stop_restarting(self) -> None:
         with self._lock:
-            self._no_restarts = True
+            self._restart_on_death = False
 
     def cancel_all(self) -> None:
         """Nobody waits for any call the worker has: stop them all (`cancel`)."""
@@ -539,7 +538,7 @@ class MultiprocExecutor(Executor):
                 self._worker = None
                 self.num_deaths += 1
                 self._dead_reason = f"worker process {worker.pid} died ({exit_text})"
-                if self._restart_on_death and not closed and not self._no_restarts:
+                if self._restart_on_death and not closed:
                     thread = threading.Thread(
                         target=self._restart, name="diffbatch-worker-restart", daemon=True
                     )
