@@ -74,8 +74,9 @@ def _wait_ready(url: str, proc: subprocess.Popen | None = None) -> None:
 
 # -- servers --------------------------------------------------------------------------
 @contextlib.contextmanager
-def plain_server(args: argparse.Namespace) -> Iterator[str]:
-    """`python -m diffbatch serve` in a subprocess; yields its URL."""
+def plain_server(args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`python -m diffbatch serve` in a subprocess; yields its URL and process at once
+    (it loads while the caller starts the others; `_wait_ready` before using it)."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}  # the worker's torch
     cmd = [sys.executable, "-m", "diffbatch", "serve", args.model, "--port", str(port),
@@ -83,9 +84,7 @@ def plain_server(args: argparse.Namespace) -> Iterator[str]:
            str(args.wait_ms), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc)
-        yield url
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -105,15 +104,17 @@ def ray_servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     try:
         port = _free_port()
         serve.start(**serve_start_options("127.0.0.1", port))
-        for name, num_replicas in (("one", 1), ("two", 2)):
-            app = build_app({
+        # Both applications deploy at once (their three replicas load side by side).
+        serve.run_many([
+            serve.RunTarget(build_app({
                 "model": args.model, "num_replicas": num_replicas,
                 "max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": args.wait_ms,
                 "torch_num_threads": args.torch_threads,
                 # Logical reservation: three replicas must fit `--cores` CPUs.
                 "num_cpus_per_replica": args.cores / 3,
-            })
-            serve.run(app, name=name, route_prefix=f"/{name}")
+            }), name=name, route_prefix=f"/{name}")
+            for name, num_replicas in (("one", 1), ("two", 2))
+        ])
         url = f"http://127.0.0.1:{port}"
         _wait_ready(f"{url}/one")
         _wait_ready(f"{url}/two")
@@ -170,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.model.startswith("tiny-"):
         ensure_tiny_model(args.model)  # build once, before any server starts
     load_before = os.getloadavg()
-    with ray_servers(args) as (one_url, two_url), plain_server(args) as plain_url:
+    # The plain server loads while Ray starts and deploys (one start-up, not two in turn).
+    with plain_server(args) as (plain_url, plain_proc), ray_servers(args) as (one_url, two_url):
+        _wait_ready(plain_url, plain_proc)
         urls = {"plain": plain_url, "ray-1": one_url, "ray-2": two_url}
         # 1. Overhead: plain and ray-1 in turns.
         plain_lat, ray_lat = latencies_ms([plain_url, one_url], args)

@@ -1,5 +1,5 @@
 """`python -m diffbatch ...` is the same as the `diffbatch` command."""
 
-from diffbatch.entrypoints.cli import main
+from diffbatch.entrypoints.cli import run
 
-raise SystemExit(main())
+run()

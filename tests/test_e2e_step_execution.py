@@ -45,9 +45,10 @@ def step_engine():
 
 @pytest.fixture(scope="module")
 def request_engine():
-    """Request mode, in process: the reference outputs."""
+    """Request mode, in process: the reference outputs (grouped: a queue of mixed step
+    counts runs in waves of one step count, not a wave per change of count)."""
     with Engine("tiny-sd", max_num_seqs=8, request_batch_max_wait_ms=0, executor="inproc",
-                warmup=False) as engine:
+                scheduling_policy="grouped", warmup=False) as engine:
         yield engine
 
 
@@ -283,17 +284,17 @@ def test_diffbatch_serve_step_execution_shares_steps_across_step_counts(tmp_path
                 "seed": steps})
 
         with ThreadPoolExecutor(2) as pool:
-            long = pool.submit(generate, 400)
+            long = pool.submit(generate, 250)
             wait_until(lambda: metric(url, "diffbatch_num_requests_running") == 1)
             short = generate(4)
             assert short.status_code == 200, short.text
             assert short.headers["x-diffbatch-batch-size"] == "2"
-            assert not long.done()  # the 4-step request left while the 400-step one ran
+            assert not long.done()  # the 4-step request left while the 250-step one ran
             assert long.result().status_code == 200
             assert long.result().headers["x-diffbatch-batch-size"] == "2"
         assert metric(url, "diffbatch_step_joins_total") - joins_before == 2
         assert metric(url, "diffbatch_step_leaves_total") - joins_before == 2
-        assert metric(url, "diffbatch_step_batch_size_requests_count") >= 400
+        assert metric(url, "diffbatch_step_batch_size_requests_count") >= 250
     finally:
         proc.terminate()
         proc.wait(60)
