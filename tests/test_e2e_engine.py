@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import torch
 
 from diffbatch import Engine, SamplingParams
 from tests.fake_pipelines import fake_images
-from tests.process_utils import segments_of
+from tests.process_utils import segments_of, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,17 @@ def test_eight_concurrent_prompts_run_in_waves_larger_than_one(sd_engine):
     total, count = sd_engine.metrics.wave_sizes_sum_count()
     assert total / count > 1
     assert all(o.images.shape == (1, 3, 64, 64) for o in outs)
+
+
+def test_an_engine_dropped_without_close_stops_its_worker_process():
+    def serve_once() -> int:
+        engine = Engine(pipeline_class="tests.fake_pipelines.FakeBatchPipeline",
+                        executor="mp", max_num_seqs=2, torch_num_threads=1)
+        assert engine.generate(["a"])[0].ok
+        return engine.executor.worker_pid
+    worker = serve_once()  # the engine is unreachable once it returns
+    gc.collect()
+    assert wait_gone(worker, 60.0), "the dropped engine's worker process lives on"
 
 
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-sd3"])

@@ -26,7 +26,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
@@ -148,17 +149,23 @@ class Engine:
         self.max_request_work = self._request_work_limit()
         self.policy = BatchPolicy(config, self.info,
                                   supports_request_batch=self.supports_request_batch)
+        # What the core's threads call back holds the Engine weakly: an Engine dropped
+        # without `close()` is collected, and its finalizer stops them and the worker.
+        me = weakref.ref(self)
         self.metrics = EngineMetrics(
-            lambda: self.core.num_waiting, lambda: self.core.num_running,
-            lambda: self.core.num_waiting_by_key(), self.policy.snapshot,
+            lambda: me().core.num_waiting, lambda: me().core.num_running,
+            lambda: me().core.num_waiting_by_key(), self.policy.snapshot,
             worker_health=self.executor.health_stats,
         )
         self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
         core_class = StepEngineCore if config.step_execution else EngineCore
         self.core = core_class(config, self.executor, policy=self.policy,
-                               deliver=self._deliver, metrics=self.metrics,
+                               deliver=_weakly(self._deliver), metrics=self.metrics,
                                wave_log=self.wave_log)
         self.core.start()
+        self._finalizer = weakref.finalize(self, _release_dropped, self.core, self.executor,
+                                           self._futures, self._lock)
+        self._finalizer.atexit = False  # at exit the executors' own handler stops workers
         if config.warmup:
             self._warmup()
         # 4. "auto": seed the cost curve at the model's default shape.
@@ -568,6 +575,8 @@ class Engine:
         with self._lock:
             closing = getattr(self, "_closed", True)
             self._closed = True
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()  # closed here: nothing is left for the finalizer
         if closing:
             if hasattr(self, "_close_done"):  # bounded like the first call's stages
                 self._close_done.wait(6 * timeout_s if timeout_s is not None else None)
@@ -604,6 +613,44 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """`method` (bound) as a callback that does not keep its object alive; a call after
+    the object was collected does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
+def _release_dropped(core: EngineCore, executor: Executor,
+                     futures: dict[str, concurrent.futures.Future[DiffusionOutput]],
+                     lock: threading.Lock) -> None:
+    """What `Engine.close` does, for an Engine collected without it: fail what is still
+    open, stop the loop and the worker. It runs where the last reference went; on one
+    of the core's own threads (a delivery that held it last) it hands itself to a new
+    thread, which may join them."""
+    if threading.current_thread() in core.threads():
+        threading.Thread(target=_release_dropped, args=(core, executor, futures, lock),
+                         name="diffbatch-release", daemon=True).start()
+        return
+    logger.info("an Engine was dropped without close(): stopping its loop and worker")
+    core.stop()
+    error = RequestError.from_exception(EngineClosedError(
+        "engine is closed: it was garbage-collected without close()"))
+    with lock:
+        leftovers = list(futures.items())
+        futures.clear()
+    for request_id, future in leftovers:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            future.set_result(DiffusionOutput.from_error(request_id, error))
+    executor.shutdown(timeout_s=SHUTDOWN_GRACE_S)
+    core.join(SHUTDOWN_GRACE_S)
 
 
 __all__ = ["ArrivalNotice", "Engine", "RequestStatus", "resolve_request_batch_support"]

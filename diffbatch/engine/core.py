@@ -195,6 +195,10 @@ class EngineCore:
         self._cancel(unwanted)
         return open_requests
 
+    def threads(self) -> list[threading.Thread]:
+        """The loop's and the delivery's threads (once started)."""
+        return [t for t in (self._thread, self._deliverer) if t is not None]
+
     def join(self, timeout_s: float = 60.0) -> None:
         """Wait for the loop (and its last wave) to end, then for the last deliveries."""
         if self._thread is not None and self._thread is not threading.current_thread():

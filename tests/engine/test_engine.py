@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
@@ -147,6 +148,33 @@ def test_close_fails_every_open_request(gate):
     with pytest.raises(EngineClosedError):
         engine.generate(["late"])
     assert not engine.is_healthy
+
+
+def test_an_engine_dropped_without_close_fails_its_requests_and_stops_its_threads(gate):
+    """No `close()`: once the last reference goes, the engine's finalizer does what
+    `close` does (the core's threads hold it only weakly)."""
+    engine = gated_engine()
+    running = submit(engine, "runs", "a")
+    assert gate.entered.wait(30)
+    waiting = submit(engine, "waits", "b")
+    threads = engine.core.threads()
+    # the gated wave ends once both callers have their answer (the finalizer waits for it)
+    threading.Thread(target=lambda: (running.result(30), waiting.result(30),
+                                     gate.release.set()), daemon=True).start()
+    del engine
+    gc.collect()
+    for future in (running, waiting):
+        assert "garbage-collected without close()" in future.result(30).error.message
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), thread.name
+
+
+def test_a_closed_engine_leaves_nothing_for_its_finalizer():
+    engine = Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=2)
+    assert engine._finalizer.alive
+    engine.close()
+    assert not engine._finalizer.alive
 
 
 def test_a_second_shutdown_returns_once_the_first_has_closed_the_engine(gate):
