@@ -43,6 +43,7 @@ from diffbatch.entrypoints.openai.api_router import (
     router,
 )
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
+from diffbatch.entrypoints.openai.http_protocol import OVER_LIMIT_STATE
 from diffbatch.entrypoints.openai.image_store import (
     DEFAULT_MAX_MB as DEFAULT_IMAGE_STORE_MB,
 )
@@ -55,6 +56,7 @@ from diffbatch.entrypoints.openai.middleware import (
     HeadAsGetMiddleware,
     HTTPMetrics,
     HTTPMetricsMiddleware,
+    OverLimitMiddleware,
     RequestGuardMiddleware,
     RequestIdEchoMiddleware,
 )
@@ -224,6 +226,8 @@ def build_app(
                        open_prefixes=_OPEN_PREFIXES, body_timeout_s=body_timeout_s)
     # Outside the guard: the notice opens before the body is read.
     app.add_middleware(ArrivalNoticeMiddleware, engine=engine, routes=_IMAGE_ROUTES)
+    # Inside the metrics: a refusal over the connection limit is counted as any answer.
+    app.add_middleware(OverLimitMiddleware)
     app.add_middleware(
         HTTPMetricsMiddleware,
         metrics=http_metrics,
@@ -247,14 +251,17 @@ def _rejection_counter(engine: Engine) -> Any:
     Every answer passes the metrics middleware, so its hook sees every refusal of an
     image request (a 4xx but 499, which is a client gone), wherever the server made
     it: the guard (401, 413, 415, a body not UTF-8), FastAPI's validation and the
-    form reader (400), the serving stages 1-2 (400, 404). A request handed to the
+    form reader (400), the serving stages 1-2 (400, 404), and the connection limit
+    (503 `server_busy`). A request handed to the
     engine (`SUBMITTED_STATE`) is not counted here: the engine counts its own
     refusals (invalid for the model, a full queue) where it makes them, for every
     caller alike, and anything else it answers is an outcome of its own.
     """
 
     def on_answer(scope: dict[str, Any], status: int) -> None:
-        if scope["path"] not in _IMAGE_ROUTES or not 400 <= status < CLIENT_CLOSED_STATUS \
+        refused = 400 <= status < CLIENT_CLOSED_STATUS \
+            or OVER_LIMIT_STATE in scope.get("state", {})  # a 503 of the connection limit
+        if scope["path"] not in _IMAGE_ROUTES or not refused \
                 or scope.get("method") != "POST":  # a GET there (405) is no image request
             return
         if not scope.get("state", {}).get(SUBMITTED_STATE):

@@ -9,32 +9,39 @@ connections (and file descriptors) for as long as they like. This protocol adds:
   or bytes of a new request arrived after a response) until that request's headers
   are complete. On expiry a connection that sent part of a request gets a 408 in the
   OpenAI error shape and is closed; one that sent nothing is just closed;
-- a connection limit: a request that arrives while more than `max_connections`
-  connections are open, or `max_connections` requests are in progress, gets a 503
-  in the OpenAI shape (`code: "server_busy"`, `Retry-After`) and its connection is
-  closed. uvicorn's own `limit_concurrency` answers plain text instead.
+- a connection limit: only the `max_connections` oldest open connections are served
+  (so at most that many requests are in progress: a connection carries one at a
+  time). A request on a younger connection is marked in its scope
+  (`OVER_LIMIT_STATE`) and answered by `OverLimitMiddleware` inside the app: a 503 in
+  the OpenAI shape (`code: "server_busy"`, `Retry-After`), counted by the metrics like
+  every answer, and its connection is closed. Ranking by age, not by the count at a
+  request's first bytes, refuses only the connections over the limit when a burst
+  opens them all at once. uvicorn's own `limit_concurrency` answers plain text
+  instead, to every request while over.
 
 It is a mixin over the protocol uvicorn would pick (`httptools`, else `h11`) and relies
 on what both share: `connection_made`/`data_received`/`connection_lost`, the current
 request's `cycle` (replaced when a request's headers are complete), the `app` it
-hands each new request to, and the server's `connections` and `tasks`.
+hands each new request to, and the server's `connections`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from diffbatch.entrypoints.openai.errors import error_body, error_response
+from diffbatch.entrypoints.openai.errors import error_body
 
 logger = logging.getLogger(__name__)
 
-# Seconds a client told "server busy" should wait before retrying.
-BUSY_RETRY_AFTER_S = 1
+# The scope state key of a request over the connection limit (its value: the limit).
+OVER_LIMIT_STATE = "diffbatch.over_connection_limit"
+_connection_order = itertools.count()  # connections' opening order, for the limit
 
 
 def http_protocol_class(
@@ -70,15 +77,15 @@ class _GuardedHTTPProtocol:
     cycle: Any
     client: tuple[str, int] | None
     connections: set[Any]
-    tasks: set[Any]
     transport: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._request_started = False  # bytes of a request arrived since the timer started
+        self._order = next(_connection_order)
         self._app = self.app
-        self._busy_app = _busy_app(self.max_connections)
+        self._over_limit_app = _marked_over_limit(self.app, self.max_connections)
 
     # -- asyncio.Protocol -----------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -86,10 +93,10 @@ class _GuardedHTTPProtocol:
         self._start_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self.max_connections is not None:
-            busy = (len(self.connections) > self.max_connections
-                    or len(self.tasks) >= self.max_connections)
-            self.app = self._busy_app if busy else self._app  # the app of a new request
+        if self.max_connections is not None and self._waiting_for_headers():
+            # the app a new request goes to: this connection's rank among the open ones
+            older = sum(1 for c in self.connections if getattr(c, "_order", -1) < self._order)
+            self.app = self._over_limit_app if older >= self.max_connections else self._app
         cycle = self.cycle
         super().data_received(data)
         if self.cycle is not cycle:  # a request's headers are complete
@@ -145,15 +152,12 @@ def _timeout_response(header_timeout_s: float) -> bytes:
     return head.encode("ascii") + body
 
 
-def _busy_app(max_connections: int | None) -> Any:
-    """The ASGI app that answers requests over the connection limit."""
+def _marked_over_limit(app: Any, max_connections: int | None) -> Any:
+    """`app`, for a request over the connection limit: its scope says so
+    (`OVER_LIMIT_STATE`), and `OverLimitMiddleware` answers it."""
 
-    async def busy(scope: Any, receive: Any, send: Any) -> None:
-        logger.warning("refused a request: over the connection limit of %s", max_connections)
-        await error_response(
-            503, f"the server is at its limit of {max_connections} connections and "
-            "requests in progress; retry later", type="server_overloaded", code="server_busy",
-            headers={"Retry-After": str(BUSY_RETRY_AFTER_S), "Connection": "close"},
-        )(scope, receive, send)
+    async def over_limit(scope: Any, receive: Any, send: Any) -> None:
+        scope.setdefault("state", {})[OVER_LIMIT_STATE] = max_connections
+        await app(scope, receive, send)
 
-    return busy
+    return over_limit

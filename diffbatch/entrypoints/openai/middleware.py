@@ -28,6 +28,13 @@ A client that disconnects while its body is still being read gets no answer: the
 guard records 499 (client closed), like a disconnect while the request runs,
 instead of handing a truncated body on to be refused as malformed.
 
+`OverLimitMiddleware` answers a request the HTTP protocol found over the connection
+limit (`http_protocol.py`): 503 `server_busy` with `Retry-After`, and the connection
+closed. It sends the answer, then reads and drops the rest of the request's body (up
+to `OVER_LIMIT_DRAIN_BYTES`, for up to `OVER_LIMIT_DRAIN_S`) before the connection
+closes, as a lingering close does: a connection closed with an upload still unread is
+reset by the kernel, and a client still sending gets no answer at all.
+
 `HeadAsGetMiddleware` answers `HEAD` like `GET` without the body (uvicorn leaves
 the body out of the answer to a `HEAD`), as Starlette's own routes do; FastAPI's
 routes alone answer it 405.
@@ -39,6 +46,7 @@ logs each failed answer in one DEBUG line (method, path, status, duration).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.message
 import logging
 import secrets
@@ -51,6 +59,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from diffbatch.entrypoints.openai.errors import error_response
+from diffbatch.entrypoints.openai.http_protocol import OVER_LIMIT_STATE
 from diffbatch.entrypoints.openai.protocol import OUTPUT_FORMATS
 from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
 
@@ -61,6 +70,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROTECTED_PREFIX = "/v1"
+BUSY_RETRY_AFTER_S = 1  # seconds a client told "server busy" should wait before retrying
+OVER_LIMIT_DRAIN_BYTES = 64 << 20  # the most of a refused request's body read and dropped
+OVER_LIMIT_DRAIN_S = 5.0  # and the longest it is read for
 ARRIVAL_NOTICE_STATE = "arrival_notice"  # scope["state"] key of the request's ArrivalNotice
 
 
@@ -249,6 +261,52 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class OverLimitMiddleware:
+    """503 `server_busy` for a request over the connection limit (see the module
+    docstring); the others pass through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = scope.get("state", {}).get(OVER_LIMIT_STATE) if scope["type"] == "http" \
+            else None
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        logger.warning("refused a request: over the connection limit of %s", limit)
+        response = error_response(
+            503, f"the server is at its limit of {limit} connections and requests in "
+            "progress; retry later", type="server_overloaded", code="server_busy",
+            headers={"Retry-After": str(BUSY_RETRY_AFTER_S), "Connection": "close"},
+        )
+
+        async def send_held_open(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "more_body": True}  # the server closes after it
+            await send(message)
+
+        # The whole answer at once (a client that reads before it finished sending has
+        # it), then the rest of the body is read, then the connection closes.
+        await response(scope, receive, send_held_open)
+        await _drop_body(receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drop_body(receive: Receive) -> None:
+    """Read and drop a request's body, within the drain bounds."""
+    read = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(OVER_LIMIT_DRAIN_S):
+            while read <= OVER_LIMIT_DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                read += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    return
 
 
 class HeadAsGetMiddleware:

@@ -160,6 +160,76 @@ def test_over_the_connection_limit_a_request_gets_503_in_the_openai_shape(
     assert (error["type"], error["code"]) == ("server_overloaded", "server_busy")
 
 
+def raw_post(sock: socket.socket, body: bytes, route: str = ROUTE,
+             content_type: str = "application/json") -> None:
+    sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, bytes]:
+    """One answer's status and body (the server closes or the body is complete)."""
+    sock.settimeout(SOCKET_TIMEOUT_S)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), body
+
+
+def test_a_burst_over_the_connection_limit_refuses_only_the_connections_over_it(
+    http_base: type,
+) -> None:
+    """Three connections open at once against a limit of 2: the two oldest are served,
+    whatever order their requests come in; the youngest gets the 503."""
+    config = {"limit_concurrency": 2, "http_base": http_base}
+    with gated_server(config=config, max_num_seqs=2) as (server, gate):
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        try:
+            for i in (1, 0):  # the two oldest ask while the third is open too
+                raw_post(socks[i], json.dumps({"prompt": f"p{i}"}).encode())
+            wait_until(lambda: server.engine.num_running + server.engine.num_waiting == 2,
+                       what="the two oldest connections' requests in progress")
+            raw_post(socks[2], json.dumps({"prompt": "p2"}).encode())
+            status, body = read_answer(socks[2])
+            assert status == 503, body
+            assert json.loads(body)["error"]["code"] == "server_busy"
+            gate.release.set()
+            assert [read_answer(socks[i])[0] for i in (0, 1)] == [200, 200]
+        finally:
+            for sock in socks:
+                sock.close()
+        registry = server.app.state.http_metrics.registry
+        assert registry.get_sample_value(
+            "diffbatch_http_requests_total", {"route": ROUTE, "method": "POST", "status": "503"},
+        ) == 1
+        assert server.engine.metrics.count("rejected") == 1
+
+
+def test_an_upload_over_the_connection_limit_gets_its_503_and_may_finish_sending() -> None:
+    """The 503 comes at once, and the server reads the rest of the refused upload before
+    it closes: a close with the upload unread would reset the connection, and a client
+    still sending (as `httpx` does before it reads) would get no answer."""
+    declared, first = 8 << 20, 64 << 10
+    with gated_server(config={"limit_concurrency": 1}) as (server, gate), \
+            socket.create_connection(("127.0.0.1", server.port)) as held, \
+            socket.create_connection(("127.0.0.1", server.port)) as upload:
+        raw_post(held, json.dumps({"prompt": "p"}).encode())
+        wait_until(lambda: server.engine.num_running == 1, what="the request in progress")
+        upload.sendall(f"POST /v1/images/edits HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       f"multipart/form-data; boundary=b\r\nContent-Length: {declared}\r\n"
+                       "\r\n".encode() + b"\0" * first)
+        status, body = read_answer(upload)
+        assert status == 503 and json.loads(body)["error"]["code"] == "server_busy"
+        upload.sendall(b"\0" * (declared - first))  # a reset connection raises here
+        assert upload.recv(1) == b""  # then a clean close
+        gate.release.set()
+        assert read_answer(held)[0] == 200
+
+
 def test_a_client_gone_mid_upload_counts_as_a_disconnect() -> None:
     with gated_server() as (server, gate):
         gate.release.set()
