@@ -575,10 +575,12 @@ class EngineCore:
             self.metrics.observe_wave(wave.num_requests, wave.close_reason,
                                       admission_reason, forward_ms / 1000.0)
         if self.wave_log is not None:
+            statuses = [r.status for r in wave.requests]  # final: update_from_output ran
             self.wave_log.record(
                 wave_id=wave.wave_id, num_requests=wave.num_requests,
                 key=wave.key.short() if wave.key else "-", close_reason=wave.close_reason,
                 admission=admission_reason, max_queue_wait_ms=queue_wait_ms,
-                forward_ms=forward_ms, num_errors=sum(
-                    o.error is not None for o in runner_output.outputs.values()),
+                forward_ms=forward_ms,
+                num_errors=statuses.count(RequestStatus.FINISHED_ERROR),
+                num_aborted=statuses.count(RequestStatus.FINISHED_ABORTED),
             )

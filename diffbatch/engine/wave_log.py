@@ -34,7 +34,8 @@ class WaveEvent:
     admission: str  # why its admission wait ended ("none": no wait)
     max_queue_wait_ms: float  # longest a request of it waited before the wave started
     forward_ms: float  # the wave's forward time
-    num_errors: int  # requests of the wave that failed
+    num_errors: int  # requests of the wave that failed (aborted ones are not failures)
+    num_aborted: int  # requests of the wave aborted (a caller gone, a timeout) before its end
     finished_at: float  # time.time() when it was logged
 
     def to_dict(self) -> dict[str, Any]:
@@ -54,7 +55,7 @@ class WaveLog:
 
     def record(
         self, *, wave_id: int, num_requests: int, key: str, close_reason: str, admission: str,
-        max_queue_wait_ms: float, forward_ms: float, num_errors: int = 0,
+        max_queue_wait_ms: float, forward_ms: float, num_errors: int = 0, num_aborted: int = 0,
     ) -> WaveEvent:
         """Append one wave; returns its event."""
         with self._lock:
@@ -63,7 +64,7 @@ class WaveLog:
                 id=self._last_id, wave_id=wave_id, num_requests=num_requests, key=key,
                 close_reason=close_reason or "none", admission=admission or "none",
                 max_queue_wait_ms=round(max_queue_wait_ms, 3), forward_ms=round(forward_ms, 3),
-                num_errors=num_errors, finished_at=time.time(),
+                num_errors=num_errors, num_aborted=num_aborted, finished_at=time.time(),
             )
             self._events.append(event)
         return event

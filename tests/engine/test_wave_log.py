@@ -62,3 +62,18 @@ async def test_the_engine_logs_each_wave_and_the_server_serves_them() -> None:
             assert later.json()["data"] == []
             bad = await client.get("/v1/waves?after=-1", headers=key)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+
+
+def test_an_aborted_request_counts_as_aborted_not_as_a_failure(gate) -> None:
+    from tests.engine.test_engine import gated_engine, submit
+
+    with gated_engine(max_num_seqs=2) as engine:
+        first = submit(engine, "first", "a")
+        assert gate.entered.wait(30)
+        engine.abort("a")  # its caller went away while the wave ran
+        assert first.result(30).aborted
+        gate.release.set()
+        assert engine.generate(["poison"])[0].error is not None
+        events = engine.wave_log.since(0)
+    assert [(e.num_requests, e.num_errors, e.num_aborted) for e in events] == [(1, 0, 1),
+                                                                              (1, 1, 0)]

@@ -467,7 +467,8 @@ class WaveInfo(BaseModel):
     admission: str
     max_queue_wait_ms: float
     forward_ms: float
-    num_errors: int
+    num_errors: int  # requests that failed
+    num_aborted: int  # requests aborted before the end (a client gone, a timeout)
     finished_at: float  # Unix time
 
 

@@ -362,6 +362,7 @@ function addWave(wave) {
   for (let i = 0; i < wave.num_requests; i++) {
     const block = document.createElement("i");
     if (i < wave.num_errors) block.className = "failed";
+    else if (i < wave.num_errors + (wave.num_aborted || 0)) block.className = "aborted";
     blocks.append(block);
   }
   const label = document.createElement("span");
