@@ -192,11 +192,11 @@ async def image_file(file_id: str, raw_request: Request) -> Response:
     store = _serving(raw_request).image_store
     image = store.get(file_id) if store is not None else None
     if image is None:
-        lasts = "" if store is None else f" {_duration(store.ttl_s)}"
-        return error_response(
-            404, f"no such image file: links last{lasts} after the image was made, and the "
-            "server forgets them when it restarts or needs the room", param="file_id",
-        )
+        why = ("this server keeps no images (--image-store-mb 0), so it made no links"
+               if store is None else
+               f"links last {_duration(store.ttl_s)} after the image was made, and the server "
+               "forgets them when it restarts or needs the room")
+        return error_response(404, f"no such image file: {why}", param="file_id")
     max_age = int(store.seconds_left(image)) if store is not None else 0
     return Response(image.data, media_type=image.media_type,
                     headers={"Cache-Control": f"private, max-age={max_age}"})

@@ -240,9 +240,10 @@ def build_app(
 
 
 def _route_paths(app: FastAPI) -> frozenset[str]:
-    """Fixed paths of our routes and FastAPI's docs (the metrics' bounded route labels)."""
+    """Paths of our routes and FastAPI's docs, templates included (the metrics' bounded
+    route labels)."""
     paths = {getattr(r, "path", None) for r in [*router.routes, *app.routes]}
-    return frozenset(p for p in paths if p and "{" not in p)
+    return frozenset(p for p in paths if p)
 
 
 def _rejection_counter(engine: Engine) -> Any:

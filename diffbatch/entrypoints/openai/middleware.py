@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import email.message
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -393,14 +394,24 @@ class HTTPMetricsMiddleware:
     ) -> None:
         self.app = app
         self.metrics = metrics
-        self.routes = routes  # known paths; others are counted as "other" (bounded labels)
+        # Known paths, templates such as "/v1/images/files/{file_id}" included (their
+        # label is the template); others are counted as "other" (bounded labels).
+        self.routes = frozenset(r for r in routes if "{" not in r)
+        self.templates = [(re.compile("^" + re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(r))
+                                      + "$"), r) for r in sorted(routes) if "{" in r]
         self.on_answer = on_answer  # called with (scope, status) after every answer
+
+    def route_label(self, path: str) -> str:
+        if path in self.routes:
+            return path
+        return next((label for pattern, label in self.templates if pattern.match(path)),
+                    "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in self.routes else "other"
+        route = self.route_label(scope["path"])
         start = time.perf_counter()
         status = 0
         complete = False  # the answer's last body part was sent

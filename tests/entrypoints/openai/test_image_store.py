@@ -110,6 +110,14 @@ async def test_url_answers_links_that_need_no_key(client) -> None:
         cache, max_age = download.headers["cache-control"].split(", max-age=")
         assert cache == "private" and 0 < int(max_age) <= 3600  # the link's time left
         assert Image.open(io.BytesIO(download.content)).size == (16, 16)
+    # the downloads and a 404 have the route's own label in the metrics, not "other"
+    assert (await client.get("/v1/images/files/gone.png")).status_code == 404
+    registry = client._transport.app.state.http_metrics.registry
+    label = {"route": "/v1/images/files/{file_id}", "method": "GET"}
+    assert registry.get_sample_value("diffbatch_http_requests_total",
+                                     {**label, "status": "200"}) == 2
+    assert registry.get_sample_value("diffbatch_http_requests_total",
+                                     {**label, "status": "404"}) == 1
 
 
 async def test_an_unknown_link_is_a_404_and_other_v1_routes_keep_their_key(client) -> None:
@@ -162,4 +170,5 @@ async def test_without_a_store_url_is_a_400(engine: Engine) -> None:
         response = await client.post(ROUTE, headers=KEY,
                                      json={"prompt": "p", "response_format": "url"})
         assert "b64_json" in assert_openai_error(response, 400, "response_format")["message"]
-        assert (await client.get("/v1/images/files/x.png")).status_code == 404
+        missing = await client.get("/v1/images/files/x.png")
+        assert "keeps no images" in assert_openai_error(missing, 404, "file_id")["message"]
