@@ -31,6 +31,8 @@ from diffbatch.errors import InvalidRequestError
 from diffbatch.sampling_params import MAX_SIDE
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from PIL import Image
     from starlette.requests import Request
@@ -138,20 +140,31 @@ def auto_size(width: int, height: int, *, multiple: int, max_pixels: int,
               max_side: int = MAX_SIDE) -> tuple[int, int]:
     """The size `size: "auto"` generates for an image of `width` x `height`: its own,
     scaled down (keeping its aspect) to fit `max_pixels` and `max_side` per side, each
-    side rounded down to a multiple of `multiple` (at least one)."""
+    side a multiple of `multiple` (at least one). Of the sides rounded down and the
+    sides rounded to the nearest multiple (a multiple taken off the side rounded up the
+    most while that crosses `max_pixels`), the closer aspect wins, then the larger size:
+    rounding down alone made a 2047x2049 image 48x64, rounding to the nearest alone a
+    square 16x24."""
     scale = min(1.0, math.sqrt(max_pixels / (width * height)), max_side / width,
                 max_side / height)
+    ideal_w, ideal_h = width * scale, height * scale
+    top = max(multiple, max_side // multiple * multiple)
 
-    def side(value: int) -> int:
-        return max(multiple, int(value * scale) // multiple * multiple)
+    def fit(rounding: Callable[[float], int]) -> tuple[int, int]:
+        out_w, out_h = (min(top, max(multiple, rounding(ideal / multiple) * multiple))
+                        for ideal in (ideal_w, ideal_h))
+        while out_w * out_h > max_pixels and max(out_w, out_h) > multiple:
+            if out_h == multiple or (out_w > multiple
+                                     and (out_w / ideal_w, out_w) >= (out_h / ideal_h, out_h)):
+                out_w -= multiple
+            else:
+                out_h -= multiple
+        return out_w, out_h
 
-    out_w, out_h = side(width), side(height)
-    while out_w * out_h > max_pixels and max(out_w, out_h) > multiple:  # rounding up to one
-        if out_w >= out_h:
-            out_w -= multiple
-        else:
-            out_h -= multiple
-    return out_w, out_h
+    def rank(size: tuple[int, int]) -> tuple[float, int]:
+        return abs(math.log(size[0] * height / (size[1] * width))), -size[0] * size[1]
+
+    return min(fit(math.floor), fit(lambda x: math.floor(x + 0.5)), key=rank)
 
 
 def decode_edit_inputs(

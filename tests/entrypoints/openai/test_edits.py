@@ -163,13 +163,15 @@ def test_an_exif_rotated_photo_is_edited_as_viewers_show_it() -> None:
 
 def test_auto_size_keeps_the_aspect_within_the_cap() -> None:
     assert auto_size(16, 24, multiple=8, max_pixels=1024) == (16, 24)
-    assert auto_size(20, 13, multiple=8, max_pixels=1024) == (16, 8)
+    assert auto_size(20, 13, multiple=8, max_pixels=1024) == (24, 16)  # nearest multiples
     assert auto_size(3, 3, multiple=8, max_pixels=1024) == (8, 8)
     width, height = auto_size(100, 50, multiple=8, max_pixels=1024)
-    assert width * height <= 1024 and (width, height) == (40, 16)
+    assert width * height <= 1024 and (width, height) == (40, 24)
+    # a near-square image stays square (each side rounded down alone made it 48x64)
+    assert auto_size(2047, 2049, multiple=16, max_pixels=64 * 64) == (64, 64)
     # a tall image under the pixel cap still fits each side (8192 by default)
     assert auto_size(64, 9000, multiple=8, max_pixels=2**20) == (56, 8192)
-    assert auto_size(9000, 64, multiple=8, max_pixels=2**20, max_side=4096) == (4096, 24)
+    assert auto_size(9000, 64, multiple=8, max_pixels=2**20, max_side=4096) == (4096, 32)
 
 
 # -- what is refused -------------------------------------------------------------------------
