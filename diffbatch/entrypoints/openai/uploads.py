@@ -21,6 +21,7 @@ Python object). Decoding runs in a worker thread (`asyncio.to_thread`), like enc
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import warnings
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
     import torch
     from PIL import Image
+    from starlette.datastructures import FormData
     from starlette.requests import Request
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what `image` may be (Pillow's format names)
@@ -237,6 +239,33 @@ MAX_FORM_FIELDS = 64  # far more than ImageEditRequest has: a form of thousands 
 MAX_FORM_FILES = 4  # image and mask, and room to name a surplus one in the 400
 
 
+async def _read_form(request: Request) -> FormData:
+    """The request's multipart form, as `request.form()` reads it, except that a text
+    field that is not UTF-8 is refused (Starlette would decode it as latin-1, turning a
+    prompt's stray bytes into other characters)."""
+    from starlette.exceptions import HTTPException
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    class Utf8TextParser(MultiPartParser):
+        def on_part_end(self) -> None:
+            part = self._current_part
+            if part.file is None:
+                try:
+                    part.data.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidRequestError(  # the parser closes its files on the way out
+                        f"`{part.field_name}` must be UTF-8 text, got bytes that are not "
+                        "UTF-8", param=part.field_name) from None
+            super().on_part_end()
+
+    try:
+        async with contextlib.aclosing(request.stream()) as stream:
+            return await Utf8TextParser(request.headers, stream, max_files=MAX_FORM_FILES,
+                                        max_fields=MAX_FORM_FIELDS).parse()
+    except MultiPartException as exc:  # as `request.form()` answers it
+        raise HTTPException(status_code=400, detail=exc.message) from None
+
+
 async def read_edit_form(request: Request) -> EditForm:
     """Read the multipart form of `POST /v1/images/edits` into its fields and files.
 
@@ -246,9 +275,10 @@ async def read_edit_form(request: Request) -> EditForm:
     """
     from starlette.datastructures import UploadFile
 
-    async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
-        fields: dict[str, str] = {}
-        files: dict[str, bytes] = {}
+    form = await _read_form(request)
+    fields: dict[str, str] = {}
+    files: dict[str, bytes] = {}
+    try:
         for name, value in form.multi_items():
             base = name.removesuffix("[]")
             if base in _FILE_PARTS:
@@ -272,6 +302,8 @@ async def read_edit_form(request: Request) -> EditForm:
                                           param=name)
             else:
                 fields[name] = value
+    finally:
+        await form.close()
     if "image" not in files:
         raise InvalidRequestError(
             "`image` is required: the image to edit, as a file part of the form",

@@ -224,6 +224,15 @@ async def test_form_shape_errors(client) -> None:
     too_big = await client.post(ROUTE, data={"prompt": "p"},
                                 files={"image": ("a.png", b"\0" * 70_000)})
     assert_openai_error(too_big, 413, None, "payload_too_large")
+    # a text field that is not UTF-8 is refused, not decoded as latin-1 ("\xff\xfe" -> "ÿþ")
+    not_utf8 = await client.post(ROUTE, files={"prompt": (None, b"\xff\xfe a cat"),
+                                               "image": ("a.png", png(), "image/png")})
+    assert "UTF-8" in assert_openai_error(not_utf8, 400, "prompt")["message"]
+    # while UTF-8 text with the same characters is a prompt like any other
+    assert (await edit(client, png(), prompt="ÿþ a cat")).status_code == 200
+    too_many = await client.post(ROUTE, files=[("image", ("a.png", png(), "image/png")),
+                                               *[(f"f{i}", (None, b"x")) for i in range(70)]])
+    assert too_many.status_code == 400 and "fields" in too_many.json()["error"]["message"]
 
 
 async def test_a_model_without_edit_pipelines_names_itself() -> None:
