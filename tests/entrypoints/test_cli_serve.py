@@ -346,17 +346,24 @@ def test_metrics_count_exactly_the_traffic_sent(served: Served) -> None:
 
 
 def test_batch_size_header_is_the_size_of_the_wave(served: Served) -> None:
-    """A lone request runs in a wave of 1; two sent at once, inside the admission wait,
-    share a wave of 2 (the server's --max-num-seqs)."""
+    """A lone request runs in a wave of 1; two sent behind a running wave share a wave
+    of 2 (the server's --max-num-seqs): while the worker is busy, the first waits in
+    the queue (only a full wave goes ahead to the worker), however late the second
+    comes."""
     assert served.post(seed=4).headers["x-diffbatch-batch-size"] == "1"
-    together = threading.Barrier(2)
-
-    def send(seed: int) -> httpx.Response:
-        together.wait()
-        return served.post(seed=seed)
-
-    with ThreadPoolExecutor(2) as pool:
-        burst = list(pool.map(send, (5, 6)))
+    holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
+                                            "num_inference_steps": 400})
+    try:
+        wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
+                 "the long wave to start")
+        with ThreadPoolExecutor(2) as pool:
+            pair = [pool.submit(served.post, seed=seed) for seed in (5, 6)]
+            wait_for(lambda: served.metric("diffbatch_num_requests_running") == 3,
+                     "the pair's wave to be queued at the worker")
+            disconnect(holder)  # its wave stops at the next denoising step
+            burst = [future.result() for future in pair]
+    finally:
+        holder.close()
     assert [r.headers["x-diffbatch-batch-size"] for r in burst] == ["2", "2"]
 
 
