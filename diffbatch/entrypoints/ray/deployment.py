@@ -112,7 +112,7 @@ def build_deployment(args: RayServeArgs) -> serve.Application:
     config = args.engine_config()
     logger.info(
         "diffbatch on Ray Serve: deployment=%s replicas=%s cpus/replica=%g gpus/replica=%g "
-        "max_ongoing_requests=%d model=%s max_num_seqs=%d executor=%s",
+        "max_ongoing_requests=%d model=%s max_num_seqs=%s executor=%s",
         options["name"], options.get("num_replicas", options.get("autoscaling_config")),
         args.num_cpus_per_replica, args.num_gpus_per_replica, options["max_ongoing_requests"],
         config.model, config.max_num_seqs, config.executor,

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from diffbatch.config import EngineConfig
 from diffbatch.entrypoints.ray import REPLICA_HEADER
 from diffbatch.entrypoints.ray.args import RayServeArgs
 from diffbatch.errors import ConfigError
+from diffbatch.pipelines.registry import check_model_spec
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -59,6 +61,12 @@ def build_app(args: dict[str, Any]) -> Application:
         The bound application, for `serve.run`, `serve run` or a Serve config file.
     """
     validated = args if isinstance(args, RayServeArgs) else RayServeArgs.from_dict(dict(args))
+    model = validated.model
+    if model is not None and "/" not in model and os.sep not in model \
+            and not model.startswith(("~", ".")):
+        # A name (no path: a folder may exist on the replicas' nodes only) is checked
+        # here, so a misspelt one fails with its hint before any replica starts.
+        check_model_spec(model)
     _require_ray()
     from diffbatch.entrypoints.ray.deployment import build_deployment
 
@@ -157,21 +165,25 @@ def run_ray_server(args: argparse.Namespace) -> None:
     closes its engine) and disconnects; a local cluster it started goes away with it.
     """
     ray_args = args_from_namespace(args)  # 1. Validate before touching Ray.
-    _require_ray()
+    app = build_app(ray_args)  # (a misspelt model name fails here, with its hint)
     import ray
     from ray import serve
 
     from diffbatch.entrypoints.ray.proxy import serve_start_options
 
     # 2. Connect (or start a local cluster), start the proxy, deploy.
-    ray.init(address=args.ray_address, logging_level=args.log_level.upper())
+    try:
+        ray.init(address=args.ray_address, logging_level=args.log_level.upper())
+    except ConnectionError as exc:
+        raise ConfigError(f"cannot connect to the Ray cluster at --ray-address "
+                          f"{args.ray_address!r}: {exc}", param="ray_address") from None
     # NOTE: right after `ray.init`, which installs handlers that exit (Python) or
     # abort (Ray's C++ failure handler) on SIGTERM: SIGTERM, at any point from here,
     # becomes a KeyboardInterrupt like Ctrl-C, so the cleanup below always runs.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(**serve_start_options(args.host, args.port))
-        serve.run(build_app(ray_args), name=DEFAULT_APP_NAME, route_prefix="/")
+        serve.run(app, name=DEFAULT_APP_NAME, route_prefix="/")
         logger.info(
             "listening on http://%s:%d: %d replica(s) of %r on Ray Serve (docs at /docs)",
             args.host, args.port, ray_args.num_replicas, ray_args.model,

@@ -150,6 +150,18 @@ def test_the_shutdown_timeout_defaults_to_the_servers() -> None:
                                   ).deployment_options()["graceful_shutdown_timeout_s"] == 0.5
 
 
+def test_a_misspelt_model_name_fails_before_ray_is_touched(caplog) -> None:
+    """In the builder (a Serve config file) and in `diffbatch serve --ray`, with the
+    name's hint, as without Ray: not as replicas that fail to load, retried."""
+    from diffbatch.entrypoints.cli import main
+    from diffbatch.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="did you mean `tiny-sd`"):
+        build_app({"model": "tiny-sdd"})
+    assert main(["serve", "tiny-sdd", "--ray", "--port", "0"]) == 1
+    assert "failed to start: model 'tiny-sdd'" in caplog.text
+
+
 def test_builder_follows_ray_app_builder_convention() -> None:
     """`serve run module:build_app k=v` calls the builder with a dict of strings."""
     serve = pytest.importorskip("ray.serve")
