@@ -281,6 +281,10 @@ class Engine:
                     f"request id {sorted(duplicates)[0]!r} is already active", param="request_id"
                 )
             limit = self.config.max_queue_size
+            if limit is not None and len(requests) > limit:
+                raise QueueFullError(
+                    f"{len(requests)} requests submitted together are more than the waiting "
+                    f"queue holds (max_queue_size={limit}); submit at most {limit} at once")
             if limit is not None and self.core.num_waiting + len(requests) > limit:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
             for request in requests:
@@ -350,7 +354,9 @@ class Engine:
         """Submit every prompt as its own request and wait for all of them.
 
         Returns one `DiffusionOutput` per prompt, in order; a failed request has
-        `error` set and does not raise.
+        `error` set and does not raise. Invalid input (`InvalidRequestError`, naming the
+        prompt's index in a list), a full queue or a closed engine raise before anything
+        is submitted.
         """
         if not isinstance(prompts, str) and (
                 isinstance(prompts, bytes | dict) or not hasattr(prompts, "__iter__")):
@@ -380,10 +386,16 @@ class Engine:
                 f"{len(prompts)} prompts", param="request_ids",
             )
         with self._counting_rejections(len(prompts)):
-            requests = [
-                self._prepare(prompt, params, None if request_ids is None else request_ids[i], 0)
-                for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
-            ]
+            requests = []
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                try:
+                    requests.append(self._prepare(
+                        prompt, params, None if request_ids is None else request_ids[i], 0))
+                except InvalidRequestError as exc:
+                    if len(prompts) > 1:  # which one, of a list (nothing was submitted)
+                        exc.message = f"prompt {i}: {exc.message}"
+                        exc.args = (exc.message,)
+                    raise
             futures = self._add(requests)
         from tqdm import tqdm
 

@@ -437,3 +437,20 @@ def test_close_hands_out_outputs_that_finished_just_before_it():
     release.set()
     assert future.result(30).ok
     closer.join(30)
+
+
+def test_generate_names_the_invalid_prompt_of_a_list_and_submits_none():
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=2) as engine:
+        good = SamplingParams(height=16, width=16)
+        with pytest.raises(InvalidRequestError, match=r"^prompt 1: `height` must be") as info:
+            engine.generate(["good", "bad"], [good, good.clone(height=17)])
+        assert info.value.param == "height"
+        assert engine.num_unfinished == 0  # the good one was not submitted either
+
+
+def test_a_list_longer_than_the_queue_says_so_instead_of_retry_later():
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=2,
+                max_queue_size=2) as engine:
+        with pytest.raises(QueueFullError, match="submit at most 2 at once"):
+            engine.generate([f"p{i}" for i in range(5)])
+        assert len(engine.generate(["a", "b"])) == 2
