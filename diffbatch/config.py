@@ -185,6 +185,12 @@ class EngineConfig:
         # 2. Rules between fields.
         if self.worker_cpus is not None:
             self._check_worker_cpus()
+        if self.step_execution and self.max_wave_pixels is not None:
+            raise ConfigError(
+                "`max_wave_pixels` caps the waves of request mode's grouped scheduler; in step "
+                "mode the running batch is bounded by `max_num_seqs` only, so the cap would "
+                "not hold: leave max_wave_pixels out, or bound the batch with max_num_seqs",
+                param="max_wave_pixels")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

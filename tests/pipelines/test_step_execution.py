@@ -237,3 +237,14 @@ def test_partial_images_in_step_mode_equal_request_modes(model: str, load_tiny: 
     assert [p.step for p in want] == [1, 2, 3]
     for (_, got), expected in zip(sent, want, strict=True):
         assert (got.image - expected.image).abs().max().item() <= TOLERANCE
+
+
+def test_a_wave_pixel_cap_is_refused_in_step_mode_not_ignored():
+    """The cap belongs to request mode's grouped waves; step mode's batch would not
+    hold it, so asking for both fails at once, naming the option."""
+    from diffbatch import EngineConfig
+
+    with pytest.raises(ConfigError, match="max_wave_pixels") as info:
+        EngineConfig(step_execution=True, max_wave_pixels=8192)
+    assert info.value.param == "max_wave_pixels"
+    assert EngineConfig(max_wave_pixels=8192, scheduling_policy="grouped").max_wave_pixels
