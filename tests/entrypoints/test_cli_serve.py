@@ -345,25 +345,32 @@ def test_metrics_count_exactly_the_traffic_sent(served: Served) -> None:
     assert after[("diffbatch_num_requests_running", frozenset())] == 0
 
 
+@contextlib.contextmanager
+def holding_the_worker(served: Served) -> Iterator[socket.socket]:
+    """A 400-step request running on the worker, over a raw connection the caller
+    closes (`disconnect`) to stop its wave at the next denoising step."""
+    holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
+                                            "num_inference_steps": 400})
+    try:
+        wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
+                 "the long wave to start")
+        yield holder
+    finally:
+        holder.close()
+
+
 def test_batch_size_header_is_the_size_of_the_wave(served: Served) -> None:
     """A lone request runs in a wave of 1; two sent behind a running wave share a wave
     of 2 (the server's --max-num-seqs): while the worker is busy, the first waits in
     the queue (only a full wave goes ahead to the worker), however late the second
     comes."""
     assert served.post(seed=4).headers["x-diffbatch-batch-size"] == "1"
-    holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
-                                            "num_inference_steps": 400})
-    try:
-        wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
-                 "the long wave to start")
-        with ThreadPoolExecutor(2) as pool:
-            pair = [pool.submit(served.post, seed=seed) for seed in (5, 6)]
-            wait_for(lambda: served.metric("diffbatch_num_requests_running") == 3,
-                     "the pair's wave to be queued at the worker")
-            disconnect(holder)  # its wave stops at the next denoising step
-            burst = [future.result() for future in pair]
-    finally:
-        holder.close()
+    with holding_the_worker(served) as holder, ThreadPoolExecutor(2) as pool:
+        pair = [pool.submit(served.post, seed=seed) for seed in (5, 6)]
+        wait_for(lambda: served.metric("diffbatch_num_requests_running") == 3,
+                 "the pair's wave to be queued at the worker")
+        disconnect(holder)  # its wave stops at the next denoising step
+        burst = [future.result() for future in pair]
     assert [r.headers["x-diffbatch-batch-size"] for r in burst] == ["2", "2"]
 
 
@@ -371,22 +378,15 @@ def test_priority_reaches_the_engine(served: Served) -> None:
     """Behind a running wave, a later request with a better (lower) priority runs before
     an earlier one: the wave log shows the waves in the order they ran."""
     last_id = httpx.get(f"{served.url}/v1/waves").json()["last_id"]
-    holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
-                                            "num_inference_steps": 400})
-    try:
-        wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
-                 "the long wave to start")
-        with ThreadPoolExecutor(2) as pool:
-            earlier = pool.submit(served.post, seed=8, priority=10)  # 64x64
-            wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 1,
-                     "the earlier request to wait")
-            later = pool.submit(served.post, seed=9, priority=-10, size="32x32")
-            wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 2,
-                     "the later request to wait")
-            disconnect(holder)  # its wave stops at the next denoising step
-            earlier.result(), later.result()
-    finally:
-        holder.close()
+    with holding_the_worker(served) as holder, ThreadPoolExecutor(2) as pool:
+        earlier = pool.submit(served.post, seed=8, priority=10)  # 64x64
+        wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 1,
+                 "the earlier request to wait")
+        later = pool.submit(served.post, seed=9, priority=-10, size="32x32")
+        wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 2,
+                 "the later request to wait")
+        disconnect(holder)  # its wave stops at the next denoising step
+        earlier.result(), later.result()
     waves = httpx.get(f"{served.url}/v1/waves", params={"after": last_id}).json()["data"]
     assert [w["key"].split("/")[:2] for w in waves] == [
         ["64x64", "s400"], ["32x32", "s2"], ["64x64", "s2"]]
