@@ -605,13 +605,7 @@ class Engine:
                 self.core.join()
             else:
                 self.core.join(timeout_s)
-            error = RequestError.from_exception(EngineClosedError("engine is closed"))
-            with self._lock:
-                leftovers = list(self._futures.items())
-                self._futures.clear()
-            for request_id, future in leftovers:
-                if not future.done():
-                    future.set_result(DiffusionOutput.from_error(request_id, error))
+            _fail_open_futures(self._futures, self._lock, "engine is closed")
             if timeout_s is None:
                 self.executor.shutdown()
             else:
@@ -640,6 +634,18 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
+def _fail_open_futures(futures: dict[str, concurrent.futures.Future[DiffusionOutput]],
+                       lock: threading.Lock, message: str) -> None:
+    """Resolve every future still registered with an `EngineClosedError(message)` output."""
+    error = RequestError.from_exception(EngineClosedError(message))
+    with lock:
+        leftovers = list(futures.items())
+        futures.clear()
+    for request_id, future in leftovers:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled, set
+            future.set_result(DiffusionOutput.from_error(request_id, error))
+
+
 def _release_dropped(core: EngineCore, executor: Executor,
                      futures: dict[str, concurrent.futures.Future[DiffusionOutput]],
                      lock: threading.Lock) -> None:
@@ -653,14 +659,8 @@ def _release_dropped(core: EngineCore, executor: Executor,
         return
     logger.info("an Engine was dropped without close(): stopping its loop and worker")
     core.stop()
-    error = RequestError.from_exception(EngineClosedError(
-        "engine is closed: it was garbage-collected without close()"))
-    with lock:
-        leftovers = list(futures.items())
-        futures.clear()
-    for request_id, future in leftovers:
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            future.set_result(DiffusionOutput.from_error(request_id, error))
+    _fail_open_futures(futures, lock,
+                       "engine is closed: it was garbage-collected without close()")
     executor.shutdown(timeout_s=SHUTDOWN_GRACE_S)
     core.join(SHUTDOWN_GRACE_S)
 
