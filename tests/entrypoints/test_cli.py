@@ -300,3 +300,22 @@ def test_a_port_in_use_or_an_unknown_host_fails_before_the_model_loads(
     assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
     assert cli.main(["serve", "tiny-sd", "--host", "no-such-host.invalid"]) == 1
     assert "cannot listen on no-such-host.invalid:8000" in caplog.text
+
+
+def test_the_program_keeps_its_exit_code_exit_handlers_and_output() -> None:
+    """`run` ends the process without the interpreter's teardown, but only after the
+    exit handlers ran and what was printed and logged was flushed."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "from diffbatch.entrypoints.cli import run\n"
+              "sys.argv = ['diffbatch', 'serve', 'tiny-sdd']\n"
+              "print('before', end='')\n"  # unflushed: a pipe buffers it
+              "run()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1  # the start-up error's code
+    assert done.stdout == "beforeexit handler ran\n"
+    assert "did you mean `tiny-sd`" in done.stderr
