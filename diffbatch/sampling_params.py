@@ -9,10 +9,12 @@ may share a wave only if their keys are equal.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import operator
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from diffbatch.errors import InvalidRequestError
@@ -158,6 +160,30 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _refusing_unknown_options(cls: type) -> type:
+    """Make `cls(foo=1)` an `InvalidRequestError` that names the option and suggests
+    the closest known one (Python's own TypeError says neither what is known nor
+    where a pipeline's own arguments go)."""
+    init = cls.__init__
+    known = [f.name for f in fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean `{close[0]}`?" if close else "."
+                raise InvalidRequestError(
+                    f"unknown sampling option `{name}`{hint} SamplingParams takes "
+                    f"{', '.join(known)}; other arguments of the pipeline's call go in "
+                    "`extra={...}`", param=name)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+@_refusing_unknown_options
 @dataclass
 class SamplingParams:
     """How to sample one request's images.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -99,6 +100,19 @@ def test_invalid_params_fail_on_construction_naming_the_field(kwargs, param):
     assert info.value.param == param
     assert f"`{param}`" in str(info.value)
     assert info.value.status_code == 400
+
+
+def test_an_unknown_option_is_refused_naming_it_and_the_closest_known_one():
+    with pytest.raises(InvalidRequestError, match="did you mean `num_inference_steps`") as info:
+        SamplingParams(num_inference_step=4)
+    assert info.value.param == "num_inference_step"
+    with pytest.raises(InvalidRequestError, match=r"unknown sampling option `foo`\. ") as info:
+        SamplingParams(foo=1)
+    assert "extra={...}" in str(info.value)
+    # known options, positional or by name, and `replace`, work as before
+    params = SamplingParams(64, 32, seed=3)
+    assert (params.height, params.width, params.seed) == (64, 32, 3)
+    assert dataclasses.replace(params, seed=4).seed == 4
 
 
 def test_short_form_names_shape_steps_guidance():
