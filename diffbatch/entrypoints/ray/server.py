@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,31 @@ def args_from_namespace(args: argparse.Namespace) -> RayServeArgs:
     return RayServeArgs.from_dict(values)
 
 
+RAY_ADDRESS_TIMEOUT_S = 5.0  # how long a cluster's address may take to accept a connection
+
+
+def check_ray_address(address: str | None, *, source: str = "--ray-address",
+                      timeout_s: float = RAY_ADDRESS_TIMEOUT_S) -> None:
+    """Refuse a cluster address (`host:port` or `ray://host:port`) where nothing accepts
+    a TCP connection within `timeout_s`: Ray itself retries such an address for a
+    long while before it gives up. Other forms ("auto", "local", none) are Ray's."""
+    if not address or address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        reason = f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) \
+            else exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"cannot reach a Ray cluster at {source} {address!r} ({reason}); start one "
+            "there (`ray start --head`), or leave the address out to start a local one",
+            param="ray_address") from None
+
+
 def run_ray_server(args: argparse.Namespace) -> None:
     """Deploy on Ray Serve from CLI `args` and serve until interrupted.
 
@@ -172,6 +198,10 @@ def run_ray_server(args: argparse.Namespace) -> None:
     from diffbatch.entrypoints.ray.proxy import serve_start_options
 
     # 2. Connect (or start a local cluster), start the proxy, deploy.
+    if args.ray_address:
+        check_ray_address(args.ray_address)
+    else:
+        check_ray_address(os.environ.get("RAY_ADDRESS"), source="$RAY_ADDRESS")
     try:
         ray.init(address=args.ray_address, logging_level=args.log_level.upper())
     except ConnectionError as exc:

@@ -162,6 +162,28 @@ def test_a_misspelt_model_name_fails_before_ray_is_touched(caplog) -> None:
     assert "failed to start: model 'tiny-sdd'" in caplog.text
 
 
+def test_an_address_where_nothing_listens_fails_at_once_naming_the_flag(caplog) -> None:
+    """Ray would retry such an address for a long while; the CLI refuses it first."""
+    import socket
+
+    from diffbatch.entrypoints.cli import main
+    from diffbatch.entrypoints.ray.server import check_ray_address
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        check_ray_address(f"127.0.0.1:{port}")  # something answers: Ray's to judge
+        check_ray_address(f"ray://127.0.0.1:{port}")
+    # the port is closed now: connections to it are refused
+    with pytest.raises(ConfigError, match=f"--ray-address 'ray://127.0.0.1:{port}'"):
+        check_ray_address(f"ray://127.0.0.1:{port}")
+    for address in (None, "", "auto", "local"):
+        check_ray_address(address)
+    assert main(["serve", MODEL, "--ray", "--ray-address", f"127.0.0.1:{port}"]) == 1
+    assert f"cannot reach a Ray cluster at --ray-address '127.0.0.1:{port}'" in caplog.text
+
+
 def test_builder_follows_ray_app_builder_convention() -> None:
     """`serve run module:build_app k=v` calls the builder with a dict of strings."""
     serve = pytest.importorskip("ray.serve")
