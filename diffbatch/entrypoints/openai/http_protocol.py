@@ -17,12 +17,16 @@ connections (and file descriptors) for as long as they like. This protocol adds:
   every answer, and its connection is closed. Ranking by age, not by the count at a
   request's first bytes, refuses only the connections over the limit when a burst
   opens them all at once. uvicorn's own `limit_concurrency` answers plain text
-  instead, to every request while over.
+  instead, to every request while over;
+- malformed HTTP (a request line or headers neither parser accepts) answered with a
+  400 in the OpenAI error shape (`code: "invalid_http_request"`) where uvicorn sends
+  plain text; the connection is closed, as uvicorn closes it.
 
 It is a mixin over the protocol uvicorn would pick (`httptools`, else `h11`) and relies
 on what both share: `connection_made`/`data_received`/`connection_lost`, the current
 request's `cycle` (replaced when a request's headers are complete), the `app` it
-hands each new request to, and the server's `connections`.
+hands each new request to, the server's `connections`, and `send_400_response(msg)`,
+which both call when their parser rejects the bytes.
 """
 
 from __future__ import annotations
@@ -109,6 +113,16 @@ class _GuardedHTTPProtocol:
         self._stop_header_timer()
         super().connection_lost(exc)
 
+    def send_400_response(self, msg: str) -> None:
+        """The parser rejected the bytes: a 400 in the OpenAI shape, then close (what
+        uvicorn does, with a JSON body in place of its plain text)."""
+        self._stop_header_timer()  # (uvicorn has logged `msg`)
+        self.transport.write(_raw_error_response(
+            400, "Bad Request", "the request is not valid HTTP/1.1 (its request line or "
+            "headers could not be parsed); the connection is closed",
+            "invalid_http_request"))
+        self.transport.close()
+
     # -- header timeout -------------------------------------------------------------
     def _waiting_for_headers(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
@@ -142,12 +156,16 @@ def _peer(client: tuple[str, int] | None) -> str:
 
 
 def _timeout_response(header_timeout_s: float) -> bytes:
-    """A raw 408 in the OpenAI error shape, written outside any ASGI cycle."""
-    body = json.dumps(error_body(
-        f"request headers were not complete within {header_timeout_s:g} s; the connection "
-        "is closed", "invalid_request_error", code="request_timeout",
-    )).encode()
-    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+    return _raw_error_response(
+        408, "Request Timeout", f"request headers were not complete within "
+        f"{header_timeout_s:g} s; the connection is closed", "request_timeout")
+
+
+def _raw_error_response(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole response in the OpenAI error shape, written outside any ASGI cycle, for
+    a connection that is closed after it."""
+    body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("ascii") + body
 

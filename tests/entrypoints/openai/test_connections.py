@@ -62,6 +62,30 @@ def test_slow_request_headers_get_408_and_the_connection_is_closed(http_base: ty
         assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("garbage", [
+    b"NOT HTTP AT ALL\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon in this header\r\n\r\n",
+    b"GET /he alth HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+], ids=["request-line", "header", "space-in-target"])
+def test_malformed_http_gets_400_in_the_openai_shape_and_the_server_goes_on(
+    http_base: type, garbage: bytes
+) -> None:
+    with gated_server(config={"http_base": http_base}) as (server, gate):
+        gate.release.set()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(garbage)
+            answer = read_until_closed(sock)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), answer
+        assert b"content-type: application/json" in head.lower()
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                  "invalid_http_request")
+        response = httpx.post(f"{server.url}{ROUTE}", json={"prompt": "p"}, timeout=60)
+        assert response.status_code == 200, response.text
+
+
 def test_the_header_timeout_starts_again_for_each_request_on_a_keep_alive_connection(
     http_base: type,
 ) -> None:
