@@ -481,6 +481,9 @@ class EngineCore:
 
     def _executor_error(self, wave: SchedulerOutput, exc: Exception) -> RequestError:
         """The error outputs carry when the executor itself failed (not the pipeline)."""
+        if isinstance(exc, EngineClosedError):  # the engine's own shutdown cut it short
+            logger.info("wave %d ended by the shutdown: %s", wave.wave_id, exc.message)
+            return RequestError.from_exception(exc)
         if isinstance(exc, DiffbatchError):  # e.g. the worker process died mid-wave
             logger.error("wave %d failed in the executor: %s", wave.wave_id, exc.message)
             return RequestError.from_exception(exc)

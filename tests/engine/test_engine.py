@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import signal
 import threading
@@ -148,6 +149,29 @@ def test_close_fails_every_open_request(gate):
     with pytest.raises(EngineClosedError):
         engine.generate(["late"])
     assert not engine.is_healthy
+
+
+def test_a_wave_cut_short_by_the_shutdown_is_logged_as_such_not_as_an_error(caplog):
+    """Ctrl-C in a script closes the engine under its running waves: their requests
+    fail "engine is closed", and the log says why without an ERROR line per wave; a
+    worker that died is still an error."""
+    from diffbatch.errors import WorkerDiedError
+    from diffbatch.sched.output import SchedulerOutput
+
+    caplog.set_level(logging.INFO, logger="diffbatch")
+    with gated_engine() as engine:
+        wave = SchedulerOutput(wave_id=7, requests=[], key=None)
+        closed = engine.core._executor_error(
+            wave, EngineClosedError("the executor was shut down while running wave 7"))
+        assert closed.type == "engine_unavailable"
+        assert [(r.levelno, r.getMessage()) for r in caplog.records
+                if "wave 7" in r.getMessage()] == [
+            (logging.INFO, "wave 7 ended by the shutdown: the executor was shut down while "
+                           "running wave 7")]
+        caplog.clear()
+        engine.core._executor_error(wave, WorkerDiedError("the worker died", started=True))
+        assert [r.levelno for r in caplog.records if "wave 7" in r.getMessage()] == [
+            logging.ERROR]
 
 
 def test_an_engine_dropped_without_close_fails_its_requests_and_stops_its_threads(gate):
