@@ -148,11 +148,14 @@ def _fuse(values: list[Any], sizes: list[int], *, shared: bool) -> Any:
     if isinstance(first, torch.Tensor):
         if not all(isinstance(v, torch.Tensor) for v in values):
             raise Unfusable("a tensor argument is not a tensor in every call")
-        if not shared and all(v.ndim == 0 for v in values):  # a per-call scalar (timestep)
-            return _per_sample(values, sizes)
-        if not shared and all(v.ndim >= 1 and v.shape[0] == n and v.shape[1:] == first.shape[1:]
-                              for v, n in zip(values, sizes, strict=True)):
-            return torch.cat(values)
+        if not shared:
+            if all(v.ndim == 0 for v in values):  # a per-call scalar (timestep)
+                return _per_sample(values, sizes)
+            if [v.shape[0] if v.ndim else -1 for v in values] == sizes:
+                try:  # (`cat` checks the other dimensions: cheaper than comparing here)
+                    return torch.cat(values)
+                except RuntimeError:  # they differ: not a per-sample argument
+                    pass
         if all(v.shape == first.shape and torch.equal(v, first) for v in values[1:]):
             return first  # the same for every call (e.g. position ids)
         raise Unfusable("tensor arguments differ in shape beyond the batch dimension")
