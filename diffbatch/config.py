@@ -153,7 +153,8 @@ class EngineConfig:
         "key once a request of another key waited this long")
     max_wave_pixels: int | None = option(
         None, rule=Optional(IntRange(1)),
-        help="grouped: most output pixels (B*n*H*W) in one wave", default_help="no cap")
+        help="most output pixels (B*n*H*W) in one wave, under either scheduling policy "
+        "(a wave always takes one request; request mode only)", default_help="no cap")
     batch_error_isolation: BatchErrorIsolation = option(
         "bisect", rule=OneOf(("bisect", "none")),
         help="bisect: re-run a failing wave in halves so only the failing requests get an "
@@ -187,7 +188,7 @@ class EngineConfig:
             self._check_worker_cpus()
         if self.step_execution and self.max_wave_pixels is not None:
             raise ConfigError(
-                "`max_wave_pixels` caps the waves of request mode's grouped scheduler; in step "
+                "`max_wave_pixels` caps the waves of request mode; in step "
                 "mode the running batch is bounded by `max_num_seqs` only, so the cap would "
                 "not hold: leave max_wave_pixels out, or bound the batch with max_num_seqs",
                 param="max_wave_pixels")

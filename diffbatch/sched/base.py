@@ -34,16 +34,26 @@ if TYPE_CHECKING:
 WaveCapacity = Callable[["SamplingParamsKey", int], int]  # (key, num waiting) -> capacity
 
 
+def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
+    """Output pixels of a wave of `num_requests` requests with `key`: B*n*H*W."""
+    return num_requests * key.num_outputs_per_prompt * key.height * key.width
+
+
 class SchedulerBase(SchedulerInterface):
     """Request table, running set and waiting count; the policy lives in subclasses."""
 
     def __init__(
-        self, max_num_seqs: int, capacity_of: WaveCapacity | None = None
+        self, max_num_seqs: int, capacity_of: WaveCapacity | None = None, *,
+        max_wave_pixels: int | None = None,
     ) -> None:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) \
                 or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if max_wave_pixels is not None and max_wave_pixels < 1:
+            raise ValueError(f"max_wave_pixels must be >= 1 or None, got {max_wave_pixels}")
         self.max_num_seqs = max_num_seqs
+        # Most output pixels (B*n*H*W) in one wave; a wave always takes one request.
+        self.max_wave_pixels = max_wave_pixels
         # Per-key capacity (e.g. learned: `BatchPolicy.capacity`), given the key and the
         # number waiting; never above `max_num_seqs`. None: `max_num_seqs` for every key.
         self.capacity_of = capacity_of
@@ -60,6 +70,15 @@ class SchedulerBase(SchedulerInterface):
         if self.capacity_of is None:
             return self.max_num_seqs
         return max(1, min(self.max_num_seqs, self.capacity_of(key, self.num_waiting)))
+
+    def wave_limit(self, key: SamplingParamsKey) -> tuple[int, str]:
+        """Most requests a wave of `key` may take now, and the close reason once it has
+        them: "capacity", or "pixel_cap" when `max_wave_pixels` is the tighter bound."""
+        capacity = self.wave_capacity(key)
+        if self.max_wave_pixels is None:
+            return capacity, "capacity"
+        by_pixels = max(1, self.max_wave_pixels // wave_pixels(key, 1))
+        return (by_pixels, "pixel_cap") if by_pixels < capacity else (capacity, "capacity")
 
     # -- policy hooks ----------------------------------------------------------------
     @abstractmethod

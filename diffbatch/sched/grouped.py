@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 _Entry = tuple[int, int, DiffusionRequest]  # (priority, arrival seq, request)
 
 
-def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
-    """Output pixels of a wave of `num_requests` requests with `key`: B*n*H*W."""
-    return num_requests * key.num_outputs_per_prompt * key.height * key.width
-
-
 class GroupedScheduler(SchedulerBase):
     """Groups by key, picks groups by priority and age; see the module docstring."""
 
@@ -52,13 +47,10 @@ class GroupedScheduler(SchedulerBase):
         clock: Callable[[], float] = time.monotonic,
         capacity_of: WaveCapacity | None = None,
     ) -> None:
-        super().__init__(max_num_seqs, capacity_of)
+        super().__init__(max_num_seqs, capacity_of, max_wave_pixels=max_wave_pixels)
         if max_head_wait_ms < 0:
             raise ValueError(f"max_head_wait_ms must be >= 0, got {max_head_wait_ms}")
-        if max_wave_pixels is not None and max_wave_pixels < 1:
-            raise ValueError(f"max_wave_pixels must be >= 1 or None, got {max_wave_pixels}")
         self.max_head_wait_ms = max_head_wait_ms
-        self.max_wave_pixels = max_wave_pixels
         self.clock = clock
         self._seq = itertools.count()
         self._arrivals: deque[DiffusionRequest] = deque()  # arrival order, for starvation
@@ -114,17 +106,13 @@ class GroupedScheduler(SchedulerBase):
         group = self._groups[key]
         wave: list[DiffusionRequest] = []
         close_reason = "group_empty"
-        capacity = self.wave_capacity(key)
+        limit, limit_reason = self.wave_limit(key)
         while True:
             self._pop_finished(group)
             if not group:
                 break
-            if len(wave) >= capacity:
-                close_reason = "capacity"
-                break
-            if wave and self.max_wave_pixels is not None and \
-                    wave_pixels(key, len(wave) + 1) > self.max_wave_pixels:
-                close_reason = "pixel_cap"
+            if len(wave) >= limit:
+                close_reason = limit_reason
                 break
             request = heapq.heappop(group)[2]
             self.num_heap_ops += 1
@@ -172,9 +160,7 @@ class GroupedScheduler(SchedulerBase):
         if picked is None:
             return False
         key = picked[0]
-        limit = self.wave_capacity(key)
-        if self.max_wave_pixels is not None:
-            limit = min(limit, max(1, self.max_wave_pixels // wave_pixels(key, 1)))
+        limit, _ = self.wave_limit(key)
         count = 0
         for _, _, request in self._groups[key]:
             if request.status == RequestStatus.WAITING:
@@ -184,4 +170,4 @@ class GroupedScheduler(SchedulerBase):
         return False
 
 
-__all__ = ["GroupedScheduler", "wave_pixels"]
+__all__ = ["GroupedScheduler"]

@@ -32,4 +32,5 @@ def make_scheduler(
             clock=clock,
             capacity_of=capacity_of,
         )
-    return Scheduler(config.capacity_limit, capacity_of)
+    return Scheduler(config.capacity_limit, capacity_of,
+                     max_wave_pixels=config.max_wave_pixels)

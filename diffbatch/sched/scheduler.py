@@ -1,7 +1,8 @@
 """The `fifo` scheduler: FIFO waves of equal-key requests.
 
 A wave starts at the head of the waiting queue and keeps taking requests from the
-head while their key equals the wave's key and capacity remains.
+head while their key equals the wave's key and capacity remains (the wave size, and
+`max_wave_pixels` output pixels when that is set).
 
 NOTE: this is deliberately conservative. An incompatible request at the head ends
 the wave even if compatible requests wait behind it (head-of-line blocking), so
@@ -28,8 +29,9 @@ logger = logging.getLogger(__name__)
 class Scheduler(SchedulerBase):
     """FIFO scheduler with waves of equal-key requests up to `max_num_seqs`."""
 
-    def __init__(self, max_num_seqs: int, capacity_of: WaveCapacity | None = None) -> None:
-        super().__init__(max_num_seqs, capacity_of)
+    def __init__(self, max_num_seqs: int, capacity_of: WaveCapacity | None = None, *,
+                 max_wave_pixels: int | None = None) -> None:
+        super().__init__(max_num_seqs, capacity_of, max_wave_pixels=max_wave_pixels)
         # NOTE: aborted requests stay in the deque and are skipped at the head, so an
         # abort is O(1); `num_waiting` counts only the live ones.
         self.waiting: deque[DiffusionRequest] = deque()
@@ -55,14 +57,14 @@ class Scheduler(SchedulerBase):
         assert key is not None  # add_request rejects a request without a key
         wave: list[DiffusionRequest] = []
         close_reason = "queue_empty"
-        capacity = self.wave_capacity(key)
+        limit, limit_reason = self.wave_limit(key)
         while True:
             self._pop_finished_heads()
             if not self.waiting:
                 close_reason = "queue_empty"
                 break
-            if len(wave) >= capacity:
-                close_reason = "capacity"
+            if len(wave) >= limit:
+                close_reason = limit_reason
                 break
             if self.waiting[0].key != key:
                 close_reason = "key"  # head-of-line blocking, see the module NOTE
@@ -99,7 +101,7 @@ class Scheduler(SchedulerBase):
             if key is None:
                 key = request.key
                 assert key is not None
-                capacity = self.wave_capacity(key)
+                capacity, _ = self.wave_limit(key)
             elif request.key != key:
                 return True
             count += 1

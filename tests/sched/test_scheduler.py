@@ -62,6 +62,25 @@ def test_waves_fill_up_to_capacity_in_fifo_order():
     ]
 
 
+def test_the_pixel_cap_bounds_fifo_waves_too():
+    sched = Scheduler(max_num_seqs=8, max_wave_pixels=3 * 64 * 64)
+    for i in range(7):
+        sched.add_request(make_request(f"r{i}"))
+    assert sched.has_full_wave()  # three 64x64 images reach the cap
+    waves = []
+    while not (wave := sched.schedule()).is_empty:
+        waves.append((len(wave.requests), wave.close_reason))
+        sched.update_from_output(wave, ok_output(wave))
+    assert waves == [(3, "pixel_cap"), (3, "pixel_cap"), (1, "queue_empty")]
+    # a request larger than the cap still runs, alone; the capacity binds when tighter
+    sched.add_request(make_request("huge", 128))
+    assert sched.schedule().req_ids == ["huge"]
+    sched = Scheduler(max_num_seqs=2, max_wave_pixels=3 * 64 * 64)
+    for i in range(3):
+        sched.add_request(make_request(f"s{i}"))
+    assert sched.schedule().close_reason == "capacity"
+
+
 def test_incompatible_head_blocks_later_compatible_requests():
     sched = Scheduler(max_num_seqs=4)
     for rid, size in [("a", 64), ("b", 128), ("c", 64), ("d", 64)]:
