@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import diffbatch
 
 
@@ -18,3 +21,9 @@ def test_the_documented_entry_points_exist():
     for name in ("generate", "generate_async", "abort", "close", "check_health"):
         assert callable(getattr(Engine, name))
     assert SamplingParams().num_outputs_per_prompt == 1
+
+
+def test_every_error_the_readme_names_is_importable_from_the_package():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    named = set(re.findall(r"\b([A-Z][A-Za-z]*Error)\b", readme))
+    assert named and named <= set(diffbatch.__all__), named - set(diffbatch.__all__)
