@@ -43,15 +43,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _non_empty(flag: str) -> Callable[[str], str]:
-    """An argparse type: the string given, refused when empty (or only spaces)."""
-    def check(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"{flag} must not be empty")
-        return text
-
-    check.__name__ = "non-empty string"  # what argparse names in its error
-    return check
+def _non_empty(text: str) -> str:
+    """An argparse type: the string given, refused when empty (or only spaces); argparse
+    names the flag in its error ("argument --api-key: must not be empty")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _add_seconds(
@@ -101,11 +98,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=port, default=8000, help="port to listen on")
     server.add_argument(
-        "--served-model-name", default=None, type=_non_empty("--served-model-name"),
+        "--served-model-name", default=None, type=_non_empty,
         help="model name clients pass and /v1/models lists (default: MODEL)",
     )
     server.add_argument(
-        "--api-key", default=os.environ.get(API_KEY_ENV) or None, type=_non_empty("--api-key"),
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None, type=_non_empty,
         help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
     )
     _add_seconds(server, "--request-timeout", None,

@@ -112,9 +112,9 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--keep-alive-timeout", "-1"], "must be a finite number > 0"),
         (["--limit-concurrency", "0"], "must be an integer >= 1"),
         (["--body-timeout", "0"], "must be a finite number > 0"),
-        (["--api-key", ""], "--api-key must not be empty"),
-        (["--served-model-name", ""], "--served-model-name must not be empty"),
-        (["--served-model-name", "  "], "--served-model-name must not be empty"),
+        (["--api-key", ""], "argument --api-key: must not be empty"),
+        (["--served-model-name", ""], "argument --served-model-name: must not be empty"),
+        (["--served-model-name", "  "], "argument --served-model-name: must not be empty"),
     ],
 )
 def test_bad_flags_fail_while_parsing(

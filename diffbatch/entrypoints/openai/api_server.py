@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -420,9 +421,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def served_name_of(engine: Engine, model: str | None) -> str:
-    """The default served model name: the MODEL argument, else the engine's model."""
+    """The default served model name: the MODEL argument as given, without a trailing
+    slash (a folder named by tab completion, `mymodel/`, is served as `mymodel`), else
+    the engine's model."""
     if model:
-        return model
+        return model.rstrip("/" + os.sep) or model
     if getattr(engine.config, "model", None):
         return engine.config.model
     return DEFAULT_MODEL

@@ -275,3 +275,15 @@ async def test_png_responses_use_the_servers_compress_level(engine: Engine, monk
     assert response.status_code == 200, response.text
     assert decode(response.json()["data"][0]["b64_json"]).format == "PNG"
     assert levels == [9]
+
+
+def test_the_default_served_name_is_the_model_argument_without_a_trailing_slash():
+    from types import SimpleNamespace
+
+    from diffbatch.entrypoints.openai.api_server import served_name_of
+
+    engine = SimpleNamespace(config=SimpleNamespace(model="from-config"))
+    assert served_name_of(engine, "mymodel/") == "mymodel"  # as tab completion gives it
+    assert served_name_of(engine, "/models/sd//") == "/models/sd"
+    assert served_name_of(engine, "org/model") == "org/model"  # a hub id keeps its slash
+    assert served_name_of(engine, None) == "from-config"
