@@ -104,6 +104,9 @@ class BenchConfig:
         if self.warmup_requests < 0:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         self.base_url = self.base_url.rstrip("/")
+        if self.base_url.endswith("/v1") and self.endpoint.startswith("/v1/"):
+            # the base URL an OpenAI client takes: the endpoint already starts with /v1
+            self.base_url = self.base_url.removesuffix("/v1")
 
     @property
     def size(self) -> str:
@@ -453,7 +456,11 @@ def _positive_number(text: str) -> float:
 
 
 def _writable_file(text: str) -> str:
-    """A path whose folder exists (checked before the run, not after it)."""
+    """A file path whose folder exists (checked before the run, not after it)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"is a directory, expected a file path: {text!r} (e.g. {text.rstrip('/')}/"
+            "results.json)")
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"its folder does not exist: {folder!r}")
@@ -479,10 +486,14 @@ def _size(text: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
+API_KEY_ENV = "DIFFBATCH_API_KEY"  # the variable `diffbatch serve` takes its key from
+
+
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `diffbatch bench serve` (vLLM's names where they exist)."""
     parser.add_argument("--base-url", type=_url, default="http://127.0.0.1:8000",
-                        help="server to load, without the endpoint path")
+                        help="server to load, without the endpoint path (a trailing /v1, "
+                        "as an OpenAI client takes it, is dropped)")
     parser.add_argument("--endpoint", default=IMAGES_ENDPOINT, help="image generation path")
     parser.add_argument("--model", default=None,
                         help="`model` field of each request; none: the first of /v1/models, "
@@ -505,7 +516,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seeds the arrival gaps, the prompts and the request seeds")
     parser.add_argument("--warmup-requests", type=_non_negative_int, default=0,
                         help="requests sent and not measured before the run")
-    parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer`")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help="sent as `Authorization: Bearer` (default: $" + API_KEY_ENV
+                        + ", the key `diffbatch serve` reads)")
     parser.add_argument("--timeout", type=_positive_number, default=600.0,
                         help="per-request timeout (s)")
     parser.add_argument("--output-json", type=_writable_file, default=None,
