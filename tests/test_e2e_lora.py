@@ -44,3 +44,19 @@ def test_lora_changes_images_and_waves_split_by_adapter_and_scale(lora_dir):
         assert (outs[0].images - outs[1].images).abs().max() <= 1e-4
         # a request without LoRA right after LoRA waves is exactly the base model's
         assert (plain - base.images).abs().max() <= 1e-5
+
+
+def test_a_corrupt_adapter_file_is_the_callers_error_and_harms_nothing(lora_dir):
+    """A file that passes the admission check (a .safetensors name) but does not load:
+    a 400-class error naming `lora`, and the engine goes on serving."""
+    (lora_dir / "junk.safetensors").write_bytes(b"\x00\x17not a safetensors file" * 40)
+    with Engine("tiny-sd", executor="inproc", max_num_seqs=4, lora_dir=str(lora_dir),
+                torch_num_threads=1) as engine:
+        junk, plain = engine.generate(["a cat", "a dog"],
+                                      [params(lora="junk.safetensors"), params()])
+        assert junk.error is not None and plain.ok, (junk.error, plain.error)
+        assert (junk.error.status_code, junk.error.type, junk.error.param) == (
+            400, "invalid_request_error", "lora")
+        assert "'junk.safetensors' could not be loaded" in junk.error.message
+        again = engine.generate(["a cat"], params(lora="style-a"))[0]
+        assert again.ok, again.error

@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.errors import ModelNotFoundError, PipelineError, WaveInterrupted
+from diffbatch.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    PipelineError,
+    WaveInterrupted,
+)
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage, RequestError
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.sched.output import SchedulerOutput
@@ -280,7 +285,15 @@ class ModelRunner:
             path = lora
             if not os.path.exists(path):
                 raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
-            self.pipeline.load_lora(_adapter_name(lora), path)
+            try:
+                self.pipeline.load_lora(_adapter_name(lora), path)
+            except NotImplementedError:
+                raise
+            except Exception as exc:  # a corrupt file, or an adapter for another model
+                raise InvalidRequestError(
+                    f"LoRA adapter {os.path.basename(os.path.normpath(lora))!r} could not be "
+                    f"loaded into this model: {type(exc).__name__}: {exc}", param="lora",
+                ) from exc
             self._loaded_loras.add(lora)
         self.pipeline.set_lora(_adapter_name(lora) if lora is not None else None, scale)
         self._active_lora = wanted
