@@ -73,6 +73,7 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
             + ("a smaller size" if size_alone else "fewer steps or a smaller size"),
             param="height" if size_alone else "num_inference_steps",
         )
+    check_negative_prompt(info, params)
     accepted = info.call_arguments
     if accepted is None:
         return
@@ -87,6 +88,25 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
                 f"{', '.join(sorted(accepted - {'sigmas', 'timesteps'})) or 'none'}",
                 param="extra",
             )
+
+
+def check_negative_prompt(info: PipelineInfo, params: SamplingParams) -> None:
+    """Refuse a negative prompt the pipeline would drop without a word: one whose call
+    takes none, or Flux's, which uses it only with true CFG (`true_cfg_scale` > 1)."""
+    if not params.negative_prompt or info.negative_prompt == "yes":
+        return
+    if info.negative_prompt == "no":
+        raise InvalidRequestError(f"`negative_prompt` is not supported by {info.name}",
+                                  param="negative_prompt")
+    try:
+        true_cfg = float(params.extra.get("true_cfg_scale", 1.0))
+    except (TypeError, ValueError):
+        true_cfg = 1.0
+    if not true_cfg > 1.0:
+        raise InvalidRequestError(
+            f"`negative_prompt` has no effect on {info.name} without true classifier-free "
+            "guidance (`true_cfg_scale` > 1 in the Python API's `extra`, which runs the "
+            "model twice per step); leave negative_prompt out", param="negative_prompt")
 
 
 def resolve_lora(lora: str | None, lora_dir: str | None) -> str | None:

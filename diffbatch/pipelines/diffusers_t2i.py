@@ -314,6 +314,9 @@ class DiffusersT2IPipeline(BasePipeline):
                 task: float(call_parameters(task_pipe)["strength"].default)
                 for task, task_pipe in self.task_pipes.items() if task != "text-to-image"
             },
+            negative_prompt=("no" if "negative_prompt" not in self._call_params
+                             else "true_cfg" if "true_cfg_scale" in self._call_params
+                             else "yes"),
         )
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:

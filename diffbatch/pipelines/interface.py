@@ -33,7 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from diffbatch.errors import WaveInterrupted
 from diffbatch.pipelines.partial_images import PartialImagePlan
@@ -172,6 +172,10 @@ class PipelineInfo:
     default_strengths: dict[str, float] = field(default_factory=dict, hash=False)
     # The pipeline implements the step contract (`BasePipeline.step_fusion_points`).
     supports_step_execution: bool = False
+    # What a request's `negative_prompt` does: "yes" it is used (with CFG on), "no" the
+    # pipeline takes none, "true_cfg" only with `extra["true_cfg_scale"]` > 1 (Flux).
+    # A negative prompt the pipeline would drop is refused at admission.
+    negative_prompt: Literal["yes", "no", "true_cfg"] = "yes"
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""

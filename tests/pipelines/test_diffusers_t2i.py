@@ -104,6 +104,25 @@ def test_flux_ignores_negative_prompts_without_true_cfg(load_tiny) -> None:
     assert not pipeline.cfg_enabled(request.sampling_params)
 
 
+def test_a_negative_prompt_the_model_would_drop_is_refused_at_admission(load_tiny) -> None:
+    """Flux uses a negative prompt only with true CFG: without it the request is told so
+    (it would otherwise get the same image as without one); SD takes it as it is."""
+    flux, sd = load_tiny("tiny-flux").info(), load_tiny("tiny-sd").info()
+    assert (flux.negative_prompt, sd.negative_prompt) == ("true_cfg", "yes")
+    size = {"height": 64, "width": 64, "num_inference_steps": 2}
+    with pytest.raises(InvalidRequestError, match="no effect on FluxPipeline") as info:
+        check_against_model(flux, SamplingParams(negative_prompt="blurry", **size), None)
+    assert info.value.param == "negative_prompt"
+    for accepted in (SamplingParams(**size), SamplingParams(negative_prompt="", **size),
+                     SamplingParams(negative_prompt="blurry", **size,
+                                    extra={"true_cfg_scale": 2.0})):
+        check_against_model(flux, accepted, None)
+    check_against_model(sd, SamplingParams(negative_prompt="blurry", **size), None)
+    no_negative = dataclasses.replace(sd, negative_prompt="no")
+    with pytest.raises(InvalidRequestError, match="not supported by"):
+        check_against_model(no_negative, SamplingParams(negative_prompt="x", **size), None)
+
+
 @pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux"])
 def test_n_images_per_prompt(name: str, load_tiny) -> None:
     pipeline = load_tiny(name)
