@@ -18,6 +18,7 @@ request's partial images while its wave runs (`partial_images.py` routes them).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -275,10 +276,15 @@ class Engine:
             if self._draining:  # shutdown() began while this request was prepared
                 raise EngineClosedError(_SHUTTING_DOWN + " and takes no new requests; retry")
             ids = [r.request_id for r in requests]
-            duplicates = {i for i in ids if i in self._futures or ids.count(i) > 1}
-            if duplicates:
+            repeated = sorted(i for i, count in collections.Counter(ids).items() if count > 1)
+            if repeated:
                 raise InvalidRequestError(
-                    f"request id {sorted(duplicates)[0]!r} is already active", param="request_id"
+                    f"request id {repeated[0]!r} is given more than once; each request "
+                    "needs its own id", param="request_id")
+            active = sorted(i for i in ids if i in self._futures)
+            if active:
+                raise InvalidRequestError(
+                    f"request id {active[0]!r} is already active", param="request_id"
                 )
             limit = self.config.max_queue_size
             if limit is not None and len(requests) > limit:

@@ -308,6 +308,10 @@ def test_duplicate_active_request_id_is_rejected(gate):
         assert gate.entered.wait(30)
         with pytest.raises(InvalidRequestError, match="already active"):
             submit(engine, "again", "a")
+        # the same id twice in one call is that call's mistake, whatever is active
+        with pytest.raises(InvalidRequestError, match="'x' is given more than once"):
+            engine.generate(["b", "c"], request_ids=["x", "x"])
+        assert engine.num_unfinished == 1
         gate.release.set()
 
 
