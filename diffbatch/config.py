@@ -186,6 +186,11 @@ class EngineConfig:
         # 2. Rules between fields.
         if self.worker_cpus is not None:
             self._check_worker_cpus()
+        if self.max_num_seqs_limit is not None and self.max_num_seqs != AUTO:
+            raise ConfigError(
+                f"`max_num_seqs_limit` bounds the waves `max_num_seqs='auto'` chooses; with "
+                f"max_num_seqs={self.max_num_seqs} it has no effect: leave one of them out",
+                param="max_num_seqs_limit")
         if self.step_execution and self.max_wave_pixels is not None:
             raise ConfigError(
                 "`max_wave_pixels` caps the waves of request mode; in step "

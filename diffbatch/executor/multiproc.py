@@ -125,10 +125,17 @@ def _worker_env(config: EngineConfig) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     pinned = parse_cpu_list(config.worker_cpus) if config.worker_cpus else None
-    choice = choose_threads(usable_cpus=usable_cpu_count(pinned), other_load=other_cpu_load(),
+    usable = usable_cpu_count(pinned)
+    choice = choose_threads(usable_cpus=usable, other_load=other_cpu_load(),
                             env=env, torch_num_threads=config.torch_num_threads)
     choice.apply(env)
     logger.info("worker threads: %s", choice.reason)
+    if config.torch_num_threads is not None and config.torch_num_threads > usable:
+        logger.warning(
+            "torch_num_threads=%d is more than the %d CPU(s) the worker may use%s: the "
+            "threads beyond them only take turns, and every forward waits for the slowest",
+            config.torch_num_threads, usable,
+            f" (worker_cpus={config.worker_cpus})" if config.worker_cpus else "")
     return env
 
 

@@ -213,6 +213,9 @@ def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
      "`request_batch_max_wait_ms` must be 'auto' or a finite number >= 0, got 'soon'"),
     ({"max_num_seqs_limit": 0}, "`max_num_seqs_limit` must be an integer >= 1, or None"),
     ({"calibration_budget_s": -1}, "`calibration_budget_s` must be a finite number >= 0"),
+    ({"max_num_seqs": 64, "max_num_seqs_limit": 4},
+     "`max_num_seqs_limit` bounds the waves `max_num_seqs='auto'` chooses; with "
+     "max_num_seqs=64 it has no effect"),
 ])
 def test_bad_values_name_the_option(options, message):
     from diffbatch import ConfigError

@@ -830,3 +830,20 @@ def test_the_stuck_wave_bound_stretches_with_the_machines_load(monkeypatch):
     monkeypatch.setattr(multiproc, "cpu_contention", lambda: 1.0)
     executor._check_running_call(worker, now=101.5)  # idle: 1.5 s is past 1 s
     assert killed and "load" not in worker.stalled
+
+
+def test_more_torch_threads_than_the_workers_cpus_is_warned_about(caplog):
+    import logging
+
+    from diffbatch.executor.multiproc import _worker_env
+
+    first_cpu = sorted(os.sched_getaffinity(0))[0]
+    with caplog.at_level(logging.INFO, logger="diffbatch"):
+        env = _worker_env(EngineConfig(torch_num_threads=64, worker_cpus=str(first_cpu)))
+        assert env["OMP_NUM_THREADS"] == "64"  # the user's number is kept
+        _worker_env(EngineConfig(torch_num_threads=1, worker_cpus=str(first_cpu)))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"torch_num_threads=64 is more than the 1 CPU(s) the worker may use "
+        f"(worker_cpus={first_cpu}): the threads beyond them only take turns, and every "
+        "forward waits for the slowest"]
