@@ -39,3 +39,23 @@ def test_the_refusal_says_how_the_work_was_counted() -> None:
     text = describe_work(256, 256, 8, TINY)
     assert text.startswith("256x256 x 8 steps = 2097152 pixel-steps per image")
     assert "each pixel counted 4 times" in text
+
+
+def test_the_refusal_names_the_steps_and_the_size_that_would_fit():
+    from diffbatch import InvalidRequestError, PipelineInfo, SamplingParams
+    from diffbatch.engine.request_checks import check_against_model
+
+    info = PipelineInfo("Fake", 16, 16, 2, 5.0, size_multiple=8)
+    limit = 100 * 16 * 16 * 2
+    params = SamplingParams(height=64, width=64, num_inference_steps=20)
+    with pytest.raises(InvalidRequestError) as refused:
+        check_against_model(info, params, limit)
+    assert refused.value.message.endswith(
+        "ask for fewer steps or a smaller size (at most 3 steps at 64x64 or at most "
+        "32x32 at 20 steps)")
+    # each suggestion fits, and one step or 8 pixels more would not
+    for fits in ({"num_inference_steps": 3}, {"height": 32, "width": 32}):
+        check_against_model(info, SamplingParams(**{**params.__dict__, **fits}), limit)
+    for over in ({"num_inference_steps": 4}, {"height": 40, "width": 40}):
+        with pytest.raises(InvalidRequestError):
+            check_against_model(info, SamplingParams(**{**params.__dict__, **over}), limit)

@@ -14,6 +14,7 @@ from diffbatch.errors import InvalidRequestError, ModelNotFoundError
 from diffbatch.image_size import largest_square, size_too_large
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request_work import describe_work, max_steps
+from diffbatch.request_work import max_pixels as max_work_pixels
 from diffbatch.sampling_params import SamplingParams
 
 
@@ -67,10 +68,18 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
         # the size when even one step of it is over the limit (the HTTP layer names the
         # sides `size`), else the steps
         size_alone = step_cap < 1
+        side = largest_square(max_work_pixels(max_request_work, params.num_inference_steps,
+                                              default_pixels), multiple)
+        steps = params.num_inference_steps
+        fits = [f"at most {step_cap} step{'s' * (step_cap != 1)} at {size}"] \
+            if not size_alone else []
+        if side:
+            fits.append(f"at most {side}x{side} at {steps} step{'s' * (steps != 1)}")
         raise InvalidRequestError(
             f"this request asks for {work}; this server allows at most {max_request_work} "
             "per image (--max-request-work, `max_request_work` of an Engine): ask for "
-            + ("a smaller size" if size_alone else "fewer steps or a smaller size"),
+            + ("a smaller size" if size_alone else "fewer steps or a smaller size")
+            + (f" ({' or '.join(fits)})" if fits else ""),
             param="height" if size_alone else "num_inference_steps",
         )
     check_negative_prompt(info, params)
