@@ -184,9 +184,10 @@ def _refusing_unknown_options(cls: type) -> type:
 
 
 @_refusing_unknown_options
-@dataclass
+@dataclass(kw_only=True)
 class SamplingParams:
-    """How to sample one request's images.
+    """How to sample one request's images. Every option is given by name
+    (`SamplingParams(4)` would not say whether 4 is the height or the steps).
 
     Args:
         height: Image height in pixels; None takes the pipeline's default. Must be a

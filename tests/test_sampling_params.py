@@ -109,10 +109,12 @@ def test_an_unknown_option_is_refused_naming_it_and_the_closest_known_one():
     with pytest.raises(InvalidRequestError, match=r"unknown sampling option `foo`\. ") as info:
         SamplingParams(foo=1)
     assert "extra={...}" in str(info.value)
-    # known options, positional or by name, and `replace`, work as before
-    params = SamplingParams(64, 32, seed=3)
+    # known options by name, and `replace`, work as before; none is positional
+    params = SamplingParams(height=64, width=32, seed=3)
     assert (params.height, params.width, params.seed) == (64, 32, 3)
     assert dataclasses.replace(params, seed=4).seed == 4
+    with pytest.raises(TypeError, match="positional"):
+        SamplingParams(4)
 
 
 def test_short_form_names_shape_steps_guidance():
