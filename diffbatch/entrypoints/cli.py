@@ -215,6 +215,18 @@ def make_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` ran, e.g. `diffbatch bench serve`'s."""
+    while True:
+        action = next((a for a in parser._actions
+                       if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = None if action is None else getattr(args, action.dest, None)
+        if chosen is None:
+            return parser
+        parser = action.choices[chosen]
+
+
 def configure_logging(level: str) -> None:
     """Log `level` and above to stderr, in one line per record."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
@@ -232,7 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from diffbatch.errors import DiffbatchError
 
-    args = make_arg_parser().parse_args(argv)
+    parser = make_arg_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's, says what it takes
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(getattr(args, "log_level", "info"))
     try:
         return args.func(args)

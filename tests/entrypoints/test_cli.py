@@ -319,3 +319,20 @@ def test_the_program_keeps_its_exit_code_exit_handlers_and_output() -> None:
     assert done.returncode == 1  # the start-up error's code
     assert done.stdout == "beforeexit handler ran\n"
     assert "did you mean `tiny-sd`" in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "prog", "unknown"), [
+    (["serve", "tiny-sd", "extra"], "diffbatch serve", "extra"),
+    (["bench", "serve", "--bogus", "1"], "diffbatch bench serve", "--bogus 1"),
+])
+def test_unknown_arguments_are_told_with_the_subcommands_own_usage(
+    argv: list[str], prog: str, unknown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diffbatch.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{prog}: error: unrecognized arguments: {unknown}" in err, err
+    assert err.startswith(f"usage: {prog} ")
