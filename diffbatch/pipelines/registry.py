@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from diffbatch.models import DEFAULT_MODEL, packaged_models
 if TYPE_CHECKING:
     from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline
     from diffbatch.pipelines.interface import BasePipeline
+
+logger = logging.getLogger(__name__)
 
 # diffusers (and transformers) are imported only by what uses them: the default and
 # the per-request adapters, the tiny models' builder. A worker that loads a pipeline
@@ -84,8 +87,12 @@ def check_model_spec(model: Any) -> None:
     if not isinstance(model, str) or not model:
         raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}",
                                  param="model")
-    if model in BUILTIN_MODELS or model in packaged_models() \
-            or os.path.isdir(os.path.expanduser(model)):
+    builtin = model in BUILTIN_MODELS or model in packaged_models()
+    if builtin and os.path.isdir(model):
+        logger.warning(
+            "%r is a built-in model's name and also a folder here; the built-in is served "
+            "(name the folder as a path, ./%s, to serve it)", model, model)
+    if builtin or os.path.isdir(os.path.expanduser(model)):
         return
     if _HUB_ID.match(model) and ".." not in model and not os.path.isabs(model):
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -147,3 +148,16 @@ def test_unknown_hub_id_offline_is_model_not_found(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ModelNotFoundError, match="diffbatch-test/no-such-model") as e:
         load_pipeline("diffbatch-test/no-such-model")
     assert "hub id" in e.value.message
+
+
+def test_a_folder_named_like_a_builtin_model_is_pointed_out(tmp_path, monkeypatch, caplog):
+    from diffbatch.pipelines.registry import check_model_spec
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-sd").mkdir()
+    with caplog.at_level(logging.WARNING, logger="diffbatch"):
+        check_model_spec("tiny-sd")
+        check_model_spec("./tiny-sd")  # the folder, named as a path: nothing to say
+    assert [r.getMessage() for r in caplog.records] == [
+        "'tiny-sd' is a built-in model's name and also a folder here; the built-in is "
+        "served (name the folder as a path, ./tiny-sd, to serve it)"]
