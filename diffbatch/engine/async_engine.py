@@ -111,9 +111,11 @@ class Engine:
         self._rng = random.Random(config.seed)
         # 1. The model's name and the capability (a class attribute), before anything
         #    is loaded: a misspelt model fails here, not after a worker started.
-        from diffbatch.pipelines.registry import check_model_spec
+        from diffbatch.pipelines.registry import check_diffusers_folder, check_model_spec
 
         check_model_spec(config.model)
+        if config.pipeline_class is None:  # the diffusers adapter reads model_index.json
+            check_diffusers_folder(config.model)
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
         )

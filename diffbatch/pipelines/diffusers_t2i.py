@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffbatch.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
 from diffbatch.pipelines import library_logs
 from diffbatch.pipelines.diffusers_edit import (
@@ -49,6 +49,7 @@ from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.execution_device import pin_execution_device
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.per_sample_guidance import PerSampleGuidance
+from diffbatch.pipelines.registry import check_component_folders
 from diffbatch.pipelines.schedule_limits import schedulable_steps
 from diffbatch.pipelines.scheduler_fusion import scheduler_point, wrap_scheduler
 from diffbatch.pipelines.step_fusion import FusionPoint
@@ -158,23 +159,6 @@ def _load_model_index(model: str) -> dict[str, Any]:
         ) from exc
 
 
-def _check_component_folders(model: str, index: dict[str, Any]) -> None:
-    """A local folder must hold a subfolder per component its model_index.json names
-    (diffusers' own error names the folder's root, not the part that is missing)."""
-    if not os.path.isdir(model):
-        return
-    missing = [name for name, value in index.items()
-               if not name.startswith("_") and isinstance(value, list | tuple)
-               and len(value) == 2 and value[1] is not None
-               and not os.path.isdir(os.path.join(model, name))]
-    if missing:
-        raise ModelLoadError(
-            f"model {model!r}: its model_index.json names the component(s) "
-            f"{', '.join(missing)}, but the folder has no {', '.join(missing)} "
-            "subfolder; copy the whole pipeline folder (`save_pretrained` writes one per "
-            "component)")
-
-
 def _hub_unreachable(exc: BaseException) -> bool:
     """Whether loading failed because the hub could not be reached (offline, no DNS)
     and the files were not cached, rather than because the repository lacks them."""
@@ -241,7 +225,7 @@ class DiffusersT2IPipeline(BasePipeline):
         # 1. Read model_index.json: which components the folder leaves out (SD3 without
         #    T5, SD without safety checker) must be passed as None explicitly.
         index = _load_model_index(model)
-        _check_component_folders(model, index)
+        check_component_folders(model, index)
         for name, value in index.items():
             if not name.startswith("_") and isinstance(value, list | tuple) \
                     and list(value) == [None, None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import logging
 import os
 import re
@@ -79,6 +80,45 @@ def resolve_model_path(model: str | None) -> str:
     if os.path.isdir(expanded):
         return os.path.abspath(expanded)
     return model  # a hub id
+
+
+def check_component_folders(model: str, index: dict[str, Any]) -> None:
+    """A local folder must hold a subfolder per component its model_index.json names
+    (diffusers' own error names the folder's root, not the part that is missing)."""
+    if not os.path.isdir(model):
+        return
+    missing = [name for name, value in index.items()
+               if not name.startswith("_") and isinstance(value, list | tuple)
+               and len(value) == 2 and value[1] is not None
+               and not os.path.isdir(os.path.join(model, name))]
+    if missing:
+        raise ModelLoadError(
+            f"model {model!r}: its model_index.json names the component(s) "
+            f"{', '.join(missing)}, but the folder has no {', '.join(missing)} "
+            "subfolder; copy the whole pipeline folder (`save_pretrained` writes one per "
+            "component)")
+
+
+def check_diffusers_folder(model: str | None) -> None:
+    """For a local folder the diffusers adapters will load: its model_index.json is
+    readable and names no missing component, checked before a worker starts (which
+    would say the same after seconds of imports). Names and hub ids are left alone."""
+    if model is None or model in BUILTIN_MODELS or model in packaged_models():
+        return
+    folder = os.path.expanduser(model)
+    if not os.path.isdir(folder):
+        return
+    try:
+        with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+        if not isinstance(index, dict):
+            raise ValueError(f"a JSON object was expected, got {type(index).__name__}")
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"model {model!r} (local folder) could not be loaded as a diffusers pipeline: "
+            f"no readable model_index.json ({type(exc).__name__}: {exc})", param="model",
+        ) from None
+    check_component_folders(folder, index)
 
 
 def check_model_spec(model: Any) -> None:

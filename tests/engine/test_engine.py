@@ -482,3 +482,32 @@ def test_a_list_longer_than_the_queue_says_so_instead_of_retry_later():
         with pytest.raises(QueueFullError, match="submit at most 2 at once"):
             engine.generate([f"p{i}" for i in range(5)])
         assert len(engine.generate(["a", "b"])) == 2
+
+
+@pytest.mark.parametrize("broken", ["no-model-index", "bad-json", "no-vae"])
+def test_a_broken_local_model_folder_fails_before_a_worker_starts(tmp_path, monkeypatch,
+                                                                  broken):
+    import shutil
+
+    import diffbatch.executor.multiproc as multiproc
+    from diffbatch import ModelLoadError, ModelNotFoundError
+    from diffbatch.pipelines.tiny import ensure_tiny_model
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started for a folder that cannot load")
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", no_worker)
+    folder = tmp_path / "my-model"
+    shutil.copytree(ensure_tiny_model("tiny-sd"), folder)
+    if broken == "no-model-index":
+        (folder / "model_index.json").unlink()
+    elif broken == "bad-json":
+        (folder / "model_index.json").write_text("{not json")
+    else:
+        shutil.rmtree(folder / "vae")
+    expected = ModelLoadError if broken == "no-vae" else ModelNotFoundError
+    with pytest.raises(expected) as info:
+        Engine(str(folder))
+    message = info.value.message
+    assert ("the folder has no vae subfolder" in message if broken == "no-vae"
+            else "no readable model_index.json" in message), message
