@@ -42,7 +42,10 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaHeaderMiddleware:
-    """Add `x-diffbatch-replica: <replica id>` to every HTTP answer (plain ASGI).
+    """Add `x-diffbatch-replica: <replica id>` to every HTTP answer (plain ASGI), and
+    leave `x-request-id` to Ray Serve's proxy, which puts the request's id (the
+    client's, else its own, which the replica saw as the request's) on every answer:
+    the app's echo of the same id would make the header appear twice.
 
     Plain ASGI, like the server's own middleware, so the handler still hears
     `http.disconnect` on the ASGI channel.
@@ -59,7 +62,9 @@ class ReplicaHeaderMiddleware:
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, self.header]}
             await send(message)
 
         await self.app(scope, receive, send_with_header)

@@ -321,6 +321,12 @@ def test_metrics_and_health_name_their_replica(tiny_url: str) -> None:
     health = httpx.get(f"{tiny_url}/health", timeout=30)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     assert metrics.headers[REPLICA_HEADER] and health.headers[REPLICA_HEADER]
+    # one x-request-id per answer: the client's, else Ray's own (the proxy puts it on)
+    for sent in ({"x-request-id": "client-id-7"}, {}):
+        ids = httpx.get(f"{tiny_url}/v1/models", headers=sent, timeout=30
+                        ).headers.get_list("x-request-id")
+        assert len(ids) == 1 and ids[0], ids
+        assert ids == ["client-id-7"] or not sent
 
 
 # -- gated replicas: disconnect and kill -------------------------------------------------
