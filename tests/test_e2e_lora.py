@@ -60,3 +60,31 @@ def test_a_corrupt_adapter_file_is_the_callers_error_and_harms_nothing(lora_dir)
         assert "'junk.safetensors' could not be loaded" in junk.error.message
         again = engine.generate(["a cat"], params(lora="style-a"))[0]
         assert again.ok, again.error
+
+
+def test_an_adapter_that_fails_half_loaded_leaves_the_base_model_as_it_was(lora_dir):
+    """diffusers loads an adapter part by part: one whose UNet part loads and whose
+    text-encoder part does not must not stay in the UNet for later requests; its wave
+    fails as one (the reason, not a second load's complaint)."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(lora_dir / "style-a", "pytorch_lora_weights.safetensors"))
+    prefix = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+    wrong = {f"{prefix}.lora_A.weight": torch.randn(4, 999),
+             f"{prefix}.lora_B.weight": torch.randn(999, 4)}
+    (lora_dir / "half").mkdir()
+    save_file({**weights, **wrong}, str(lora_dir / "half" / "pytorch_lora_weights.safetensors"))
+    with Engine("tiny-sd", executor="inproc", max_num_seqs=4, lora_dir=str(lora_dir),
+                request_batch_max_wait_ms=0, torch_num_threads=1) as engine:
+        base = engine.generate(["a cat"], params())[0]
+        failed = engine.generate(["a cat"] * 3, params(lora="half"))
+        assert all(o.error is not None and o.error.param == "lora" for o in failed)
+        assert len({o.error.message for o in failed}) == 1, [o.error for o in failed]
+        assert "'half' could not be loaded" in failed[0].error.message
+        after = engine.generate(["a cat"], params())[0]
+        assert (after.images - base.images).abs().max() <= 1e-5
+        styled = engine.generate(["a cat"], params(lora="style-a"))[0]
+        assert styled.ok and (styled.images - base.images).abs().max() > 1e-3

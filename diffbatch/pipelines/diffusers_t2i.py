@@ -560,7 +560,16 @@ class DiffusersT2IPipeline(BasePipeline):
             return
         if not hasattr(self.pipe, "load_lora_weights"):
             raise NotImplementedError(f"{self._info.name} does not support LoRA adapters")
-        self.pipe.load_lora_weights(path, adapter_name=name)
+        try:
+            self.pipe.load_lora_weights(path, adapter_name=name)
+        except Exception:
+            # diffusers loads an adapter component by component and cleans up only the
+            # one that failed: take out what did load, and have the next `set_lora`
+            # disable adapters in any case
+            with contextlib.suppress(Exception):
+                self.pipe.delete_adapters(name)
+            self._lora_enabled = True
+            raise
         self._loras[name] = path
         self._lora_enabled = True
 

@@ -201,7 +201,9 @@ class ModelRunner:
             )
             # NOTE: a broken output contract (PipelineError) is the pipeline's bug at any
             # batch size; bisecting would only hide it, so only exceptions are isolated.
-            isolate = not isinstance(exc, PipelineError) and len(requests) > 1
+            # An adapter that does not load fails every request of the wave alike (the
+            # LoRA is in the key): re-running halves would only load it again.
+            isolate = not isinstance(exc, PipelineError | LoraLoadError) and len(requests) > 1
             if self.config.batch_error_isolation == "bisect" and isolate:
                 outputs = self._isolate(requests, exc)
                 logger.warning(
@@ -287,16 +289,33 @@ class ModelRunner:
                 raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
             try:
                 self.pipeline.load_lora(_adapter_name(lora), path)
-            except NotImplementedError:
-                raise
-            except Exception as exc:  # a corrupt file, or an adapter for another model
-                raise InvalidRequestError(
+            except Exception as exc:
+                # whatever part of it did load is not active any more: the next wave sets
+                # its own adapter (or none) again
+                self._active_lora = (_FAILED_LORA, None)
+                if not _is_the_adapters_fault(exc):
+                    raise
+                raise LoraLoadError(
                     f"LoRA adapter {os.path.basename(os.path.normpath(lora))!r} could not be "
                     f"loaded into this model: {type(exc).__name__}: {exc}", param="lora",
                 ) from exc
             self._loaded_loras.add(lora)
         self.pipeline.set_lora(_adapter_name(lora) if lora is not None else None, scale)
         self._active_lora = wanted
+
+
+_FAILED_LORA = "<an adapter that failed to load>"  # no request's LoRA is named so
+
+
+class LoraLoadError(InvalidRequestError):
+    """The request's LoRA adapter does not load into this model (the caller's 400)."""
+
+
+def _is_the_adapters_fault(exc: BaseException) -> bool:
+    """Whether a failed LoRA load is the adapter's fault (a corrupt file, weights for
+    another model), not the server's (no LoRA support, memory, file permissions)."""
+    return not isinstance(exc, NotImplementedError | MemoryError | PermissionError) \
+        and "OutOfMemory" not in type(exc).__name__
 
 
 def partial_image_sender(
