@@ -516,9 +516,11 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seeds the arrival gaps, the prompts and the request seeds")
     parser.add_argument("--warmup-requests", type=_non_negative_int, default=0,
                         help="requests sent and not measured before the run")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help="sent as `Authorization: Bearer` (default: $" + API_KEY_ENV
-                        + ", the key `diffbatch serve` reads)")
+    # (the variable is read when the run is configured: a default here would print
+    # the key in --help)
+    parser.add_argument("--api-key", default=None,
+                        help="sent as `Authorization: Bearer`; none: $" + API_KEY_ENV
+                        + ", the key `diffbatch serve` reads")
     parser.add_argument("--timeout", type=_positive_number, default=600.0,
                         help="per-request timeout (s)")
     parser.add_argument("--output-json", type=_writable_file, default=None,
@@ -535,7 +537,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, width=width, height=height, steps=args.steps,
         guidance_scale=args.guidance_scale, n=args.n, seed=args.seed,
-        warmup_requests=args.warmup_requests, api_key=args.api_key, endpoint=args.endpoint,
+        warmup_requests=args.warmup_requests,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, endpoint=args.endpoint,
         timeout_s=args.timeout, disable_tqdm=args.disable_tqdm,
         keep_requests=args.save_requests,
     )

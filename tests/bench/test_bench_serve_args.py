@@ -41,3 +41,11 @@ def test_the_api_key_defaults_to_the_variable_the_server_reads(monkeypatch):
     assert config_from_args(parse("--api-key", "given")).api_key == "given"
     monkeypatch.delenv(API_KEY_ENV)
     assert config_from_args(parse()).api_key is None
+
+
+def test_the_help_never_prints_the_key(monkeypatch, capsys):
+    monkeypatch.setenv(API_KEY_ENV, "sk-secret-in-env")
+    with pytest.raises(SystemExit):
+        parse("--help")
+    out = capsys.readouterr().out
+    assert "--api-key" in out and "sk-secret-in-env" not in out
