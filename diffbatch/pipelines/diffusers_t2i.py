@@ -300,7 +300,7 @@ class DiffusersT2IPipeline(BasePipeline):
             },
             negative_prompt=("no" if "negative_prompt" not in self._call_params
                              else "true_cfg" if "true_cfg_scale" in self._call_params
-                             else "yes"),
+                             and not self._true_cfg_default() > 1.0 else "yes"),
         )
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
@@ -528,8 +528,12 @@ class DiffusersT2IPipeline(BasePipeline):
         # NOTE: Flux uses negative prompts only with true CFG (true_cfg_scale > 1);
         # passing them otherwise is wasted encoding at best.
         if "true_cfg_scale" in self._call_params:
-            return float(extra.get("true_cfg_scale", 1.0)) > 1.0
+            return float(extra.get("true_cfg_scale", self._true_cfg_default())) > 1.0
         return True
+
+    def _true_cfg_default(self) -> float:
+        """The call's own `true_cfg_scale` (1.0 for Flux: off; 4.0 for QwenImage: on)."""
+        return float(self._call_default("true_cfg_scale", 1.0))
 
     def _apply_quirks(self, kwargs: dict[str, Any], extra: dict[str, Any],
                       call_params: Any) -> None:

@@ -173,7 +173,8 @@ class PipelineInfo:
     # The pipeline implements the step contract (`BasePipeline.step_fusion_points`).
     supports_step_execution: bool = False
     # What a request's `negative_prompt` does: "yes" it is used (with CFG on), "no" the
-    # pipeline takes none, "true_cfg" only with `extra["true_cfg_scale"]` > 1 (Flux).
+    # pipeline takes none, "true_cfg" only with `extra["true_cfg_scale"]` > 1 (Flux,
+    # whose true CFG is off unless asked for; QwenImage's is on by default: "yes").
     # A negative prompt the pipeline would drop is refused at admission.
     negative_prompt: Literal["yes", "no", "true_cfg"] = "yes"
 

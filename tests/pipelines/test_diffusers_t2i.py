@@ -104,6 +104,25 @@ def test_flux_ignores_negative_prompts_without_true_cfg(load_tiny) -> None:
     assert not pipeline.cfg_enabled(request.sampling_params)
 
 
+def test_a_pipeline_whose_true_cfg_is_on_by_default_keeps_its_negative_prompts(
+        load_tiny) -> None:
+    """QwenImage's `true_cfg_scale` defaults to 4 (Flux's to 1): its negative prompts
+    count without any `extra`, and admission takes them."""
+    import copy
+    import inspect
+
+    diffusers = pytest.importorskip("diffusers")
+    qwen = getattr(diffusers, "QwenImagePipeline", None)
+    if qwen is None:
+        pytest.skip("this diffusers has no QwenImagePipeline")
+    flux = load_tiny("tiny-flux")
+    qwen_like = copy.copy(flux)
+    qwen_like._call_params = dict(inspect.signature(qwen.__call__).parameters)
+    assert qwen_like._true_cfg_default() > 1.0 and flux._true_cfg_default() == 1.0
+    assert qwen_like._uses_negative_prompt({}) and not flux._uses_negative_prompt({})
+    assert not qwen_like._uses_negative_prompt({"true_cfg_scale": 1.0})
+
+
 def test_a_negative_prompt_the_model_would_drop_is_refused_at_admission(load_tiny) -> None:
     """Flux uses a negative prompt only with true CFG: without it the request is told so
     (it would otherwise get the same image as without one); SD takes it as it is."""
