@@ -219,6 +219,7 @@ def build_app(
         max_request_work=getattr(engine, "max_request_work", None),
         default_steps=engine.info.default_num_inference_steps,
         max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
+        negative_prompt=getattr(engine.info, "negative_prompt", "yes") == "yes",
     )
     # Added last = outermost: metrics see every answer, including the guard's.
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,

@@ -72,13 +72,15 @@ def install_openapi(
     app: FastAPI, *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
     max_upload_pixels: int | None = None, open_prefixes: tuple[str, ...] = (),
     max_request_work: int | None = None, default_steps: int = 1,
+    negative_prompt: bool = True,
 ) -> None:
     """Make `app.openapi()` (and so `/openapi.json` and `/docs`) this server's spec.
 
     `max_upload_pixels` is the largest upload the edits route takes (default: the
     size rule's cap); `open_prefixes` are `/v1` paths served without the API key;
     `max_request_work` (None: no limit) is stated with `default_steps`, the model's
-    step count when a request gives none (`work_limit.py`).
+    step count when a request gives none (`work_limit.py`); `negative_prompt` False
+    leaves the field out (a model that would drop it refuses it: `PipelineInfo`).
     """
     limit = None if max_request_work is None else _WorkLimit(max_request_work, default_steps)
 
@@ -89,10 +91,10 @@ def install_openapi(
             )
             _specialise(spec, size_rule=size_rule, lora_enabled=lora_enabled,
                         api_key_required=api_key_required, open_prefixes=open_prefixes,
-                        limit=limit)
+                        limit=limit, negative_prompt=negative_prompt)
             _declare_edit_body(spec, size_rule=size_rule, lora_enabled=lora_enabled,
                                max_upload_pixels=max_upload_pixels or size_rule.max_pixels,
-                               limit=limit)
+                               limit=limit, negative_prompt=negative_prompt)
             _normalise(spec)
             app.openapi_schema = spec
         return app.openapi_schema
@@ -165,6 +167,7 @@ def _size_description(size_rule: SizeRule, auto: str) -> str:
 def _specialise(
     spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
     open_prefixes: tuple[str, ...] = (), limit: _WorkLimit | None = None,
+    negative_prompt: bool = True,
 ) -> None:
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     # 1. The request schema from pydantic, with exact integer bounds.
@@ -185,7 +188,8 @@ def _specialise(
         schemas.pop(name, None)
     # 3. This server's sizes, LoRA and key.
     _specialise_fields(request["properties"], size_rule=size_rule, lora_enabled=lora_enabled,
-                       auto=f"{size_rule.default_size[0]}x{size_rule.default_size[1]}")
+                       auto=f"{size_rule.default_size[0]}x{size_rule.default_size[1]}",
+                       negative_prompt=negative_prompt)
     default_w, default_h = size_rule.default_size
     _state_work_limit(request, limit, size_rule, auto_pixels=default_w * default_h)
     if api_key_required:
@@ -199,9 +203,13 @@ def _specialise(
 
 
 def _specialise_fields(
-    properties: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, auto: str
+    properties: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, auto: str,
+    negative_prompt: bool = True,
 ) -> None:
-    """Step 3 on a request model's properties: this server's sizes and LoRA."""
+    """Step 3 on a request model's properties: this server's sizes, LoRA and whether
+    its model takes a negative prompt."""
+    if not negative_prompt:
+        properties.pop("negative_prompt", None)
     properties["size"]["anyOf"][0]["pattern"] = size_pattern(size_rule)
     properties["size"]["description"] = _size_description(size_rule, auto)
     if lora_enabled:
@@ -213,7 +221,7 @@ def _specialise_fields(
 
 def _declare_edit_body(
     spec: dict[str, Any], *, size_rule: SizeRule, lora_enabled: bool, max_upload_pixels: int,
-    limit: _WorkLimit | None = None,
+    limit: _WorkLimit | None = None, negative_prompt: bool = True,
 ) -> None:
     """Step 5: the multipart body of the edits route."""
     operation = spec.get("paths", {}).get(EDITS_PATH, {}).get("post")
@@ -223,6 +231,7 @@ def _declare_edit_body(
     properties = schema["properties"]
     _specialise_fields(
         properties, size_rule=size_rule, lora_enabled=lora_enabled,
+        negative_prompt=negative_prompt,
         auto=f"the image's size, scaled down to fit the pixel cap and the work limit, sides "
         f"rounded down to multiples of {size_rule.multiple}",
     )

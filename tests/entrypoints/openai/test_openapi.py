@@ -140,6 +140,24 @@ def test_lora_is_declared_only_where_it_is_served(spec, engine: Engine) -> None:
     assert "lora_scale" in request_properties(spec_of(engine))
 
 
+class NoNegativePromptPipeline(FakeBatchPipeline):
+    """Declares that a negative prompt would be dropped (as Flux's without true CFG)."""
+
+    def info(self):
+        import dataclasses
+
+        return dataclasses.replace(super().info(), negative_prompt="true_cfg")
+
+
+def test_negative_prompt_is_declared_only_where_the_model_uses_it(spec) -> None:
+    assert "negative_prompt" in request_properties(spec)
+    with Engine(pipeline_class=NoNegativePromptPipeline, executor="inproc") as engine:
+        dropped = spec_of(engine)
+        assert "negative_prompt" not in request_properties(dropped)
+        edit = dropped["components"]["schemas"]["ImageEditRequest"]["properties"]
+        assert "negative_prompt" not in edit and "prompt" in edit
+
+
 def test_no_422_and_every_error_is_json(spec) -> None:
     assert "422" not in str(spec["paths"])
     assert "HTTPValidationError" not in spec["components"]["schemas"]
