@@ -187,7 +187,7 @@ class Engines:
                 request_batch_max_wait_ms=args.request_batch_max_wait_ms,
                 pipeline_class=None if cobatch else NO_COBATCH_CLASS,
                 scheduling_policy=policy, max_head_wait_ms=args.max_head_wait_ms,
-                max_wave_pixels=args.max_wave_pixels if policy == "grouped" else None,
+                max_wave_pixels=args.max_wave_pixels,  # (both policies honour it)
                 torch_num_threads=args.threads, seed=0,
             )
             if engine.info.supports_per_request_guidance != cobatch:

@@ -446,9 +446,13 @@ class EngineCore:
                 return None
         elif self.scheduler.num_running == 0:
             num_waiting = self.scheduler.num_waiting
-            plan = self.policy.plan_wait(self.scheduler.next_key(), num_waiting,
-                                         self._num_recent_incoming())
-            admission = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
+            key = self.scheduler.next_key()
+            plan = self.policy.plan_wait(key, num_waiting, self._num_recent_incoming())
+            target = plan.target
+            limit = None if key is None else self.scheduler.wave_size_limit(key)
+            if limit is not None:  # e.g. max_wave_pixels: no wave would take more
+                target = min(target, limit)
+            admission = AdmissionWait(plan.max_wait_ms, target, plan.stable_window_ms)
             if admission.should_wait(supports_request_batch=self.policy.batching,
                                      num_running=0):
                 self.last_admission_reason = admission.wait(

@@ -80,6 +80,9 @@ class SchedulerBase(SchedulerInterface):
         by_pixels = max(1, self.max_wave_pixels // wave_pixels(key, 1))
         return (by_pixels, "pixel_cap") if by_pixels < capacity else (capacity, "capacity")
 
+    def wave_size_limit(self, key: SamplingParamsKey) -> int | None:
+        return self.wave_limit(key)[0]
+
     # -- policy hooks ----------------------------------------------------------------
     @abstractmethod
     def _enqueue(self, request: DiffusionRequest) -> None:

@@ -43,6 +43,11 @@ class SchedulerInterface(ABC):
     def next_key(self) -> SamplingParamsKey | None:
         """The key the next `schedule()` would form a wave of (None: nothing waits)."""
 
+    def wave_size_limit(self, key: SamplingParamsKey) -> int | None:
+        """The most requests a wave of `key` could take now (the admission wait need
+        not wait for more); None: no bound of the scheduler's own."""
+        return None
+
     def has_full_wave(self) -> bool:
         """Whether `schedule()` would now return a wave that more arrivals could not
         make bigger (the engine then queues it behind a running wave).

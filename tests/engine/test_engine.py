@@ -511,3 +511,20 @@ def test_a_broken_local_model_folder_fails_before_a_worker_starts(tmp_path, monk
     message = info.value.message
     assert ("the folder has no vae subfolder" in message if broken == "no-vae"
             else "no readable model_index.json" in message), message
+
+
+@pytest.mark.parametrize("policy", ["fifo", "grouped"])
+def test_the_admission_wait_does_not_wait_for_requests_the_pixel_cap_would_leave_out(
+        policy):
+    """A cap of one 16x16 image per wave: a lone request's wave is already full, so
+    the fixed wait is not waited (a wave of 2 would need a cap of 512 pixels)."""
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=4,
+                request_batch_max_wait_ms=2000, max_wave_pixels=16 * 16,
+                scheduling_policy=policy) as engine:
+        out = engine.generate(["alone"], SamplingParams(height=16, width=16))[0]
+        assert out.ok and out.batch_size == 1
+        admissions = {sample.labels["admission"]: sample.value
+                      for metric in engine.metrics.registry.collect()
+                      if metric.name == "diffbatch_waves" for sample in metric.samples
+                      if sample.name == "diffbatch_waves_total" and sample.value}
+        assert admissions == {"none": 1}, admissions
