@@ -114,8 +114,8 @@ class Engine:
         from diffbatch.pipelines.registry import check_diffusers_folder, check_model_spec
 
         check_model_spec(config.model)
-        if config.pipeline_class is None:  # the diffusers adapter reads model_index.json
-            check_diffusers_folder(config.model)
+        if config.pipeline_class is None and not config.pipeline_kwargs:
+            check_diffusers_folder(config.model)  # (what the diffusers adapter reads)
         self.pipeline_class, self.supports_request_batch = resolve_request_batch_support(
             config.pipeline_class
         )

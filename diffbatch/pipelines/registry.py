@@ -70,7 +70,7 @@ def resolve_model_path(model: str | None) -> str:
     """
     if model is None:
         model = DEFAULT_MODEL
-    check_model_spec(model)
+    check_model_spec(model, warn=False)  # (the engine warned already)
     if model in BUILTIN_MODELS:
         return BUILTIN_MODELS[model]()
     packaged = packaged_models()
@@ -121,14 +121,15 @@ def check_diffusers_folder(model: str | None) -> None:
     check_component_folders(folder, index)
 
 
-def check_model_spec(model: Any) -> None:
+def check_model_spec(model: Any, *, warn: bool = True) -> None:
     """Raise `ModelNotFoundError` for a spec `resolve_model_path` would refuse, without
-    building or loading anything (the engine checks before it starts a worker)."""
+    building or loading anything (the engine checks before it starts a worker); `warn`:
+    log when a built-in name is also a folder here (the built-in is served)."""
     if not isinstance(model, str) or not model:
         raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}",
                                  param="model")
     builtin = model in BUILTIN_MODELS or model in packaged_models()
-    if builtin and os.path.isdir(model):
+    if warn and builtin and os.path.isdir(model):
         logger.warning(
             "%r is a built-in model's name and also a folder here; the built-in is served "
             "(name the folder as a path, ./%s, to serve it)", model, model)
