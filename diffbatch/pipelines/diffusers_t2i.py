@@ -32,7 +32,7 @@ import inspect
 import json
 import logging
 import os
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -298,9 +298,7 @@ class DiffusersT2IPipeline(BasePipeline):
                 task: float(call_parameters(task_pipe)["strength"].default)
                 for task, task_pipe in self.task_pipes.items() if task != "text-to-image"
             },
-            negative_prompt=("no" if "negative_prompt" not in self._call_params
-                             else "true_cfg" if "true_cfg_scale" in self._call_params
-                             and not self._true_cfg_default() > 1.0 else "yes"),
+            negative_prompt=self._negative_prompt_use(),
         )
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
@@ -530,6 +528,14 @@ class DiffusersT2IPipeline(BasePipeline):
         if "true_cfg_scale" in self._call_params:
             return float(extra.get("true_cfg_scale", self._true_cfg_default())) > 1.0
         return True
+
+    def _negative_prompt_use(self) -> Literal["yes", "no", "true_cfg"]:
+        """`PipelineInfo.negative_prompt`: what a request's negative prompt does here."""
+        if "negative_prompt" not in self._call_params:
+            return "no"
+        if "true_cfg_scale" in self._call_params and not self._true_cfg_default() > 1.0:
+            return "true_cfg"
+        return "yes"
 
     def _true_cfg_default(self) -> float:
         """The call's own `true_cfg_scale` (1.0 for Flux: off; 4.0 for QwenImage: on)."""

@@ -152,7 +152,8 @@ class ModelRunner:
         self.pipeline = pipeline
         self._info = pipeline.info()
         self._loaded_loras: set[str] = set()
-        self._active_lora: tuple[str | None, float | None] = (None, None)
+        # (adapter, scale) now active; None: not known (after a load that failed)
+        self._active_lora: tuple[str | None, float | None] | None = (None, None)
         self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
         self._should_stop: Callable[[], bool] = lambda: False  # the current wave's
         # where the current wave's partial images go; None: nobody listens
@@ -292,7 +293,7 @@ class ModelRunner:
             except Exception as exc:
                 # whatever part of it did load is not active any more: the next wave sets
                 # its own adapter (or none) again
-                self._active_lora = (_FAILED_LORA, None)
+                self._active_lora = None
                 if not _is_the_adapters_fault(exc):
                     raise
                 raise LoraLoadError(
@@ -302,9 +303,6 @@ class ModelRunner:
             self._loaded_loras.add(lora)
         self.pipeline.set_lora(_adapter_name(lora) if lora is not None else None, scale)
         self._active_lora = wanted
-
-
-_FAILED_LORA = "<an adapter that failed to load>"  # no request's LoRA is named so
 
 
 class LoraLoadError(InvalidRequestError):
