@@ -22,6 +22,7 @@ Python object). Decoding runs in a worker thread (`asyncio.to_thread`), like enc
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import warnings
@@ -239,12 +240,11 @@ MAX_FORM_FIELDS = 64  # far more than ImageEditRequest has: a form of thousands 
 MAX_FORM_FILES = 4  # image and mask, and room to name a surplus one in the 400
 
 
-async def _read_form(request: Request) -> FormData:
-    """The request's multipart form, as `request.form()` reads it, except that a text
-    field that is not UTF-8 is refused (Starlette would decode it as latin-1, turning a
-    prompt's stray bytes into other characters)."""
-    from starlette.exceptions import HTTPException
-    from starlette.formparsers import MultiPartException, MultiPartParser
+@functools.cache
+def _utf8_form_parser() -> type:
+    """Starlette's multipart parser, refusing a text field that is not UTF-8 (made once,
+    on first use: Starlette is imported only where a form is read)."""
+    from starlette.formparsers import MultiPartParser
 
     class Utf8TextParser(MultiPartParser):
         def on_part_end(self) -> None:
@@ -258,10 +258,20 @@ async def _read_form(request: Request) -> FormData:
                         "UTF-8", param=part.field_name) from None
             super().on_part_end()
 
+    return Utf8TextParser
+
+
+async def _read_form(request: Request) -> FormData:
+    """The request's multipart form, as `request.form()` reads it, except that a text
+    field that is not UTF-8 is refused (Starlette would decode it as latin-1, turning a
+    prompt's stray bytes into other characters)."""
+    from starlette.exceptions import HTTPException
+    from starlette.formparsers import MultiPartException
+
     try:
         async with contextlib.aclosing(request.stream()) as stream:
-            return await Utf8TextParser(request.headers, stream, max_files=MAX_FORM_FILES,
-                                        max_fields=MAX_FORM_FIELDS).parse()
+            return await _utf8_form_parser()(request.headers, stream, max_files=MAX_FORM_FILES,
+                                             max_fields=MAX_FORM_FIELDS).parse()
     except MultiPartException as exc:  # as `request.form()` answers it
         raise HTTPException(status_code=400, detail=exc.message) from None
 
