@@ -118,6 +118,32 @@ async def test_a_pipeline_error_naming_the_lora_folder_is_redacted(tmp_path) -> 
         assert path not in response.text
 
 
+class ServerFaultLoraPipeline(FakeBatchPipeline):
+    """Fails to load an adapter for a reason of the server's, chosen by the adapter's
+    folder name (out of memory, a file it may not read)."""
+
+    def load_lora(self, name: str, path: str) -> None:
+        raise MemoryError() if "memory" in path else PermissionError(13, "denied", path)
+
+
+@pytest.mark.parametrize("adapter", ["memory", "permission"])
+async def test_a_lora_load_that_fails_for_the_servers_reasons_is_no_400(tmp_path,
+                                                                        adapter) -> None:
+    """Only an adapter's own fault (a corrupt file, another model's weights) is the
+    caller's 400; a server fault stays a 500 a client may retry, and harms nothing."""
+    lora_dir = tmp_path / "loras"
+    (lora_dir / adapter).mkdir(parents=True)
+    (lora_dir / adapter / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    with Engine(pipeline_class=ServerFaultLoraPipeline, executor="inproc",
+                lora_dir=str(lora_dir)) as engine:
+        async with app_client(engine) as client:
+            failed = await client.post(ROUTE, json={"prompt": "p", "lora": adapter})
+            plain = await client.post(ROUTE, json={"prompt": "p"})
+    assert failed.status_code == 500, failed.text
+    assert failed.json()["error"]["type"] == "server_error"
+    assert plain.status_code == 200, plain.text
+
+
 # -- numbers ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value"),
