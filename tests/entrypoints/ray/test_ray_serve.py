@@ -162,7 +162,8 @@ def test_a_misspelt_model_name_fails_before_ray_is_touched(caplog) -> None:
     assert "failed to start: model 'tiny-sdd'" in caplog.text
 
 
-def test_an_address_where_nothing_listens_fails_at_once_naming_the_flag(caplog) -> None:
+def test_an_address_where_nothing_listens_fails_at_once_naming_the_flag(
+        caplog, monkeypatch) -> None:
     """Ray would retry such an address for a long while; the CLI refuses it first."""
     import socket
 
@@ -182,6 +183,10 @@ def test_an_address_where_nothing_listens_fails_at_once_naming_the_flag(caplog) 
         check_ray_address(address)
     assert main(["serve", MODEL, "--ray", "--ray-address", f"127.0.0.1:{port}"]) == 1
     assert f"cannot reach a Ray cluster at --ray-address '127.0.0.1:{port}'" in caplog.text
+    # the address Ray would take from its variable is checked, and named, the same way
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert main(["serve", MODEL, "--ray"]) == 1
+    assert f"cannot reach a Ray cluster at $RAY_ADDRESS '127.0.0.1:{port}'" in caplog.text
 
 
 def test_builder_follows_ray_app_builder_convention() -> None:
