@@ -107,6 +107,10 @@ class WorkerProcess:
             self.sentinel = os.pidfd_open(self.pid)
         self.send_lock = threading.Lock()  # a call and shutdown() may send concurrently
         self._proc_lock = threading.Lock()  # serialises wait/terminate/kill
+        # `exited()` polls the pidfd while the reader may be closing it (`cleanup`): a
+        # closed number can be reused at once (the replacement's pipes) and would then
+        # read as "still running".
+        self._sentinel_lock = threading.Lock()
         self._cleaned = False
         self.pending_lock = threading.Lock()
         self.pending: OrderedDict[int, PendingCall] = OrderedDict()  # in the order sent
@@ -203,8 +207,11 @@ class WorkerProcess:
 
     def exited(self) -> bool:
         """Whether the process has exited (non-blocking)."""
-        if self.sentinel is not None:
-            return bool(wait([self.sentinel], timeout=0))
+        with self._sentinel_lock:
+            if self._cleaned:  # cleaned up only after it exited
+                return True
+            if self.sentinel is not None:
+                return bool(wait([self.sentinel], timeout=0))
         with self._proc_lock:
             return self.process.poll() is not None
 
@@ -271,7 +278,9 @@ class WorkerProcess:
         self.conn.close()
         with contextlib.suppress(OSError):
             os.close(self._lifeline)
-        if self.sentinel is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.sentinel)
+        with self._sentinel_lock:
+            if self.sentinel is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self.sentinel)
+                self.sentinel = None
         shm.sweep(shm.segment_prefix(self.pid))

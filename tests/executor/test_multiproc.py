@@ -461,6 +461,35 @@ def _wait_for_loads(path: Path, count: int) -> list[int]:
     return _loads(path)
 
 
+def test_a_dead_worker_reads_as_exited_after_its_pidfd_number_is_reused():
+    """The reader closes a dead worker's pidfd; the number is free at once and the
+    replacement's pipes can take it. `exited()` (what `check_health` asks of the worker it
+    still holds) must not then wait on somebody else's pipe and answer "running"."""
+    ex = MultiprocExecutor(make_config())
+    try:
+        ex.stop_restarting()  # no replacement: nothing else takes the number meanwhile
+        worker = ex._worker
+        number = worker.sentinel
+        assert number is not None
+        read_end, write_end = os.pipe()  # while the number is taken: a different one
+        os.kill(worker.pid, signal.SIGKILL)
+        assert wait_gone(worker.pid)
+        worker.join_reader(DEADLINE_S)  # its reader has handled the death
+        assert ex._worker is None
+        with pytest.raises(OSError):
+            os.fstat(number)  # closed, free to be reused
+        try:
+            os.dup2(read_end, number)  # a quiet pipe now has the old pidfd's number
+            assert worker.exited()
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
+                ex.check_health()
+        finally:
+            for fd in {read_end, write_end, number}:
+                os.close(fd)
+    finally:
+        ex.shutdown()
+
+
 def test_a_replacement_killed_while_loading_is_started_again(tmp_path, monkeypatch):
     loads = tmp_path / "loads"
     loads.write_text("serve\n")
