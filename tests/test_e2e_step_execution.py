@@ -59,7 +59,7 @@ def ticks(engine: Engine) -> float:
 
 def test_mixed_step_counts_share_the_batch_and_the_short_request_leaves_first(
         step_engine, request_engine):
-    steps = [200, 4, 36, 24]
+    steps = [200, 4, 60, 24]
     finished: list[int] = []
 
     async def run():
@@ -68,12 +68,15 @@ def test_mixed_step_counts_share_the_batch_and_the_short_request_leaves_first(
             tasks.append(asyncio.ensure_future(
                 step_engine.generate_async(f"prompt {i}", pt(i, n))))
             tasks[-1].add_done_callback(lambda _t, i=i: finished.append(i))
-            # the next one arrives once this one is in the running batch
-            while step_engine.num_running < i + 1 and not tasks[-1].done():
+            # the next one arrives once this one has joined the running batch (one
+            # that finished had joined it)
+            while step_engine.num_running + len(finished) < i + 1 and not tasks[-1].done():
                 await asyncio.sleep(0.005)
         return await asyncio.gather(*tasks)
 
     outputs = asyncio.run(run())
+    # Each joined while the ones before it were running, and a tick advances every
+    # running request by one step: the fewest steps left finishes first.
     assert finished[0] == 1, f"completion order {finished}: the 4-step request should lead"
     assert finished[-1] == 0
     references = request_engine.generate([f"prompt {i}" for i in range(4)],
@@ -81,7 +84,10 @@ def test_mixed_step_counts_share_the_batch_and_the_short_request_leaves_first(
     for i, (out, ref) in enumerate(zip(outputs, references, strict=True)):
         assert out.ok, out.error
         assert (out.images - ref.images).abs().max().item() <= TOLERANCE, f"request {i}"
-    assert outputs[0].batch_size == 4  # all four were in one step together
+    # 200, 60 and 24 steps shared a step (the 4-step one too, unless it left before
+    # the last joined: a loaded machine decides that)
+    assert outputs[0].batch_size in (3, 4) and outputs[3].batch_size in (3, 4)
+    assert outputs[1].batch_size >= 2  # it joined the 200-step request's batch
 
 
 def test_two_hundred_concurrent_requests_each_get_their_own_image(step_engine, request_engine):

@@ -521,9 +521,9 @@ class MultiprocExecutor(Executor):
         starts)."""
         if worker.stalled is not None:
             return
-        worker.stalled = reason
-        self.num_frozen += 1
+        self.num_frozen += 1  # counted before `stalled` makes it visible (health)
         self.num_stuck_waves += stuck_wave
+        worker.stalled = reason
         logger.error("worker process %d stalled, %s; killing it", worker.pid, reason)
         with worker._proc_lock, contextlib.suppress(ProcessLookupError):
             worker.process.kill()

@@ -275,7 +275,8 @@ class WorkerProcess:
         with contextlib.suppress(Exception):  # EOF ends the drain; sweep() catches the rest
             while self.conn.poll(0):
                 shm.release(getattr(recv_message(self.conn), "result", None))
-        self.conn.close()
+        with self.send_lock:  # not under a send: its number could go to another pipe
+            self.conn.close()  # a send after this raises OSError (its callers' "gone")
         with contextlib.suppress(OSError):
             os.close(self._lifeline)
         with self._sentinel_lock:

@@ -32,6 +32,7 @@ from diffbatch.errors import EngineDeadError, WorkerDiedError
 from diffbatch.executor.abstract import Executor
 from diffbatch.sched.output import SchedulerOutput
 from tests.fake_pipelines import FakeBatchPipeline
+from tests.process_utils import wait_until
 
 TIMEOUT_S = 30.0
 
@@ -144,6 +145,17 @@ class Harness:
 
     def result(self, rid: str) -> DiffusionOutput:
         return self.futures[rid].result(TIMEOUT_S)
+
+    def wait_in_flight(self, count: int) -> None:
+        """Wait until `count` waves are handed to the executor and tracked by the core
+        (the executor sees a wave before the core records it)."""
+        self.executor.wait_unanswered(count)
+
+        def tracked() -> bool:
+            with self.core.cond:
+                return len(self.core.in_flight) >= count
+
+        wait_until(tracked, timeout_s=TIMEOUT_S)
 
     def close(self) -> None:
         if self.core._thread is None:  # stepped by hand
@@ -261,7 +273,7 @@ def test_an_abort_of_a_queued_wave_discards_only_its_result(harness):
 def test_stop_with_waves_in_flight_waits_for_them_and_delivers_nothing_late(harness):
     h = harness(max_num_seqs=2, max_waves_in_flight=2)
     h.add("a0", "a1", "b0", "b1")
-    h.executor.wait_unanswered(2)
+    h.wait_in_flight(2)
     open_requests = h.core.stop()
     assert sorted(r.request_id for r in open_requests) == ["a0", "a1", "b0", "b1"]
     joined = threading.Thread(target=h.core.join, args=(TIMEOUT_S,))
@@ -281,8 +293,6 @@ def test_max_waves_in_flight_must_be_a_positive_integer(bad):
 
 
 def test_the_inproc_executor_holds_one_wave_whatever_the_config_says():
-    from tests.fake_pipelines import FakeBatchPipeline
-
     with Engine(pipeline_class=FakeBatchPipeline, executor="inproc", max_num_seqs=2,
                 max_waves_in_flight=3, warmup=False) as engine:
         assert engine.core.max_waves_in_flight == 1
@@ -342,7 +352,7 @@ def test_only_a_request_that_kills_the_worker_again_alone_fails(harness):
 def test_a_wave_nobody_waits_for_is_cancelled_and_counted_running_until_it_stops(harness):
     h = harness(max_num_seqs=2, max_waves_in_flight=2)
     h.add("a0", "a1")
-    h.executor.wait_unanswered(1)
+    h.wait_in_flight(1)
     h.core.abort_requests(["a0"])
     assert h.executor.cancelled == []  # a1 still wants it
     h.core.abort_requests(["a1"])
@@ -359,6 +369,6 @@ def test_a_wave_nobody_waits_for_is_cancelled_and_counted_running_until_it_stops
 def test_stop_cancels_the_waves_in_flight(harness):
     h = harness(max_num_seqs=2, max_waves_in_flight=2)
     h.add("a0", "a1", "b0", "b1")
-    h.executor.wait_unanswered(2)
+    h.wait_in_flight(2)
     h.core.stop()
     assert len(h.executor.cancelled) == 2

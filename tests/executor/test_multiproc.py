@@ -673,8 +673,10 @@ def test_cancel_stops_a_running_wave_and_drops_the_queued_one(tmp_path):
         ex.shutdown()
 
 
+# The stall timeouts below leave a loaded machine's scheduling gaps (a second and more
+# on two busy cores) out of the "frozen" verdict, unless the test is about that verdict.
 def test_a_frozen_worker_is_killed_and_replaced_and_its_wave_fails_as_started(tmp_path):
-    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=3.0))
     pid = ex.worker_pid
     try:
         marker = tmp_path / "running"
@@ -712,12 +714,12 @@ def wait_for_heartbeats(ex: MultiprocExecutor, span_s: float, running) -> None:
 
 def test_a_busy_worker_keeps_its_heartbeat(tmp_path):
     """A long wave is not a frozen worker: the heartbeat comes from a thread of its own."""
-    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=2.0))
     try:
         marker = tmp_path / "running"
         running = ex.submit_batch(wave(70, request("s", "steps", marker=str(marker))))
         wait_for_file(marker)
-        wait_for_heartbeats(ex, 3.0, running)  # a few stall timeouts' worth
+        wait_for_heartbeats(ex, 5.0, running)  # a few stall timeouts' worth
         assert ex.health_stats()["frozen"] == 0 and ex.is_healthy
         ex.cancel(running)
         assert running.result(60).outputs["s"].aborted
@@ -729,7 +731,7 @@ def test_a_wave_past_its_stall_bound_is_stuck_and_its_worker_replaced(tmp_path):
     """A forward that hangs while the heartbeat thread lives: once the wave has run past
     the bound it was submitted with, counted from its own start (not while it waited
     behind another wave), the worker is killed and replaced like a frozen one."""
-    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=3.0))
     pid = ex.worker_pid
     try:
         ahead, hung = tmp_path / "ahead", tmp_path / "hung"
@@ -762,7 +764,7 @@ def test_a_wave_that_keeps_finishing_steps_is_not_stuck_however_long_it_runs(tmp
     """The stall bound counts from the wave's last denoising step (its pipeline's ask
     between steps, which the heartbeat reports): a slow wave that keeps stepping, on a
     machine too busy to run it in its expected time, is not killed as stuck."""
-    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=1.0))
+    ex = MultiprocExecutor(make_config(worker_stall_timeout_s=3.0))
     try:
         marker = tmp_path / "stepping"
         running = ex.submit_batch(wave(90, request("s", "steps", marker=str(marker))),

@@ -27,6 +27,7 @@ from fastapi.responses import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from diffbatch.engine.wave_log import DEFAULT_CAPACITY as MAX_WAVES
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
@@ -238,7 +239,9 @@ async def playground() -> Response:
 async def health(raw_request: Request) -> Response:
     """200 while the engine and its worker are alive, 503 otherwise."""
     try:
-        _engine(raw_request).check_health()
+        # off the event loop: a worker that just died is waited for (its reader
+        # thread handles the death), and nothing else should wait meanwhile
+        await run_in_threadpool(_engine(raw_request).check_health)
     except DiffbatchError as exc:
         return exception_response(exc)
     except Exception as exc:  # a health check must answer, whatever broke

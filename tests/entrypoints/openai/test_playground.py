@@ -19,6 +19,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -258,7 +259,8 @@ def test_a_generate_click_shows_streamed_partial_images_then_the_image(
                     assert np.abs(previews[i] - final * 0.75).max() <= 1
                 assert sorted(int(cards.nth(i).get_attribute("data-seed"))
                               for i in range(2)) == [20, 21]
-                assert page.text_content("#status").startswith("2 of 2 done")
+                # (set once both streams have ended: after the cards, not with them)
+                expect(page.locator("#status")).to_have_text(re.compile(r"^2 of 2 done"))
             finally:
                 gate.release.set()
                 gate.finish.set()

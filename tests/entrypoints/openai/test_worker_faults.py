@@ -160,13 +160,13 @@ def test_a_forward_that_hangs_while_the_heartbeat_lives_is_a_stuck_worker(
     tmp_path: Path, pool: ThreadPoolExecutor,
 ) -> None:
     """The worker's heartbeat thread beats on while its forward hangs: once the wave has
-    run past its stall bound (10x its learned time, at least the 1 s stall timeout)
+    run past its stall bound (10x its learned time, at least the stall timeout)
     the worker is reported, counted, killed and replaced, and the wave re-run."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(tmp_path))
         engine = Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="mp",
                         max_num_seqs=1, request_batch_max_wait_ms=0,
-                        worker_stall_timeout_s=1.0, torch_num_threads=1)
+                        worker_stall_timeout_s=STALL_TIMEOUT_S, torch_num_threads=1)
     try:
         with serve_in_thread(build_app(engine, served_model_name="faulty")) as url:
             server = RunningServer(url, engine, None)
