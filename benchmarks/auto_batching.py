@@ -13,11 +13,15 @@ For each model and size (`--configs MODEL:SIZE`, default tiny-sd at 64x64 and
 128x128, shapes at 64x64; 4 steps):
   1. warm-up: `--warmup-requests` per server in a closed loop (not measured);
   2. `saturated`: a closed loop of `--saturation-concurrency` (32) clients,
-     `--capacity-requests` requests, for every server; the capacity C is the best
-     fixed setting's median requests/s here;
+     `--capacity-requests` (128) requests, for every server; the capacity C is the
+     best fixed setting's median requests/s here. The loop's first and last waves
+     are partial (its clients start together, and drain at the end), more so for
+     settings that never wait: a short loop measures them more than the steady state;
   3. `poisson_Fx`: Poisson arrivals at F x C for F in `--loads` (0.1 0.5 0.9 1.2),
-     `--num-requests` requests each; every server sees the same arrival schedule
-     within a round;
+     `--num-requests` (32) requests each, or as many as arrive in
+     `--poisson-seconds` (5 s) where that is more: a setting past its own capacity
+     shows it only once its queue has built up; every server sees the same arrival
+     schedule within a round;
   4. `burst_N`: `--burst` (64) requests sent at once.
 Each load is run on every server, `--repeats` rounds (loads in turn within a round),
 the servers in a different order for every load and round (rotated, reversed in odd
@@ -42,10 +46,9 @@ p50s is low), so the bars err against `auto`; more `--repeats` shrink that bias.
 Full run (the defaults): 2 models, 3 (model, size) configs, 14 servers per model
 (13 fixed + auto, about 0.7 GB of memory each, so ~10 GB while a model's servers
 are up), 6 loads x 14 servers x 3 rounds = 252 measured runs per config, 756 in
-all, 32,256 measured requests. 45 minutes on 2 CPU cores on 2026-12-01 (capacities
-measured at 4 steps: tiny-sd 64x64 ~87 req/s, 128x128 ~26, shapes ~32; 7, 18 and 15
-minutes, plus each model's servers starting in turn), most of it at the 0.1x load,
-whose 32 arrivals take 320 / C seconds per server and round.
+all. Per server and round, the 0.1x load's 32 arrivals take 320 / C seconds, and
+each higher load about `--poisson-seconds` plus its drain: about 80 minutes on 2 CPU
+cores at C = 60 / 18 / 24 requests/s (tiny-sd 64x64, 128x128, shapes).
 
     .venv/bin/python benchmarks/auto_batching.py --quick \\
         --out benchmarks/results/auto_batching_quick.json
@@ -85,7 +88,8 @@ FULL = {
     "loads": [0.1, 0.5, 0.9, 1.2],
     "burst": 64,
     "num_requests": 32,
-    "capacity_requests": 64,
+    "poisson_seconds": 5.0,
+    "capacity_requests": 128,
     "warmup_requests": 32,
     "repeats": 3,
 }
@@ -96,10 +100,18 @@ QUICK = {
     "loads": [0.1, 0.9],
     "burst": 16,
     "num_requests": 12,
+    "poisson_seconds": 0.0,
     "capacity_requests": 24,
     "warmup_requests": 16,
     "repeats": 1,
 }
+
+
+def poisson_count(rate_rps: float, args: argparse.Namespace) -> int:
+    """Requests of a Poisson run: `--num-requests`, or more, so that the arrivals span
+    `--poisson-seconds` (a setting past its capacity needs time for its queue to
+    build up before its latency shows it)."""
+    return max(args.num_requests, math.ceil(rate_rps * args.poisson_seconds))
 
 
 @dataclass(frozen=True)
@@ -288,8 +300,10 @@ def measure_size(
     print(f"{model} {size}px: capacity {capacity:.2f} req/s ({capacity_setting})", flush=True)
     plan: dict[str, dict[str, Any]] = {"saturated": {**saturated, "factor": None}}
     for factor in args.loads:
-        plan[f"poisson_{factor:g}x"] = {"request_rate": factor * capacity,
-                                        "num_prompts": args.num_requests, "factor": factor}
+        rate = factor * capacity
+        plan[f"poisson_{factor:g}x"] = {"request_rate": rate,
+                                        "num_prompts": poisson_count(rate, args),
+                                        "factor": factor}
     if args.burst:
         plan[f"burst_{args.burst}"] = {"request_rate": math.inf, "num_prompts": args.burst,
                                        "factor": None}
@@ -425,7 +439,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="Poisson arrival rates, as multiples of the best fixed capacity")
     parser.add_argument("--burst", type=int, default=None,
                         help="requests sent at once in the burst load (0: no burst)")
-    parser.add_argument("--num-requests", type=int, default=None, help="per Poisson run")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="per Poisson run, at least")
+    parser.add_argument("--poisson-seconds", type=float, default=None,
+                        help="more requests per Poisson run where fewer would arrive "
+                        "within this span (0: exactly --num-requests)")
     parser.add_argument("--capacity-requests", type=int, default=None,
                         help="per saturated (closed-loop) run")
     parser.add_argument("--saturation-concurrency", type=int, default=32,

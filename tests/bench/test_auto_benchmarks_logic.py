@@ -36,6 +36,16 @@ def test_parse_configs_groups_sizes_by_model() -> None:
         auto_batching.parse_configs(["tiny-sd"])
 
 
+
+def test_a_poisson_run_spans_its_seconds_unless_its_request_count_is_longer() -> None:
+    from argparse import Namespace
+    args = Namespace(num_requests=32, poisson_seconds=5.0)
+    assert auto_batching.poisson_count(2.0, args) == 32  # 32 arrivals take 16 s
+    assert auto_batching.poisson_count(50.0, args) == 250
+    assert auto_batching.poisson_count(50.1, args) == 251  # the span is reached
+    assert auto_batching.poisson_count(50.0, Namespace(num_requests=32,
+                                                       poisson_seconds=0.0)) == 32
+
 SETTINGS = [auto_batching.AUTO, *auto_batching.grid([1, 4], [0.0])]
 
 
