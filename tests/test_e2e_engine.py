@@ -143,7 +143,8 @@ def test_a_request_that_kills_the_worker_twice_fails_alone(tmp_path, monkeypatch
                 max_num_seqs=4) as engine:
         _, future = engine._submit("slow wave", SamplingParams(seed=1), "victim", 0)
         deadline = time.monotonic() + 60
-        while not marker.exists():  # readiness poll: the worker is inside the forward
+        # readiness poll: the worker is inside the forward (and has written its pid)
+        while not marker.exists() or not marker.read_text():
             assert time.monotonic() < deadline, "the slow wave never started"
             time.sleep(0.02)
         first_pid = int(marker.read_text())

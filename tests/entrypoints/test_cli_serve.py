@@ -305,10 +305,11 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Waves of up to 2 after an admission wait of up to 1 s, picked by priority
-    (`grouped`); requests that give no seed draw one from --seed's random source."""
+    (`grouped`); requests that give no seed draw one from --seed's random source; no
+    bound on a request's work (`holding_the_worker`'s request)."""
     proc, url, log = serve(tmp_path_factory.mktemp("served"), "tiny-sd", "--seed", str(SEED),
                            "--max-num-seqs", "2", "--request-batch-max-wait-ms", "1000",
-                           "--scheduling-policy", "grouped")
+                           "--scheduling-policy", "grouped", "--max-request-work", "0")
     try:
         wait_ready(proc, url)
         yield Served(url)
@@ -347,10 +348,11 @@ def test_metrics_count_exactly_the_traffic_sent(served: Served) -> None:
 
 @contextlib.contextmanager
 def holding_the_worker(served: Served) -> Iterator[socket.socket]:
-    """A 400-step request running on the worker, over a raw connection the caller
-    closes (`disconnect`) to stop its wave at the next denoising step."""
+    """A 1000-step request (the most a request may ask: the test's requests queue behind
+    it however slow the machine) running on the worker, over a raw connection the
+    caller closes (`disconnect`) to stop its wave at the next denoising step."""
     holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
-                                            "num_inference_steps": 400})
+                                            "num_inference_steps": 1000})
     try:
         wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
                  "the long wave to start")
@@ -389,7 +391,7 @@ def test_priority_reaches_the_engine(served: Served) -> None:
         earlier.result(), later.result()
     waves = httpx.get(f"{served.url}/v1/waves", params={"after": last_id}).json()["data"]
     assert [w["key"].split("/")[:2] for w in waves] == [
-        ["64x64", "s400"], ["32x32", "s2"], ["64x64", "s2"]]
+        ["64x64", "s1000"], ["32x32", "s2"], ["64x64", "s2"]]
 
 
 @pytest.mark.parametrize("output_format", ["jpeg", "webp"])

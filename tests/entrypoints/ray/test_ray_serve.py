@@ -443,6 +443,9 @@ def test_killed_replica_answers_every_request_and_recovers(gated: tuple[str, Gat
             victim = sorted(gate.entered_replicas())[0]
             actor_name = ReplicaID(victim, DeploymentID("diffbatch", "gated")).to_full_id_str()
             ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+            # The gate stays shut until the victim is gone: with it shut, only the dead
+            # replica's requests can end (`ray.kill` returns before the process exits).
+            await asyncio.wait(requests, return_when=asyncio.FIRST_COMPLETED)
             gate.open()
             return victim, list(await asyncio.gather(*requests))
 
@@ -542,11 +545,12 @@ def test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown(
     proc = subprocess.Popen(
         [sys.executable, "-m", "diffbatch", "serve", MODEL, "--ray", "--ray-address", address,
          "--num-replicas", "1", "--max-num-seqs", "2", "--request-batch-max-wait-ms", "0",
-         "--torch-threads", "1", "--shutdown-timeout", "0.5",
+         "--torch-threads", "1", "--shutdown-timeout", "0.5", "--max-request-work", "0",
          "--num-cpus-per-replica", str(REPLICA_CPUS), "--served-model-name", "from-cli",
          "--log-level", "warning"],
     )
     url = ray_cluster.url  # route prefix "/": the other applications' longer prefixes win
+    signalled = False
 
     def post(**body: Any) -> httpx.Response:
         return httpx.post(f"{url}/v1/images/generations", timeout=120,
@@ -562,8 +566,9 @@ def test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown(
             "deployments"]["diffbatch"]["deployment_config"]
         assert config["graceful_shutdown_timeout_s"] == 0.5
         with ThreadPoolExecutor(3) as pool:
-            # 1. Behind a long wave, a full wave of two waits at the worker.
-            long = pool.submit(post, num_inference_steps=200)
+            # 1. Behind a long wave (long enough to outlast a few stalled round trips
+            # through the proxy), a full wave of two waits at the worker.
+            long = pool.submit(post, num_inference_steps=600)
             wait_until(lambda: _running_requests(url) == 1, what="the long wave")
             pair = [pool.submit(post, seed=seed) for seed in (1, 2)]
             wait_until(lambda: _running_requests(url) == 3, what="the pair behind it")
@@ -574,10 +579,14 @@ def test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown(
             cut = pool.submit(post, num_inference_steps=400, n=10)  # a minute on a CPU
             wait_until(lambda: _running_requests(url) == 1, what="the wave to cut")
             proc.terminate()  # SIGTERM: delete the application, disconnect, exit 0
+            signalled = True
             response = cut.result()
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "replica_failed"
     finally:
-        proc.terminate()
+        if not signalled:  # a second SIGTERM would cut the application's deletion short
+            proc.terminate()
         assert proc.wait(timeout=120) == 0
-    assert _deployment_status(DEFAULT_APP_NAME) is None  # deleted; the cluster lives on
+    # deleted; the cluster lives on (the controller may list it a moment longer)
+    wait_until(lambda: _deployment_status(DEFAULT_APP_NAME) is None,
+               what="the application deleted")
