@@ -54,6 +54,11 @@ MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the cur
 # at most: they are already here, only not parsed yet.
 INCOMING_WAIT_MS = 20.0
 RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
+# Sustained load: arrivals over this window, against the capacity's cost per image,
+# give the server's utilization; from `BUSY_UTILIZATION` on, no admission wait runs
+# (an idle worker then costs every later request the wait, not just these).
+SUSTAINED_WINDOW_S = 5.0
+BUSY_UTILIZATION = 0.5
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
 # A backlog beyond a trial wave's size counts as sustained (worth a trial that leaves
@@ -87,7 +92,9 @@ def choose_wait(
         d = 1000.0 * k / rate_per_s
         if d > wait_bound_ms:
             break
-        t_all = wave_ms(q + k)
+        # a bigger wave is never faster: a learned curve that dips there (noise, or
+        # a size seen once) must not make waiting look free
+        t_all = max(wave_ms(q + k), t_q)
         wait = (q * (d + t_all) + k * (d / 2 + t_all)) / (q + k)
         now = (q * t_q + k * (max(t_q, d) + wave_ms(k) - d / 2)) / (q + k)
         if now - wait > best_saving:
@@ -112,6 +119,8 @@ class ArrivalRate:
         self.clock = clock
         self._last: float | None = None
         self._gap_s_per_request: float | None = None
+        self._recent: deque[tuple[float, int]] = deque()  # (time, count), last window
+        self._recent_count = 0
         self._lock = threading.Lock()
 
     def observe(self, count: int = 1) -> None:
@@ -124,6 +133,23 @@ class ArrivalRate:
                 self._gap_s_per_request = gap if old is None else (
                     old + RATE_SMOOTHING * (gap - old))
             self._last = now
+            if count > 0:
+                self._recent.append((now, count))
+                self._recent_count += count
+                self._forget_before(now - SUSTAINED_WINDOW_S)
+
+    def sustained_rate_per_s(self) -> float:
+        """Requests per second over the last `SUSTAINED_WINDOW_S` (a burst, however
+        dense, counts spread over the whole window: it is no sustained load)."""
+        now = self.clock()
+        with self._lock:
+            self._forget_before(now - SUSTAINED_WINDOW_S)
+            return self._recent_count / SUSTAINED_WINDOW_S
+
+    def _forget_before(self, since: float) -> None:
+        """(Holding the lock.)"""
+        while self._recent and self._recent[0][0] < since:
+            self._recent_count -= self._recent.popleft()[1]
 
     def rate_per_s(self) -> float:
         """The smoothed rate, lowered when the time since the last arrival says the
@@ -287,6 +313,15 @@ class BatchPolicy:
         if not math.isfinite(one):  # nothing learned yet: no grounds to wait
             return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
         bound = min(one, MAX_WAIT_MS)
+        utilization = (self.arrivals.sustained_rate_per_s()
+                       * wave_ms(capacity) / capacity / 1000.0)
+        if utilization >= BUSY_UTILIZATION:
+            # Busy: the queue refills while each wave runs, and a worker idle in a
+            # wait delays everything behind it; start now (as a fixed wait of 0 does).
+            plan = WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+            with self._lock:
+                self._last_wait_ms[shape.label()] = 0.0
+            return plan
         plan = choose_wait(num_waiting, self.arrivals.rate_per_s(), wave_ms, capacity,
                            wait_bound_ms=bound)
         if num_incoming > 0 and plan.target < min(capacity, num_waiting + num_incoming):

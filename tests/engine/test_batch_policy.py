@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from diffbatch.config import EngineConfig
-from diffbatch.engine.batch_policy import ArrivalRate, BatchPolicy, choose_wait
+from diffbatch.engine.batch_policy import (
+    SUSTAINED_WINDOW_S,
+    ArrivalRate,
+    BatchPolicy,
+    choose_wait,
+)
 from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
 from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
@@ -67,6 +72,22 @@ def test_no_wait_when_batching_does_not_pay_or_the_wave_is_full():
 
 # -- the arrival rate, on a driven clock -------------------------------------------------
 
+
+
+def test_a_curve_that_dips_at_a_bigger_size_does_not_make_waiting_look_free():
+    """Learned times are noisy: a size seen once may read faster than a smaller one.
+    Waiting for it must still cost at least the wave that could start now."""
+    measured = {6: 150.0, 7: 147.0, 8: 100.0}  # 8 dips below 6 (noise)
+
+    def dipping(size: int) -> float:
+        return measured.get(size, 40.0 + 14.0 * size)
+
+    plan = choose_wait(6, rate_per_s=50.0, wave_ms=dipping, capacity=8,
+                       wait_bound_ms=dipping(1))
+    assert plan.max_wait_ms == 0.0 and plan.target == 6
+    # (a real gain still waits: a fixed cost that a burst's next 2 share)
+    assert choose_wait(6, rate_per_s=2000.0, wave_ms=lambda size: 100.0 + size,
+                       capacity=8, wait_bound_ms=101.0).target == 8
 
 def test_arrival_rate_from_gaps_between_events():
     clock = Clock()
@@ -183,6 +204,44 @@ def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
     alone = p.plan_wait(key(), 1)
     assert alone.max_wait_ms == 0.0 and alone.target == 1
 
+
+
+def test_no_wait_under_a_sustained_load_but_a_burst_after_a_quiet_spell_waits():
+    """At half the capacity's throughput or more, sustained over the window, the
+    worker would idle in a wait while the queue refills anyway: start at once, even
+    with requests at the door. The same burst with no load before it waits."""
+    def arrivals(p: BatchPolicy, clock: Clock, sustained: bool) -> None:
+        per_image_ms = tiny_sd_like(32) / 32  # at the capacity (32) here
+        gap_s = per_image_ms / 1000.0 / 0.6  # 60% of what the worker can serve
+        for _ in range(int(SUSTAINED_WINDOW_S / gap_s) if sustained else 0):
+            p.observe_arrivals(1)
+            clock.now += gap_s
+        for _ in range(40):  # then a burst: an arrival every 0.5 ms
+            p.observe_arrivals(1)
+            clock.now += 0.0005
+
+    for sustained in (True, False):
+        clock = Clock()
+        p = policy(clock)
+        teach(p)
+        arrivals(p, clock, sustained)
+        plans = [p.plan_wait(key(), 3), p.plan_wait(key(), 3, num_incoming=5)]
+        if sustained:
+            assert [plan.max_wait_ms for plan in plans] == [0.0, 0.0]
+        else:
+            assert all(plan.target > 3 and plan.max_wait_ms > 0.0 for plan in plans)
+
+
+def test_the_sustained_rate_counts_the_window_only():
+    clock = Clock()
+    rate = ArrivalRate(clock)
+    rate.observe(10)
+    assert rate.sustained_rate_per_s() == 10 / SUSTAINED_WINDOW_S
+    clock.now += SUSTAINED_WINDOW_S / 2
+    rate.observe(5)
+    assert rate.sustained_rate_per_s() == 15 / SUSTAINED_WINDOW_S
+    clock.now += SUSTAINED_WINDOW_S * 0.75  # the first 10 are older than the window
+    assert rate.sustained_rate_per_s() == 5 / SUSTAINED_WINDOW_S
 
 def test_no_wait_before_anything_is_learned():
     clock = Clock()
