@@ -20,14 +20,20 @@ start when both the first wave is done and they have arrived. Measured from each
 request's own arrival (arrivals spread evenly over `d`, so on average `d / 2`
 after now), the mean latencies are
 
-    wait:       (q * (d + t(q+k)) + k * (d/2 + t(q+k))) / (q + k)
+    wait:       (q * (d + T) + k * (d/2 + T)) / (q + k),  T = max(t(q+k), t(q))
     start now:  (q * t(q) + k * (max(t(q), d) + t(k) - d/2)) / (q + k)
+
+(`T`: a bigger wave is never faster than the one that could start now, whatever a
+noisy point of the learned curve says.)
 
 The engine waits for the `k` (up to capacity) that saves the most, only if it saves
 anything, and never longer than `wait_bound_ms` (the shape's single-request wave
 time, capped at `MAX_WAIT_MS`): at low load `d` is long and waiting never pays;
-under a burst it pays until the wave is full. The rule is in `choose_wait`, a pure
-function of those numbers; docs/serving.md walks through it.
+under a burst it pays until the wave is full. Under a sustained load (the arrivals
+of the last `SUSTAINED_WINDOW_S` would keep the worker busy `BUSY_UTILIZATION` of the
+time or more at the capacity's cost per image) no wait runs: the queue refills while
+each wave runs, and a worker idle in a wait delays everyone behind it. The rule is in
+`choose_wait`, a pure function of those numbers; docs/serving.md walks through it.
 """
 
 from __future__ import annotations
