@@ -348,11 +348,11 @@ def test_metrics_count_exactly_the_traffic_sent(served: Served) -> None:
 
 @contextlib.contextmanager
 def holding_the_worker(served: Served) -> Iterator[socket.socket]:
-    """A 1000-step request (the most a request may ask: the test's requests queue behind
-    it however slow the machine) running on the worker, over a raw connection the
-    caller closes (`disconnect`) to stop its wave at the next denoising step."""
+    """A 900-step request (near the most tiny-sd's scheduler takes: the test's requests
+    queue behind it however slow the machine) running on the worker, over a raw
+    connection the caller closes (`disconnect`) to stop its wave at the next step."""
     holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
-                                            "num_inference_steps": 1000})
+                                            "num_inference_steps": 900})
     try:
         wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
                  "the long wave to start")
@@ -391,7 +391,7 @@ def test_priority_reaches_the_engine(served: Served) -> None:
         earlier.result(), later.result()
     waves = httpx.get(f"{served.url}/v1/waves", params={"after": last_id}).json()["data"]
     assert [w["key"].split("/")[:2] for w in waves] == [
-        ["64x64", "s1000"], ["32x32", "s2"], ["64x64", "s2"]]
+        ["64x64", "s900"], ["32x32", "s2"], ["64x64", "s2"]]
 
 
 @pytest.mark.parametrize("output_format", ["jpeg", "webp"])
