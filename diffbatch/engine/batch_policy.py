@@ -31,8 +31,10 @@ anything, and never longer than `wait_bound_ms` (the shape's single-request wave
 time, capped at `MAX_WAIT_MS`): at low load `d` is long and waiting never pays;
 under a burst it pays until the wave is full. Under a sustained load (the arrivals
 of the last `SUSTAINED_WINDOW_S` would keep the worker busy `BUSY_UTILIZATION` of the
-time or more at the capacity's cost per image) no wait runs: the queue refills while
-each wave runs, and a worker idle in a wait delays everyone behind it. The rule is in
+time or more at the capacity's cost per image), with arrivals no faster than
+`BURST_RATE_FACTOR` times that window's rate, no wait runs: the queue refills while
+each wave runs, and a worker idle in a wait delays everyone behind it. (A burst, even
+one that keeps the worker busy for seconds, still waits for its last requests.) The rule is in
 `choose_wait`, a pure function of those numbers; docs/serving.md walks through it.
 """
 
@@ -65,6 +67,9 @@ RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
 # (an idle worker then costs every later request the wait, not just these).
 SUSTAINED_WINDOW_S = 5.0
 BUSY_UTILIZATION = 0.5
+# A burst is arrivals far faster than the window's average: collecting the rest of it
+# costs milliseconds, and the rule below weighs that, busy or not.
+BURST_RATE_FACTOR = 3.0
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
 # A backlog beyond a trial wave's size counts as sustained (worth a trial that leaves
@@ -319,17 +324,17 @@ class BatchPolicy:
         if not math.isfinite(one):  # nothing learned yet: no grounds to wait
             return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
         bound = min(one, MAX_WAIT_MS)
-        utilization = (self.arrivals.sustained_rate_per_s()
-                       * wave_ms(capacity) / capacity / 1000.0)
-        if utilization >= BUSY_UTILIZATION:
-            # Busy: the queue refills while each wave runs, and a worker idle in a
-            # wait delays everything behind it; start now (as a fixed wait of 0 does).
+        rate, sustained = self.arrivals.rate_per_s(), self.arrivals.sustained_rate_per_s()
+        utilization = sustained * wave_ms(capacity) / capacity / 1000.0
+        if utilization >= BUSY_UTILIZATION and rate < BURST_RATE_FACTOR * sustained:
+            # Busy with a steady stream: the queue refills while each wave runs, and a
+            # worker idle in a wait delays everything behind it; start now (as a fixed
+            # wait of 0 does).
             plan = WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
             with self._lock:
                 self._last_wait_ms[shape.label()] = 0.0
             return plan
-        plan = choose_wait(num_waiting, self.arrivals.rate_per_s(), wave_ms, capacity,
-                           wait_bound_ms=bound)
+        plan = choose_wait(num_waiting, rate, wave_ms, capacity, wait_bound_ms=bound)
         if num_incoming > 0 and plan.target < min(capacity, num_waiting + num_incoming):
             # A burst already at the door: the first request's wave would otherwise
             # start alone and the rest wait for it to finish.

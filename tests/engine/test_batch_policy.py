@@ -206,30 +206,42 @@ def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
 
 
 
-def test_no_wait_under_a_sustained_load_but_a_burst_after_a_quiet_spell_waits():
-    """At half the capacity's throughput or more, sustained over the window, the
-    worker would idle in a wait while the queue refills anyway: start at once, even
-    with requests at the door. The same burst with no load before it waits."""
-    def arrivals(p: BatchPolicy, clock: Clock, sustained: bool) -> None:
-        per_image_ms = tiny_sd_like(32) / 32  # at the capacity (32) here
-        gap_s = per_image_ms / 1000.0 / 0.6  # 60% of what the worker can serve
-        for _ in range(int(SUSTAINED_WINDOW_S / gap_s) if sustained else 0):
+def test_no_wait_under_a_steady_sustained_load_but_a_burst_waits():
+    """A steady stream at half the capacity's throughput or more, sustained over the
+    window: the worker would idle in a wait while the queue refills anyway, so start
+    at once, even with requests at the door. A burst, alone or on top of that load,
+    still waits for its last requests (they are milliseconds away)."""
+    per_image_ms = tiny_sd_like(32) / 32  # at the capacity (32) here
+
+    def steady(p: BatchPolicy, clock: Clock, share: float) -> None:
+        gap_s = per_image_ms / 1000.0 / share  # `share` of what the worker can serve
+        for _ in range(int(SUSTAINED_WINDOW_S / gap_s)):
             p.observe_arrivals(1)
             clock.now += gap_s
-        for _ in range(40):  # then a burst: an arrival every 0.5 ms
+
+    def burst(p: BatchPolicy, clock: Clock) -> None:
+        for _ in range(40):  # an arrival every 0.5 ms
             p.observe_arrivals(1)
             clock.now += 0.0005
 
-    for sustained in (True, False):
+    def plans(load: float | None, then_burst: bool) -> list:
         clock = Clock()
         p = policy(clock)
         teach(p)
-        arrivals(p, clock, sustained)
-        plans = [p.plan_wait(key(), 3), p.plan_wait(key(), 3, num_incoming=5)]
-        if sustained:
-            assert [plan.max_wait_ms for plan in plans] == [0.0, 0.0]
-        else:
-            assert all(plan.target > 3 and plan.max_wait_ms > 0.0 for plan in plans)
+        if load is not None:
+            steady(p, clock, load)
+        if then_burst:
+            burst(p, clock)
+        # q requests waiting where the steady stream's own rule would wait for more
+        return [p.plan_wait(key(), 3), p.plan_wait(key(), 3, num_incoming=5)]
+
+    assert [plan.max_wait_ms for plan in plans(0.6, then_burst=False)] == [0.0, 0.0]
+    for load in (None, 0.6):
+        assert all(plan.target > 3 and plan.max_wait_ms > 0.0
+                   for plan in plans(load, then_burst=True))
+    # below half the capacity's throughput the rule itself decides (here: the requests
+    # at the door are waited for)
+    assert plans(0.3, then_burst=False)[1].max_wait_ms > 0.0
 
 
 def test_the_sustained_rate_counts_the_window_only():
