@@ -8,6 +8,7 @@ after its request was sent.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -126,3 +127,28 @@ def test_health_turns_503_when_the_engine_is_closed() -> None:
         response = httpx.get(f"{server.url}/health")
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "engine_unavailable"
+
+
+def test_a_health_check_that_waits_does_not_hold_up_other_requests(
+    pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A health check can wait (on a worker that just died, for its reader thread to
+    handle the death); meanwhile the server answers everyone else."""
+    with gated_server() as (server, gate):
+        gate.release.set()
+        checking, answer = threading.Event(), threading.Event()
+
+        def slow_check_health() -> None:
+            checking.set()
+            assert answer.wait(GATE_TIMEOUT_S)
+
+        monkeypatch.setattr(server.engine, "check_health", slow_check_health)
+        health = pool.submit(httpx.get, f"{server.url}/health", timeout=60)
+        try:
+            assert checking.wait(GATE_TIMEOUT_S)
+            models = httpx.get(f"{server.url}/v1/models", timeout=10)  # not behind it
+            assert models.status_code == 200
+            assert not health.done()
+        finally:
+            answer.set()
+        assert health.result().status_code == 200
