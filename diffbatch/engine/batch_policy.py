@@ -85,6 +85,11 @@ class WaitPlan:
     max_wait_ms: float  # and at the latest after this long; 0 = start now
     stable_window_ms: float  # or once no request arrived for this long
 
+    @classmethod
+    def start_now(cls, num_waiting: int) -> WaitPlan:
+        """No wait: the next wave takes the `num_waiting` requests there are."""
+        return cls(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+
 
 def choose_wait(
     num_waiting: int,
@@ -96,7 +101,7 @@ def choose_wait(
     """The wait rule of the module docstring; `wave_ms(B)` is the learned wave time."""
     q = num_waiting
     if q < 1 or q >= capacity or rate_per_s <= 0 or not math.isfinite(rate_per_s):
-        return WaitPlan(target=max(q, 1), max_wait_ms=0.0, stable_window_ms=0.0)
+        return WaitPlan.start_now(max(q, 1))
     t_q = wave_ms(q)
     best_k, best_saving = 0, 0.0
     for k in range(1, capacity - q + 1):
@@ -111,7 +116,7 @@ def choose_wait(
         if now - wait > best_saving:
             best_k, best_saving = k, now - wait
     if best_k == 0:
-        return WaitPlan(target=q, max_wait_ms=0.0, stable_window_ms=0.0)
+        return WaitPlan.start_now(q)
     gap_ms = 1000.0 / rate_per_s
     max_wait = min(wait_bound_ms, SLACK * 1000.0 * best_k / rate_per_s)
     # a quiet spell of a few mean gaps means the burst is over
@@ -306,14 +311,14 @@ class BatchPolicy:
         and `num_incoming` announced ones still on their way (see `ArrivalNotice`)."""
         capacity = self._learned_capacity(key)
         if not self.batching or capacity <= 1:
-            return WaitPlan(target=1, max_wait_ms=0.0, stable_window_ms=0.0)
+            return WaitPlan.start_now(1)
         wait = self.config.request_batch_max_wait_ms
         if not self.config.auto_wait:
             fixed = float(wait)
             return WaitPlan(target=capacity, max_wait_ms=fixed,
                             stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
         if key is None:
-            return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+            return WaitPlan.start_now(num_waiting)
         shape, steps = Shape.of(key), key.num_denoising_steps
 
         def wave_ms(size: int) -> float:
@@ -322,29 +327,34 @@ class BatchPolicy:
 
         one = wave_ms(1)
         if not math.isfinite(one):  # nothing learned yet: no grounds to wait
-            return WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
+            return WaitPlan.start_now(num_waiting)
         bound = min(one, MAX_WAIT_MS)
-        rate, sustained = self.arrivals.rate_per_s(), self.arrivals.sustained_rate_per_s()
-        utilization = sustained * wave_ms(capacity) / capacity / 1000.0
-        if utilization >= BUSY_UTILIZATION and rate < BURST_RATE_FACTOR * sustained:
-            # Busy with a steady stream: the queue refills while each wave runs, and a
-            # worker idle in a wait delays everything behind it; start now (as a fixed
-            # wait of 0 does).
-            plan = WaitPlan(target=num_waiting, max_wait_ms=0.0, stable_window_ms=0.0)
-            with self._lock:
-                self._last_wait_ms[shape.label()] = 0.0
-            return plan
-        plan = choose_wait(num_waiting, rate, wave_ms, capacity, wait_bound_ms=bound)
-        if num_incoming > 0 and plan.target < min(capacity, num_waiting + num_incoming):
-            # A burst already at the door: the first request's wave would otherwise
-            # start alone and the rest wait for it to finish.
-            wait = min(bound, INCOMING_WAIT_MS)
-            plan = WaitPlan(target=min(capacity, num_waiting + num_incoming),
-                            max_wait_ms=max(plan.max_wait_ms, wait),
-                            stable_window_ms=max(plan.stable_window_ms, wait))
+        rate = self.arrivals.rate_per_s()
+        if self._busy_with_a_steady_stream(rate, wave_ms(capacity) / capacity):
+            # the queue refills while each wave runs, and a worker idle in a wait delays
+            # everything behind it: start now (as a fixed wait of 0 does)
+            plan = WaitPlan.start_now(num_waiting)
+        else:
+            plan = choose_wait(num_waiting, rate, wave_ms, capacity, wait_bound_ms=bound)
+            if num_incoming > 0 and plan.target < min(capacity, num_waiting + num_incoming):
+                # A burst already at the door: the first request's wave would otherwise
+                # start alone and the rest wait for it to finish.
+                wait = min(bound, INCOMING_WAIT_MS)
+                plan = WaitPlan(target=min(capacity, num_waiting + num_incoming),
+                                max_wait_ms=max(plan.max_wait_ms, wait),
+                                stable_window_ms=max(plan.stable_window_ms, wait))
         with self._lock:
             self._last_wait_ms[shape.label()] = plan.max_wait_ms
         return plan
+
+    def _busy_with_a_steady_stream(self, rate_per_s: float, per_image_ms: float) -> bool:
+        """Whether the arrivals of the last `SUSTAINED_WINDOW_S` would keep the worker
+        busy `BUSY_UTILIZATION` of the time or more at `per_image_ms`, and come no faster
+        now than `BURST_RATE_FACTOR` times their rate (faster: a burst, whose rest is
+        milliseconds away)."""
+        sustained = self.arrivals.sustained_rate_per_s()
+        return (sustained * per_image_ms / 1000.0 >= BUSY_UTILIZATION
+                and rate_per_s < BURST_RATE_FACTOR * sustained)
 
     # -- learning --------------------------------------------------------------------
     def observe_arrivals(self, count: int) -> None:
