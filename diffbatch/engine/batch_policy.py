@@ -62,6 +62,11 @@ MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the cur
 # at most: they are already here, only not parsed yet.
 INCOMING_WAIT_MS = 20.0
 RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
+# A gap this many times the smoothed one is a pause, not part of the stream: the
+# estimate starts afresh from the next gap (averaged in, a quiet spell of seconds
+# would outweigh the ~20 gaps of the burst after it, whose first waves would then
+# start small for want of a rate).
+NEW_STREAM_GAP_FACTOR = 10.0
 # Sustained load: arrivals over this window, against the capacity's cost per image,
 # give the server's utilization; from `BUSY_UTILIZATION` on, no admission wait runs
 # (an idle worker then costs every later request the wait, not just these).
@@ -128,7 +133,9 @@ class ArrivalRate:
     """Requests per second, from the gaps between arrival events; thread-safe.
 
     Requests added together (one `generate` call) are one event of several
-    requests: a list of prompts does not look like a burst still arriving.
+    requests: a list of prompts does not look like a burst still arriving. A pause
+    (a gap `NEW_STREAM_GAP_FACTOR` times the smoothed one) is not averaged in: the
+    stream after it is measured afresh.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -146,8 +153,12 @@ class ArrivalRate:
             if self._last is not None and count > 0:
                 gap = (now - self._last) / count
                 old = self._gap_s_per_request
-                self._gap_s_per_request = gap if old is None else (
-                    old + RATE_SMOOTHING * (gap - old))
+                if old is None:
+                    self._gap_s_per_request = gap
+                elif gap > NEW_STREAM_GAP_FACTOR * old:
+                    self._gap_s_per_request = None  # a pause: the next gap starts afresh
+                else:
+                    self._gap_s_per_request = old + RATE_SMOOTHING * (gap - old)
             self._last = now
             if count > 0:
                 self._recent.append((now, count))

@@ -102,6 +102,27 @@ def test_arrival_rate_from_gaps_between_events():
     assert rate.rate_per_s() == pytest.approx(1.0)
 
 
+def test_a_pause_is_not_averaged_into_the_stream_after_it():
+    """A burst after a quiet spell reads as a burst from its second arrival: the
+    spell's gap (seconds) is no part of either stream."""
+    clock = Clock()
+    rate = ArrivalRate(clock)
+    for _ in range(10):  # one request a second
+        rate.observe()
+        clock.now += 1.0
+    clock.now += 20.0  # a quiet spell
+    rate.observe()
+    assert rate.rate_per_s() == 0.0  # nothing to go on yet (not the spell's 1/30 s)
+    for _ in range(2):  # then an arrival every 0.5 ms
+        clock.now += 0.0005
+        rate.observe()
+    assert rate.rate_per_s() == pytest.approx(2000.0)
+    # an ordinary long gap (a few times the mean) is averaged in as before
+    clock.now += 0.002
+    rate.observe()
+    assert rate.rate_per_s() == pytest.approx(1.0 / (0.0005 + 0.2 * 0.0015))
+
+
 def test_a_list_of_prompts_is_one_event_not_a_burst():
     clock = Clock()
     rate = ArrivalRate(clock)
@@ -203,6 +224,11 @@ def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
     p.observe_arrivals(1)
     alone = p.plan_wait(key(), 1)
     assert alone.max_wait_ms == 0.0 and alone.target == 1
+    for _ in range(2):  # ... unless a burst follows: its third arrival waits for more
+        clock.now += 0.0005
+        p.observe_arrivals(1)
+    again = p.plan_wait(key(), 3)
+    assert again.target > 3 and 0 < again.max_wait_ms <= tiny_sd_like(1)
 
 
 
