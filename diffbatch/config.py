@@ -148,9 +148,9 @@ class EngineConfig:
         "step); --max-num-seqs is the most requests in the running batch")
     max_head_wait_ms: float = option(
         2000.0, rule=FloatRange(0.0),
-        help="grouped: once the oldest request waited this long, its group goes next; "
-        "step mode (fifo and grouped): the running batch stops taking requests of its "
-        "key once a request of another key waited this long")
+        help="grouped: once the oldest request waited this long, its group goes next "
+        "(in step mode: the running batch stops taking requests of its key); fifo never "
+        "passes a request of another key")
     max_wave_pixels: int | None = option(
         None, rule=Optional(IntRange(1)),
         help="most output pixels (B*n*H*W) in one wave, under either scheduling policy "
