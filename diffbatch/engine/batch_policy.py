@@ -30,12 +30,13 @@ The engine waits for the `k` (up to capacity) that saves the most, only if it sa
 anything, and never longer than `wait_bound_ms` (the shape's single-request wave
 time, capped at `MAX_WAIT_MS`): at low load `d` is long and waiting never pays;
 under a burst it pays until the wave is full. Under a sustained load (the arrivals
-of the last `SUSTAINED_WINDOW_S` would keep the worker busy `BUSY_UTILIZATION` of the
-time or more at the capacity's cost per image), with arrivals no faster than
-`BURST_RATE_FACTOR` times that window's rate, no wait runs: the queue refills while
-each wave runs, and a worker idle in a wait delays everyone behind it. (A burst, even
-one that keeps the worker busy for seconds, still waits for its last requests.) The rule is in
-`choose_wait`, a pure function of those numbers; docs/serving.md walks through it.
+of the last `SUSTAINED_WINDOW_S`, or of a younger stream's own life, would keep the
+worker busy `BUSY_UTILIZATION` of the time or more at the capacity's cost per image),
+with arrivals no faster than `BURST_RATE_FACTOR` times that rate, no wait runs: the
+queue refills while each wave runs, and a worker idle in a wait delays everyone
+behind it. (A burst, even one that keeps the worker busy for seconds, still waits for
+its last requests.) The rule is in `choose_wait`, a pure function of those numbers;
+docs/serving.md walks through it.
 """
 
 from __future__ import annotations
@@ -62,15 +63,20 @@ MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the cur
 # at most: they are already here, only not parsed yet.
 INCOMING_WAIT_MS = 20.0
 RATE_SMOOTHING = 0.2  # weight of the newest inter-arrival gap
-# A gap this many times the smoothed one is a pause, not part of the stream: the
-# estimate starts afresh from the next gap (averaged in, a quiet spell of seconds
-# would outweigh the ~20 gaps of the burst after it, whose first waves would then
-# start small for want of a rate).
+# A gap this many times the smoothed one (or one as long as `SUSTAINED_WINDOW_S`) is a
+# pause, not part of the stream: the estimate starts afresh from the next gap
+# (averaged in, a quiet spell of seconds would outweigh the ~20 gaps of the burst
+# after it, whose first waves would then start small for want of a rate).
 NEW_STREAM_GAP_FACTOR = 10.0
 # Sustained load: arrivals over this window, against the capacity's cost per image,
 # give the server's utilization; from `BUSY_UTILIZATION` on, no admission wait runs
-# (an idle worker then costs every later request the wait, not just these).
+# (an idle worker then costs every later request the wait, not just these). A stream
+# younger than the window (it began after a pause) is measured over its own age, at
+# least `MIN_SUSTAINED_SPAN_S`: a load that starts after a quiet spell is load from its
+# first second, not after five (waits in its first seconds grow waves that a load
+# near capacity then keeps: each wave's arrivals fill the next).
 SUSTAINED_WINDOW_S = 5.0
+MIN_SUSTAINED_SPAN_S = 1.0
 BUSY_UTILIZATION = 0.5
 # A burst is arrivals far faster than the window's average: collecting the rest of it
 # costs milliseconds, and the rule below weighs that, busy or not.
@@ -142,6 +148,7 @@ class ArrivalRate:
         self.clock = clock
         self._last: float | None = None
         self._gap_s_per_request: float | None = None
+        self._stream_start: float | None = None  # the first arrival after the last pause
         self._recent: deque[tuple[float, int]] = deque()  # (time, count), last window
         self._recent_count = 0
         self._lock = threading.Lock()
@@ -153,25 +160,35 @@ class ArrivalRate:
             if self._last is not None and count > 0:
                 gap = (now - self._last) / count
                 old = self._gap_s_per_request
-                if old is None:
-                    self._gap_s_per_request = gap
-                elif gap > NEW_STREAM_GAP_FACTOR * old:
+                if now - self._last >= SUSTAINED_WINDOW_S or (
+                        old is not None and gap > NEW_STREAM_GAP_FACTOR * old):
                     self._gap_s_per_request = None  # a pause: the next gap starts afresh
+                    self._stream_start = now
+                elif old is None:
+                    self._gap_s_per_request = gap
                 else:
                     self._gap_s_per_request = old + RATE_SMOOTHING * (gap - old)
             self._last = now
+            if self._stream_start is None:
+                self._stream_start = now
             if count > 0:
                 self._recent.append((now, count))
                 self._recent_count += count
                 self._forget_before(now - SUSTAINED_WINDOW_S)
 
     def sustained_rate_per_s(self) -> float:
-        """Requests per second over the last `SUSTAINED_WINDOW_S` (a burst, however
-        dense, counts spread over the whole window: it is no sustained load)."""
+        """Requests per second over the last `SUSTAINED_WINDOW_S`, or over the stream's
+        age where it began after a pause less than that ago (at least
+        `MIN_SUSTAINED_SPAN_S`: a burst, however dense, counts spread over a second or
+        more, so it is no sustained load)."""
         now = self.clock()
         with self._lock:
             self._forget_before(now - SUSTAINED_WINDOW_S)
-            return self._recent_count / SUSTAINED_WINDOW_S
+            start = self._stream_start
+            if start is None or now - start >= SUSTAINED_WINDOW_S:
+                return self._recent_count / SUSTAINED_WINDOW_S
+            count = sum(n for at, n in self._recent if at >= start)
+            return count / max(now - start, MIN_SUSTAINED_SPAN_S)
 
     def _forget_before(self, since: float) -> None:
         """(Holding the lock.)"""

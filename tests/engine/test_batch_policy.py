@@ -6,6 +6,7 @@ import pytest
 
 from diffbatch.config import EngineConfig
 from diffbatch.engine.batch_policy import (
+    MIN_SUSTAINED_SPAN_S,
     SUSTAINED_WINDOW_S,
     ArrivalRate,
     BatchPolicy,
@@ -270,16 +271,45 @@ def test_no_wait_under_a_steady_sustained_load_but_a_burst_waits():
     assert plans(0.3, then_burst=False)[1].max_wait_ms > 0.0
 
 
-def test_the_sustained_rate_counts_the_window_only():
+def test_a_load_counts_as_load_from_its_first_second():
+    """A steady stream at 0.6 of the capacity's throughput that began 1.5 s ago, after a
+    quiet spell: its waves start at once (measured over the whole 5 s window it would
+    read as 0.18 of the throughput, and the rule would wait for more)."""
+    clock = Clock()
+    p = policy(clock)
+    teach(p)
+    p.observe_arrivals(1)
+    clock.now += 60.0  # quiet
+    gap_s = tiny_sd_like(32) / 32 / 1000.0 / 0.6
+    for _ in range(int(1.5 / gap_s)):
+        p.observe_arrivals(1)
+        clock.now += gap_s
+    assert p.plan_wait(key(), 3, num_incoming=5).max_wait_ms == 0.0
+
+
+def test_the_sustained_rate_counts_the_window_or_the_streams_age():
     clock = Clock()
     rate = ArrivalRate(clock)
     rate.observe(10)
-    assert rate.sustained_rate_per_s() == 10 / SUSTAINED_WINDOW_S
+    assert rate.sustained_rate_per_s() == 10 / MIN_SUSTAINED_SPAN_S  # spread over a second
     clock.now += SUSTAINED_WINDOW_S / 2
     rate.observe(5)
-    assert rate.sustained_rate_per_s() == 15 / SUSTAINED_WINDOW_S
+    assert rate.sustained_rate_per_s() == 15 / (SUSTAINED_WINDOW_S / 2)  # over its age
     clock.now += SUSTAINED_WINDOW_S * 0.75  # the first 10 are older than the window
     assert rate.sustained_rate_per_s() == 5 / SUSTAINED_WINDOW_S
+    # a load after a pause (30 s: far beyond the last gaps) is measured from its own
+    # start, not diluted by the quiet window before it
+    clock.now += 30.0
+    for _ in range(40):  # 20 per second for 2 s
+        rate.observe()
+        clock.now += 0.05
+    assert rate.sustained_rate_per_s() == pytest.approx(40 / 2.0)
+    clock.now += 30.0
+    for _ in range(3):  # a new stream of 3 within 0.1 s: spread over a second
+        rate.observe()
+        clock.now += 0.05
+    assert rate.sustained_rate_per_s() == pytest.approx(3 / MIN_SUSTAINED_SPAN_S)
+
 
 def test_no_wait_before_anything_is_learned():
     clock = Clock()
