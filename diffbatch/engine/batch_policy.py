@@ -140,8 +140,9 @@ class ArrivalRate:
 
     Requests added together (one `generate` call) are one event of several
     requests: a list of prompts does not look like a burst still arriving. A pause
-    (a gap `NEW_STREAM_GAP_FACTOR` times the smoothed one) is not averaged in: the
-    stream after it is measured afresh.
+    (a gap `NEW_STREAM_GAP_FACTOR` times the smoothed one, or `SUSTAINED_WINDOW_S`
+    long) is not averaged in: the stream after it is measured afresh, its rate and
+    its sustained rate.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
