@@ -76,7 +76,7 @@ def _wait_ready(url: str, proc: subprocess.Popen | None = None) -> None:
 @contextlib.contextmanager
 def plain_server(args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m diffbatch serve` in a subprocess; yields its URL and process at once
-    (it loads while the caller starts the others; `_wait_ready` before using it)."""
+    (`_wait_ready` before using it)."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}  # the worker's torch
     cmd = [sys.executable, "-m", "diffbatch", "serve", args.model, "--port", str(port),
@@ -165,24 +165,32 @@ async def _throughput(url: str, args: argparse.Namespace) -> tuple[float, dict[s
     return args.num_requests / elapsed, replicas
 
 
+def _measure(plain_url: str, one_url: str, two_url: str, args: argparse.Namespace
+             ) -> tuple[dict[str, list[tuple[float, dict[str, int]]]], list[float], list[float]]:
+    """Latencies of plain and ray-1 in turns, then throughput rounds of all three."""
+    urls = {"plain": plain_url, "ray-1": one_url, "ray-2": two_url}
+    plain_lat, ray_lat = latencies_ms([plain_url, one_url], args)
+    rounds: dict[str, list[tuple[float, dict[str, int]]]] = {name: [] for name in urls}
+    for _ in range(args.rounds):
+        for name, url in urls.items():
+            rounds[name].append(asyncio.run(_throughput(url, args)))
+            logger.info("%s: %.2f images/s", name, rounds[name][-1][0])
+    return rounds, plain_lat, ray_lat
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from diffbatch.pipelines.tiny import ensure_tiny_model
 
     if args.model.startswith("tiny-"):
         ensure_tiny_model(args.model)  # build once, before any server starts
     load_before = os.getloadavg()
-    # The plain server loads while Ray starts and deploys (one start-up, not two in turn).
-    with plain_server(args) as (plain_url, plain_proc), ray_servers(args) as (one_url, two_url):
+    # The plain server is up (its port bound) before Ray starts: Ray's processes open
+    # many sockets, and one of them could take the port picked for the plain server
+    # while it still loads (seen: "address already in use", the server gone).
+    with plain_server(args) as (plain_url, plain_proc):
         _wait_ready(plain_url, plain_proc)
-        urls = {"plain": plain_url, "ray-1": one_url, "ray-2": two_url}
-        # 1. Overhead: plain and ray-1 in turns.
-        plain_lat, ray_lat = latencies_ms([plain_url, one_url], args)
-        # 2. Throughput: rounds in turns.
-        rounds: dict[str, list[tuple[float, dict[str, int]]]] = {name: [] for name in urls}
-        for _ in range(args.rounds):
-            for name, url in urls.items():
-                rounds[name].append(asyncio.run(_throughput(url, args)))
-                logger.info("%s: %.2f images/s", name, rounds[name][-1][0])
+        with ray_servers(args) as (one_url, two_url):
+            rounds, plain_lat, ray_lat = _measure(plain_url, one_url, two_url, args)
     latencies = {"plain": plain_lat, "ray-1": ray_lat, "ray-2": None}
     results = []
     for name, server_rounds in rounds.items():
