@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import types
+from pathlib import Path
 
 import pytest
 
@@ -341,8 +342,6 @@ def test_unknown_arguments_are_told_with_the_subcommands_own_usage(
 def test_every_serve_flag_is_in_the_docs_flag_tables() -> None:
     """docs/serving.md (and docs/scaling.md for the Ray flags) list every flag of
     `diffbatch serve`, so a new flag cannot ship undocumented."""
-    from pathlib import Path
-
     docs = Path(__file__).resolve().parents[2] / "docs"
     tables = "\n".join(line for name in ("serving.md", "scaling.md")
                        for line in (docs / name).read_text().splitlines()
@@ -350,6 +349,6 @@ def test_every_serve_flag_is_in_the_docs_flag_tables() -> None:
     documented = set(re.findall(r"`(--[a-z][a-z0-9-]*)", tables))
     serve = cli._command_parser(cli.make_arg_parser(), parse("serve"))
     flags = {option for action in serve._actions for option in action.option_strings
-             if option.startswith("--") and option not in ("--help",)
+             if option.startswith("--") and option != "--help"
              and not option.startswith("--no-")}
     assert flags - documented == set()
