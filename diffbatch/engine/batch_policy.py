@@ -10,7 +10,21 @@ default) it chooses both per shape, from the learned cost curve
   limit; with a backlog bigger than that, the next doubling is tried so the curve
   keeps learning (`capacity`: at once when the trial wave takes the whole backlog,
   else only once the backlog has outlasted two waves);
+- below saturation a wave takes no more than the load needs (`wave_size_for_load`,
+  rule below);
 - the admission wait follows the rule below.
+
+**Wave size at the load seen.** The capacity is where a bigger wave stops paying in
+throughput; a load that does not need that throughput pays for it in latency (a wave
+of 32 runs about twice as long as one of 16). So with `n` requests waiting, more than
+the smallest ladder size `L` (1, 2, 4, ...) whose throughput by the curve,
+`L / t(L)`, covers `LOAD_HEADROOM` times the sustained arrival rate, the next wave
+takes `L` of them, not all: but only while the backlog is at most
+`BACKLOG_FACTOR * L` (a deeper one says waves of `L` do not keep up, whatever the
+curve says) and only if splitting lowers the sum of the `n` requests' latencies by
+`MIN_GAIN` (a pair at low load still runs as one wave: two waves of one take longer
+for both). Under an overload no size below the capacity covers the rate, and the
+capacity holds.
 
 The admission wait runs only while nothing is in flight (as a fixed wait does).
 With `q` requests waiting, arrivals at rate `r` per second and a learned wave time
@@ -50,7 +64,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
-from diffbatch.engine.cost_model import MIN_SAMPLES, Shape, WaveCostModel
+from diffbatch.engine.cost_model import MIN_GAIN, MIN_SAMPLES, Shape, WaveCostModel
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -81,6 +95,14 @@ BUSY_UTILIZATION = 0.5
 # A burst is arrivals far faster than the window's average: collecting the rest of it
 # costs milliseconds, and the rule below weighs that, busy or not.
 BURST_RATE_FACTOR = 3.0
+# Below saturation a wave of `L` is enough when its throughput by the learned curve
+# covers the sustained arrival rate this many times over (the curve is the worker's
+# forward alone, the lower quartile of recent waves; serving the answers costs the
+# same cores a share on top: measured on 2 cores, waves of 16 of tiny-sd at 64x64
+# served 48 requests/s where their forward curve says 56).
+LOAD_HEADROOM = 1.25
+# A backlog beyond this many waves of `L` means waves of `L` are not keeping up.
+BACKLOG_FACTOR = 2
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
 # A backlog beyond a trial wave's size counts as sustained (worth a trial that leaves
@@ -133,6 +155,47 @@ def choose_wait(
     # a quiet spell of a few mean gaps means the burst is over
     return WaitPlan(target=q + best_k, max_wait_ms=max_wait,
                     stable_window_ms=min(max_wait, 3.0 * gap_ms))
+
+
+def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:
+    """The smallest ladder size (1, 2, 4, ... below `capacity`) whose throughput by
+    the curve, `size / wave_ms(size)`, covers `LOAD_HEADROOM` x `rate_per_s`;
+    `capacity` when none does."""
+    size = 1
+    while size < capacity:
+        ms = wave_ms(size)
+        if 0 < ms < math.inf and 1000.0 * size / ms >= LOAD_HEADROOM * rate_per_s:
+            return size
+        size *= 2
+    return capacity
+
+
+def latency_sum_ms(num_waiting: int, wave_size: int, wave_ms: Callable[[int], float]) -> float:
+    """The sum of `num_waiting` requests' times to their answers when they run in
+    waves of `wave_size` (the last one smaller), one after another."""
+    total, done, clock = 0.0, 0, 0.0
+    while done < num_waiting:
+        size = min(wave_size, num_waiting - done)
+        clock += wave_ms(size)
+        total += size * clock
+        done += size
+    return total
+
+
+def wave_size_for_load(num_waiting: int, rate_per_s: float,
+                       wave_ms: Callable[[int], float], capacity: int) -> int:
+    """Most requests the next wave should take, with `num_waiting` waiting, arrivals
+    at a sustained `rate_per_s` and the learned wave time `wave_ms(B)`: the load's
+    size `L` (`load_capacity`) where the module docstring's rule splits the backlog,
+    else `capacity`."""
+    if num_waiting <= 1 or capacity <= 1:
+        return capacity
+    size = load_capacity(rate_per_s, wave_ms, capacity)
+    if size >= min(num_waiting, capacity) or num_waiting > BACKLOG_FACTOR * size:
+        return capacity
+    split = latency_sum_ms(num_waiting, size, wave_ms)
+    whole = latency_sum_ms(num_waiting, capacity, wave_ms)
+    return size if split <= (1.0 - MIN_GAIN) * whole else capacity
 
 
 class ArrivalRate:
@@ -261,7 +324,9 @@ class BatchPolicy:
     def capacity(self, key: SamplingParamsKey | None, num_waiting: int = 0) -> int:
         """Most requests in the next wave of `key`, with `num_waiting` requests waiting.
 
-        The learned capacity, except with a backlog beyond it: then a wave of the next
+        The learned capacity, or the smaller size the sustained load needs where
+        splitting the backlog pays (`wave_size_for_load`; then no trial runs either:
+        the load does not need more throughput). With a backlog beyond it: a wave of the next
         untried doubling (`WaveCostModel.next_size_to_try`) measures whether it pays,
         so the curve keeps learning. The trial runs at once when it takes the whole
         backlog: it then delays nobody behind it (a burst of 64 at capacity 16 runs
@@ -275,17 +340,33 @@ class BatchPolicy:
         if key is None or not self.batching or not self.config.auto_capacity:
             return capacity
         shape = Shape.of(key)
-        trial = self.cost.next_size_to_try(shape) if num_waiting > capacity else None
+        wave_ms = self._wave_ms(shape, key.num_denoising_steps)
+        size = wave_size_for_load(num_waiting, self.arrivals.sustained_rate_per_s(),
+                                  wave_ms, capacity)
         now = self._clock()
+        if size < capacity:  # the load needs less than the capacity: no trial either
+            with self._lock:
+                self._deep_backlog_since.pop(shape, None)
+            return size
+        trial = self.cost.next_size_to_try(shape) if num_waiting > capacity else None
         with self._lock:
             if trial is None or num_waiting <= trial:
                 self._deep_backlog_since.pop(shape, None)
                 return capacity if trial is None else num_waiting
             since = self._deep_backlog_since.setdefault(shape, now)
-        wave_ms = self.cost.estimate_ms(shape, capacity, key.num_denoising_steps)
-        if wave_ms is None or (now - since) * 1000.0 >= SUSTAINED_BACKLOG_WAVES * wave_ms:
+        capacity_ms = wave_ms(capacity)
+        if not math.isfinite(capacity_ms) or (
+                (now - since) * 1000.0 >= SUSTAINED_BACKLOG_WAVES * capacity_ms):
             return trial
         return capacity
+
+    def _wave_ms(self, shape: Shape, steps: int) -> Callable[[int], float]:
+        """The learned wave time of `shape` at `steps` by size (inf where nothing is
+        known)."""
+        def wave_ms(size: int) -> float:
+            estimate = self.cost.estimate_ms(shape, size, steps)
+            return math.inf if estimate is None else estimate
+        return wave_ms
 
     def _learned_capacity(self, key: SamplingParamsKey | None) -> int:
         """The capacity of `key` itself, with no trial wave."""
@@ -348,12 +429,8 @@ class BatchPolicy:
                             stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
         if key is None:
             return WaitPlan.start_now(num_waiting)
-        shape, steps = Shape.of(key), key.num_denoising_steps
-
-        def wave_ms(size: int) -> float:
-            estimate = self.cost.estimate_ms(shape, size, steps)
-            return float("inf") if estimate is None else estimate
-
+        shape = Shape.of(key)
+        wave_ms = self._wave_ms(shape, key.num_denoising_steps)
         one = wave_ms(1)
         if not math.isfinite(one):  # nothing learned yet: no grounds to wait
             return WaitPlan.start_now(num_waiting)
@@ -483,4 +560,5 @@ class BatchPolicy:
         return out
 
 
-__all__ = ["MAX_WAIT_MS", "ArrivalRate", "BatchPolicy", "WaitPlan", "choose_wait"]
+__all__ = ["MAX_WAIT_MS", "ArrivalRate", "BatchPolicy", "WaitPlan", "choose_wait",
+           "load_capacity", "wave_size_for_load"]

@@ -11,6 +11,8 @@ from diffbatch.engine.batch_policy import (
     ArrivalRate,
     BatchPolicy,
     choose_wait,
+    load_capacity,
+    wave_size_for_load,
 )
 from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
 from diffbatch.outputs import TickStats
@@ -69,6 +71,37 @@ def test_no_wait_when_batching_does_not_pay_or_the_wave_is_full():
     flat = lambda size: 40.0 * size  # noqa: E731 - every image costs the same
     assert choose_wait(1, 2000.0, flat, 8, 40.0).max_wait_ms == 0.0
     assert choose_wait(8, 2000.0, tiny_sd_like, 8, 47.0).max_wait_ms == 0.0
+
+
+# -- the wave size a load needs, on numbers ------------------------------------------
+# tiny_sd_like's throughput by wave size: 1 -> 21/s, 2 -> 37, 4 -> 59, 8 -> 83,
+# 16 -> 105, 32 -> 121 requests/s; its capacity (5% rule) is 32.
+
+
+@pytest.mark.parametrize(("rate_per_s", "size"), [
+    (0.0, 1), (10.0, 1), (40.0, 4), (80.0, 16), (100.0, 32), (1000.0, 32)])
+def test_the_load_needs_the_smallest_size_that_covers_it_with_headroom(rate_per_s, size):
+    assert load_capacity(rate_per_s, tiny_sd_like, capacity=32) == size
+
+
+def test_a_backlog_below_saturation_runs_in_waves_the_load_needs():
+    # 80/s needs waves of 16: a backlog of 32 runs as 16 + 16, the first half sooner
+    assert wave_size_for_load(32, 80.0, tiny_sd_like, capacity=32) == 16
+    assert wave_size_for_load(20, 80.0, tiny_sd_like, capacity=32) == 16
+    # a backlog the load's waves did not keep up with runs at the capacity
+    assert wave_size_for_load(33, 80.0, tiny_sd_like, capacity=32) == 32
+    # an overload needs the capacity's throughput
+    assert wave_size_for_load(32, 100.0, tiny_sd_like, capacity=32) == 32
+    # a backlog no bigger than the load's size is one wave
+    assert wave_size_for_load(16, 80.0, tiny_sd_like, capacity=32) == 32
+
+
+def test_a_split_that_does_not_lower_the_latencies_is_not_made():
+    """A pair at low load (the load needs waves of one) still runs together: two waves
+    of one answer the second request later than one wave of two answers both."""
+    assert wave_size_for_load(2, 5.0, tiny_sd_like, capacity=32) == 32
+    # 8 at a load that needs 4: 4 + 4 sums to 816 ms of latency, one wave of 8 to 768
+    assert wave_size_for_load(8, 40.0, tiny_sd_like, capacity=32) == 32
 
 
 # -- the arrival rate, on a driven clock -------------------------------------------------
@@ -210,6 +243,25 @@ def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
     # asking about the admission wait does not end the backlog's count
     p.plan_wait(key(), 1)
     assert p.capacity(key(), num_waiting=30) == 8
+
+
+def test_auto_capacity_follows_the_load_below_saturation():
+    clock = Clock()
+    p = policy(clock)
+    teach(p)  # capacity 32
+    for _ in range(160):  # 80 requests/s for 2 s
+        p.observe_arrivals(1)
+        clock.now += 1 / 80
+    assert p.capacity(key(), num_waiting=24) == 16
+    assert p.capacity(key(), num_waiting=40) == 32  # waves of 16 fell behind
+    for _ in range(320):  # then 160/s for 2 s: an overload
+        p.observe_arrivals(1)
+        clock.now += 1 / 160
+    assert p.capacity(key(), num_waiting=24) == 32
+    # fixed settings are what they say, whatever the load
+    fixed = policy(clock, max_num_seqs=32)
+    teach(fixed)
+    assert fixed.capacity(key(), num_waiting=24) == 32
 
 
 def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
