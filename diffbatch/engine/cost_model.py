@@ -21,7 +21,8 @@ which a bigger wave stops paying:
 
 A doubling that has not been measured yet is tried once the curve says the last
 one still paid, and one more after a doubling that gained less than that
-(`next_size_to_try`), so the curve grows with the traffic it sees;
+(`next_size_to_try`), so the curve grows with the traffic it sees (a wave of at
+least `NEAR_RUNG` of a rung's size counts for the rung);
 until a shape has two sizes measured, its capacity is the default shape's, scaled
 by the pixel ratio.
 """
@@ -43,6 +44,11 @@ if TYPE_CHECKING:
 # lower-quartile estimate leaves.
 MIN_GAIN = 0.05
 WINDOW = 16  # observations kept per shape and wave size
+# A wave of at least this share of a rung's size is evidence for the rung: a trial
+# of the next doubling takes the whole backlog when that is smaller (a closed loop of
+# 32 clients at capacity 8 leaves 10-14 waiting, never 16), and its cost per image,
+# assumed for the full rung (no further gain), is what the rung would cost at most.
+NEAR_RUNG = 0.75
 MIN_SAMPLES = 4  # a size with fewer observations is tried again before it is trusted
 
 
@@ -174,7 +180,7 @@ class WaveCostModel:
             for size in (cap * 2, cap * 4):
                 if size > self.limit:
                     return None
-                if len(curve.samples.get(size, ())) < MIN_SAMPLES:
+                if _num_near(curve, size) < MIN_SAMPLES:
                     return size
                 if _per_image(curve, size) >= _per_image(curve, cap):
                     return None  # no gain at all: gains have stopped
@@ -206,8 +212,10 @@ class WaveCostModel:
 def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     """The capacity rule on measured forward times `ms` (wave size -> ms).
 
-    Walks the ladder from the smallest measured size up to the largest measured one
-    (sizes between measured ones are interpolated) and keeps the largest size whose
+    Walks the ladder from the smallest measured size up to the largest measured one,
+    or the rung just above it when that size is at least `NEAR_RUNG` of the rung
+    (sizes between measured ones are interpolated; beyond the largest, its cost per
+    image holds) and keeps the largest size whose
     cost per image is at least `MIN_GAIN` below the best smaller size's. A rung that
     gains too little does not end the walk: the next one is compared with the best
     size so far, so one noisy or weak rung cannot pin the capacity low.
@@ -217,12 +225,19 @@ def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     curve = _Curve(steps=1, ms=dict(ms))
     size = best = min(ms)
     best_cost = _per_image(curve, best)
-    while size * 2 <= min(limit, max(ms)):
+    while size * 2 <= limit and NEAR_RUNG * size * 2 <= max(ms):
         size *= 2
         cost = _per_image(curve, size)
         if cost <= (1.0 - MIN_GAIN) * best_cost:
             best, best_cost = size, cost
     return max(1, min(best, limit))
+
+
+def _num_near(curve: _Curve, rung: int) -> int:
+    """Observations that are evidence for `rung`: of sizes from `NEAR_RUNG` x it up to
+    it."""
+    return sum(len(window) for size, window in curve.samples.items()
+               if NEAR_RUNG * rung <= size <= rung)
 
 
 def _per_image(curve: _Curve, size: int) -> float:

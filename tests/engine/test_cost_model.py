@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffbatch.engine.cost_model import Shape, WaveCostModel, capacity_from_curve
+from diffbatch.engine.cost_model import MIN_SAMPLES, Shape, WaveCostModel, capacity_from_curve
 
 SHAPE = Shape(64, 64, 1, True)
 
@@ -105,6 +105,24 @@ def test_next_size_to_try_grows_the_curve_while_gains_continue():
     limited.observe(SHAPE, 1, 4, 40.0)
     limited.observe(SHAPE, 2, 4, 40.0)
     assert limited.next_size_to_try(SHAPE) is None  # the limit stops exploring
+
+
+def test_waves_near_a_rung_count_for_it():
+    """A closed loop at capacity 8 leaves 10-14 requests waiting: trials of the next
+    rung take those, never 16. Waves of 12 or more count for 16 (at their own cost
+    per image); a wave of 10 does not."""
+    model = WaveCostModel(limit=32)
+    for b in (1, 2, 4, 8):
+        model.observe(SHAPE, b, 4, 40.0 + 20.0 * b)  # 8: 25 ms per image
+    assert model.capacity(SHAPE) == 8 and model.next_size_to_try(SHAPE) == 16
+    for _ in range(MIN_SAMPLES):
+        model.observe(SHAPE, 10, 4, 40.0 + 20.0 * 10)
+    assert model.capacity(SHAPE) == 8 and model.next_size_to_try(SHAPE) == 16
+    for size in (12, 13, 14, 12):  # 23.3-22.9 ms per image: 7-8% below 8's
+        model.observe(SHAPE, size, 4, 40.0 + 20.0 * size)
+    assert model.capacity(SHAPE) == 16 and model.next_size_to_try(SHAPE) == 32
+    assert capacity_from_curve({1: 40.0, 2: 40.0, 3: 40.0}, 32) == 4
+    assert capacity_from_curve({1: 40.0, 2: 40.0, 3: 40.0}, 2) == 2  # the limit holds
 
 
 def test_next_size_to_try_looks_past_a_weak_rung_but_not_past_a_loss():
