@@ -15,16 +15,16 @@ default) it chooses both per shape, from the learned cost curve
 - the admission wait follows the rule below.
 
 **Wave size at the load seen.** The capacity is where a bigger wave stops paying in
-throughput; a load that does not need that throughput pays for it in latency (a wave
-of 32 runs about twice as long as one of 16). So with `n` requests waiting, more than
-the smallest ladder size `L` (1, 2, 4, ...) whose throughput by the curve,
-`L / t(L)`, covers `LOAD_HEADROOM` times the sustained arrival rate, the next wave
-takes `L` of them, not all: but only while the backlog is at most
-`BACKLOG_FACTOR * L` (a deeper one says waves of `L` do not keep up, whatever the
-curve says) and only if splitting lowers the sum of the `n` requests' latencies by
-`MIN_GAIN` (a pair at low load still runs as one wave: two waves of one take longer
-for both). Under an overload no size below the capacity covers the rate, and the
-capacity holds.
+throughput; a load that does not need that throughput pays for it in latency (on
+tiny-sd at 64x64 a wave of 32 runs two thirds longer than one of 16). So with `n`
+requests waiting, more than the smallest ladder size `L` (1, 2, 4, ...) whose
+throughput by the curve, `L / t(L)`, covers `LOAD_HEADROOM` times the sustained
+arrival rate, the next wave takes `L` of them, not all: but only while the backlog is
+at most `BACKLOG_FACTOR * L` (a deeper one says waves of `L` do not keep up, whatever
+the curve says) and only if splitting lowers the sum of the `n` requests' latencies
+by `MIN_GAIN` (a pair at low load still runs as one wave: two waves of one take
+longer for both). Under an overload no size below the capacity covers the rate, and
+the capacity holds.
 
 The admission wait runs only while nothing is in flight (as a fixed wait does).
 With `q` requests waiting, arrivals at rate `r` per second and a learned wave time
@@ -325,16 +325,16 @@ class BatchPolicy:
         """Most requests in the next wave of `key`, with `num_waiting` requests waiting.
 
         The learned capacity, or the smaller size the sustained load needs where
-        splitting the backlog pays (`wave_size_for_load`; then no trial runs either:
-        the load does not need more throughput). With a backlog beyond it: a wave of the next
-        untried doubling (`WaveCostModel.next_size_to_try`) measures whether it pays,
-        so the curve keeps learning. The trial runs at once when it takes the whole
-        backlog: it then delays nobody behind it (a burst of 64 at capacity 16 runs
-        as 16, 16, 31, and its 32nd request finishes with the second wave, not with a
-        trial wave of 32 ahead of it). A backlog beyond the trial size must first
+        splitting the backlog pays (`wave_size_for_load`; no trial runs then: the load
+        does not need more throughput). With a backlog beyond the capacity, a wave of
+        the next untried doubling (`WaveCostModel.next_size_to_try`) measures whether it
+        pays, so the curve keeps learning. The trial runs at once when it takes the
+        whole backlog: it then delays nobody behind it (a burst of 64 at capacity 16
+        runs as 16, 16, 31, and its 32nd request finishes with the second wave, not with
+        a trial wave of 32 ahead of it). A backlog beyond the trial size must first
         outlast `SUSTAINED_BACKLOG_WAVES` waves of the capacity: under a sustained
-        overload the throughput the trial may find is worth its latency, while a
-        burst drains before that and runs its trial last.
+        overload the throughput the trial may find is worth its latency, while a burst
+        drains before that and runs its trial last.
         """
         capacity = self._learned_capacity(key)
         if key is None or not self.batching or not self.config.auto_capacity:
