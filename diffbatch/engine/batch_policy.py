@@ -341,8 +341,10 @@ class BatchPolicy:
             return capacity
         shape = Shape.of(key)
         wave_ms = self._wave_ms(shape, key.num_denoising_steps)
-        size = wave_size_for_load(num_waiting, self.arrivals.sustained_rate_per_s(),
-                                  wave_ms, capacity)
+        # (the scheduler asks on every check of a forming wave: a lone request, the
+        # common case at low load, is answered without reading the arrival window)
+        size = capacity if num_waiting <= 1 else wave_size_for_load(
+            num_waiting, self.arrivals.sustained_rate_per_s(), wave_ms, capacity)
         now = self._clock()
         if size < capacity:  # the load needs less than the capacity: no trial either
             with self._lock:

@@ -215,8 +215,8 @@ def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     Walks the ladder from the smallest measured size up to the largest measured one,
     or the rung just above it when that size is at least `NEAR_RUNG` of the rung
     (sizes between measured ones are interpolated; beyond the largest, its cost per
-    image holds) and keeps the largest size whose
-    cost per image is at least `MIN_GAIN` below the best smaller size's. A rung that
+    image holds), and keeps the largest size whose cost per image is at least
+    `MIN_GAIN` below the best smaller size's. A rung that
     gains too little does not end the walk: the next one is compared with the best
     size so far, so one noisy or weak rung cannot pin the capacity low.
     """
