@@ -261,6 +261,9 @@ def test_auto_capacity_follows_the_load_below_saturation():
     # fixed settings are what they say, whatever the load
     fixed = policy(clock, max_num_seqs=32)
     teach(fixed)
+    for _ in range(160):  # the same 80/s that gave the auto policy waves of 16
+        fixed.observe_arrivals(1)
+        clock.now += 1 / 80
     assert fixed.capacity(key(), num_waiting=24) == 32
 
 
