@@ -18,13 +18,20 @@ default) it chooses both per shape, from the learned cost curve
 throughput; a load that does not need that throughput pays for it in latency (on
 tiny-sd at 64x64 a wave of 32 runs two thirds longer than one of 16). So with `n`
 requests waiting, more than the smallest ladder size `L` (1, 2, 4, ...) whose
-throughput by the curve, `L / t(L)`, covers `LOAD_HEADROOM` times the sustained
-arrival rate, the next wave takes `L` of them, not all: but only while the backlog is
+throughput as served, `L / s(L)`, covers `LOAD_HEADROOM` times the sustained arrival
+rate, the next wave takes `L` of them, not all: but only while the backlog is
 at most `BACKLOG_FACTOR * L` (a deeper one says waves of `L` do not keep up, whatever
 the curve says) and only if splitting lowers the sum of the `n` requests' latencies
 by `MIN_GAIN` (a pair at low load still runs as one wave: two waves of one take
 longer for both). Under an overload no size below the capacity covers the rate, and
-the capacity holds.
+the capacity holds. `s(L)` is what served waves of about `L` took (the median of
+their cost per image, `WaveCostModel.served_estimate_ms`), the curve's `t(L)` until
+four of them ran: the curve's lower quartile, calibration included, is the worker
+on cores nobody else needs, and a saturated server's arrival rate is its own
+throughput (a closed loop of clients sends as fast as it is answered), so an
+optimistic `t(L)` would keep calling a smaller wave enough and cost throughput
+(measured on 2 cores, tiny-sd 64x64, 32 clients: served waves of 8 took 266 ms
+against a calibrated 134).
 
 The admission wait runs only while nothing is in flight (as a fixed wait does).
 With `q` requests waiting, arrivals at rate `r` per second and a learned wave time
@@ -95,11 +102,10 @@ BUSY_UTILIZATION = 0.5
 # A burst is arrivals far faster than the window's average: collecting the rest of it
 # costs milliseconds, and the rule below weighs that, busy or not.
 BURST_RATE_FACTOR = 3.0
-# Below saturation a wave of `L` is enough when its throughput by the learned curve
-# covers the sustained arrival rate this many times over (the curve is the worker's
-# forward alone, the lower quartile of recent waves; serving the answers costs the
-# same cores a share on top: measured on 2 cores, waves of 16 of tiny-sd at 64x64
-# served 48 requests/s where their forward curve says 56).
+# Below saturation a wave of `L` is enough when its throughput as served covers the
+# sustained arrival rate this many times over: a rate near what waves of `L` deliver
+# leaves no slack for a slower spell, and the queue it builds costs more than the
+# bigger wave would have.
 LOAD_HEADROOM = 1.25
 # A backlog beyond this many waves of `L` means waves of `L` are not keeping up.
 BACKLOG_FACTOR = 2
@@ -158,9 +164,9 @@ def choose_wait(
 
 
 def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:
-    """The smallest ladder size (1, 2, 4, ... below `capacity`) whose throughput by
-    the curve, `size / wave_ms(size)`, covers `LOAD_HEADROOM` x `rate_per_s`;
-    `capacity` when none does."""
+    """The smallest ladder size (1, 2, 4, ... below `capacity`) whose throughput,
+    `size / wave_ms(size)`, covers `LOAD_HEADROOM` x `rate_per_s`; `capacity` when
+    none does."""
     size = 1
     while size < capacity:
         ms = wave_ms(size)
@@ -183,14 +189,16 @@ def latency_sum_ms(num_waiting: int, wave_size: int, wave_ms: Callable[[int], fl
 
 
 def wave_size_for_load(num_waiting: int, rate_per_s: float,
-                       wave_ms: Callable[[int], float], capacity: int) -> int:
+                       wave_ms: Callable[[int], float], capacity: int,
+                       served_ms: Callable[[int], float] | None = None) -> int:
     """Most requests the next wave should take, with `num_waiting` waiting, arrivals
-    at a sustained `rate_per_s` and the learned wave time `wave_ms(B)`: the load's
-    size `L` (`load_capacity`) where the module docstring's rule splits the backlog,
-    else `capacity`."""
+    at a sustained `rate_per_s`, the learned wave time `wave_ms(B)` and the wave time
+    as served `served_ms(B)` (default: `wave_ms`): the load's size `L`
+    (`load_capacity` on `served_ms`) where the module docstring's rule splits the
+    backlog, else `capacity`."""
     if num_waiting <= 1 or capacity <= 1:
         return capacity
-    size = load_capacity(rate_per_s, wave_ms, capacity)
+    size = load_capacity(rate_per_s, served_ms or wave_ms, capacity)
     if size >= min(num_waiting, capacity) or num_waiting > BACKLOG_FACTOR * size:
         return capacity
     split = latency_sum_ms(num_waiting, size, wave_ms)
@@ -344,7 +352,8 @@ class BatchPolicy:
         # (the scheduler asks on every check of a forming wave: a lone request, the
         # common case at low load, is answered without reading the arrival window)
         size = capacity if num_waiting <= 1 else wave_size_for_load(
-            num_waiting, self.arrivals.sustained_rate_per_s(), wave_ms, capacity)
+            num_waiting, self.arrivals.sustained_rate_per_s(), wave_ms, capacity,
+            self._served_ms(shape, key.num_denoising_steps, wave_ms))
         now = self._clock()
         if size < capacity:  # the load needs less than the capacity: no trial either
             with self._lock:
@@ -369,6 +378,17 @@ class BatchPolicy:
             estimate = self.cost.estimate_ms(shape, size, steps)
             return math.inf if estimate is None else estimate
         return wave_ms
+
+    def _served_ms(self, shape: Shape, steps: int,
+                   wave_ms: Callable[[int], float]) -> Callable[[int], float]:
+        """The wave time of `shape` at `steps` by size as served waves measured it,
+        the learned curve's (`wave_ms`) where too few served waves of about that size
+        ran yet (a size the load rule picks is then served, measured and dropped if it
+        does not deliver)."""
+        def served_ms(size: int) -> float:
+            estimate = self.cost.served_estimate_ms(shape, size, steps)
+            return wave_ms(size) if estimate is None else estimate
+        return served_ms
 
     def _learned_capacity(self, key: SamplingParamsKey | None) -> int:
         """The capacity of `key` itself, with no trial wave."""
@@ -481,7 +501,8 @@ class BatchPolicy:
         """
         if key is None or num_forwards != 1 or not self.serving:
             return
-        self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms)
+        self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms,
+                          served=True)
 
     # -- stalls ----------------------------------------------------------------------
     def stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:

@@ -267,6 +267,40 @@ def test_auto_capacity_follows_the_load_below_saturation():
     assert fixed.capacity(key(), num_waiting=24) == 32
 
 
+def test_the_load_rule_trusts_what_served_waves_took_over_the_calibration():
+    """A saturated server's arrival rate is its own throughput: waves of 16 that the
+    calibration overrates, served at 80/s by a closed loop, would keep reading as
+    enough for the load. Once four served waves of about 16 show what they deliver,
+    the capacity holds; waves the engine serves at the calibrated speed keep the
+    split."""
+    clock = Clock()
+
+    def loaded(served_ms_of_16: float) -> BatchPolicy:
+        p = policy(clock)
+        teach(p)  # calibrated: capacity 32, waves of 16 serve 105/s
+        for size in (16, 14, 12, 15):  # about 16 (sizes from 3/4 of it count)
+            p.observe_wave(key(), size, served_ms_of_16 * size / 16)
+        for _ in range(160):  # 80 requests/s for 2 s
+            p.observe_arrivals(1)
+            clock.now += 1 / 80
+        return p
+
+    # served waves of 16 took 300 ms (53/s): they do not cover 1.25 x 80/s
+    assert loaded(300.0).capacity(key(), num_waiting=24) == 32
+    # served at the calibrated 152 ms (105/s): the load needs no more than 16
+    assert loaded(tiny_sd_like(16)).capacity(key(), num_waiting=24) == 16
+    # until four served waves of about 16 ran, the curve decides (the split is served,
+    # and measured)
+    p = policy(clock)
+    teach(p)
+    for size in (16, 12, 8, 20):  # 8 and 20 are not about 16
+        p.observe_wave(key(), size, 300.0 * size / 16)
+    for _ in range(160):
+        p.observe_arrivals(1)
+        clock.now += 1 / 80
+    assert p.capacity(key(), num_waiting=24) == 16
+
+
 def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
     clock = Clock()
     p = policy(clock)

@@ -125,6 +125,24 @@ def test_waves_near_a_rung_count_for_it():
     assert capacity_from_curve({1: 40.0, 2: 40.0, 3: 40.0}, 2) == 2  # the limit holds
 
 
+def test_served_estimate_is_the_median_of_served_waves_about_the_size():
+    model = WaveCostModel(limit=32)
+    for b in (1, 2, 4, 8, 16):  # calibration waves: not what serving delivers
+        model.observe(SHAPE, b, 4, 40.0 + 7.0 * b)
+    assert model.served_estimate_ms(SHAPE, 8, 4) is None
+    # served waves of 6 to 8 count for 8 at their cost per image; 5 and 9 do not
+    for size, ms in ((8, 240.0), (6, 210.0), (8, 400.0), (5, 50.0), (9, 90.0)):
+        model.observe(SHAPE, size, 4, ms, served=True)
+    assert model.served_estimate_ms(SHAPE, 8, 4) is None  # 3 of them: too few
+    model.observe(SHAPE, 7, 4, 7 * 32.0, served=True)
+    # per image: 30, 35, 50, 32 -> median 33.5, times 8; scaled by steps
+    assert model.served_estimate_ms(SHAPE, 8, 4) == pytest.approx(268.0)
+    assert model.served_estimate_ms(SHAPE, 8, 8) == pytest.approx(536.0)
+    # the curve still compares sizes by the lower quartile of all waves
+    assert model.estimate_ms(SHAPE, 8, 4) == pytest.approx(96.0)
+    assert model.served_estimate_ms(Shape(128, 128, 1, True), 8, 4) is None
+
+
 def test_next_size_to_try_looks_past_a_weak_rung_but_not_past_a_loss():
     weak = WaveCostModel(limit=16)
     weak.observe(SHAPE, 1, 4, 40.0)
