@@ -164,6 +164,7 @@ def bench(server: harness.Server, size: int, steps: int, **load: Any) -> dict[st
         "p50_ms": report["p50_e2e_ms"],
         "p99_ms": report["p99_e2e_ms"],
         "mean_wave_size": metrics.get("mean_wave_size"),
+        "worker_torch_threads": metrics.get("worker_torch_threads"),
         "failed": report["failed"],
         "errors": report["errors"],
         "duration_s": report["duration_s"],
@@ -186,9 +187,9 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over rounds of one (load, setting), with the per-round values."""
     row: dict[str, Any] = {}
     for key in ("throughput_rps", "p50_ms", "p99_ms", "mean_wave_size",
-                "server_cpu_s_per_request"):
-        row[key] = _median([r[key] for r in runs])
-        row[f"{key}_rounds"] = [r[key] for r in runs]
+                "server_cpu_s_per_request", "worker_torch_threads"):
+        row[key] = _median([r.get(key) for r in runs])
+        row[f"{key}_rounds"] = [r.get(key) for r in runs]
     row["failed"] = sum(r["failed"] for r in runs)
     row["errors"] = [e for r in runs for e in r["errors"]][:3]
     return row

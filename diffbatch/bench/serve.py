@@ -64,6 +64,7 @@ _TIMING_HEADERS = {
 }
 _WAVE_SIZE = "diffbatch_wave_size_requests"
 _QUEUE_TIME = "diffbatch_request_queue_time_seconds"
+_TORCH_THREADS = "diffbatch_worker_torch_threads"
 _MAX_ERRORS_KEPT = 5
 
 
@@ -241,14 +242,16 @@ async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, Any] | None:
 
 
 def parse_metrics(text: str) -> dict[str, Any]:
-    """Pick the wave-size sum/count and the queue-time histogram out of Prometheus text."""
+    """Pick the wave-size sum/count, the queue-time histogram and the worker's torch
+    threads out of Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, Any] = {"queue_buckets": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in (f"{_WAVE_SIZE}_sum", f"{_WAVE_SIZE}_count",
-                               f"{_QUEUE_TIME}_sum", f"{_QUEUE_TIME}_count"):
+                               f"{_QUEUE_TIME}_sum", f"{_QUEUE_TIME}_count",
+                               _TORCH_THREADS):
                 out[sample.name] = sample.value
             elif sample.name == f"{_QUEUE_TIME}_bucket":
                 out["queue_buckets"][float(sample.labels["le"])] = sample.value
@@ -276,7 +279,9 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 
 def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float | None]:
-    """Mean wave size and queue wait (mean, p95) of the requests between two scrapes."""
+    """Mean wave size and queue wait (mean, p95) of the requests between two scrapes,
+    and the worker's torch threads at the second (the server may change them while
+    serving, when other processes take its cores)."""
 
     def diff(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -293,6 +298,8 @@ def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, fl
         "mean_wave_size": diff(f"{_WAVE_SIZE}_sum") / waves if waves else None,
         "queue_wait_ms_mean": diff(f"{_QUEUE_TIME}_sum") / queued * 1e3 if queued else None,
         "queue_wait_ms_p95": p95_s * 1e3 if p95_s is not None else None,
+        # (the gauge reads 0 until the worker's first heartbeat: not known yet)
+        "worker_torch_threads": after.get(_TORCH_THREADS) or None,
     }
 
 

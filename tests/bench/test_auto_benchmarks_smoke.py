@@ -44,6 +44,12 @@ def test_auto_batching_smoke(tmp_path: Path) -> None:
     assert {(r["load"], r["setting"]) for r in result["results"]} == {
         (load, name) for load in loads for name in report["settings"]}
     assert all(r["failed"] == 0 and r["throughput_rps"] > 0 for r in result["results"])
+    # each server's torch threads, as its /metrics said after each run (None before
+    # the worker's first heartbeat); auto's calibration ran after that
+    assert all(r["worker_torch_threads"] is None or r["worker_torch_threads"] >= 1
+               for r in result["results"])
+    assert all(r["worker_torch_threads"] >= 1 for r in result["results"]
+               if r["setting"] == "auto")
     for verdict in result["verdicts"].values():
         assert verdict["best_fixed_throughput_setting"] in report["settings"]
         assert verdict["throughput_ratio"] > 0 and verdict["p50_bar_ms"] > 0
