@@ -54,6 +54,13 @@ class _LearnedBatching(Collector):
             "(WxH/n[/cfg]), at the step count the shape was first seen with.",
             labels=["shape", "wave_size"],
         )
+        served = GaugeMetricFamily(
+            "diffbatch_served_cost_per_image_ms",
+            "Median forward time per image (ms) of the served waves of `wave_size` requests "
+            "(no calibration wave), per shape, at the step count the shape was first seen "
+            "with: what the load rule sizes waves by.",
+            labels=["shape", "wave_size"],
+        )
         capacity = GaugeMetricFamily(
             "diffbatch_capacity_requests", "Current wave capacity per shape.", labels=["shape"])
         wait = GaugeMetricFamily(
@@ -62,9 +69,12 @@ class _LearnedBatching(Collector):
         for shape, entry in sorted(self.read().items()):
             for size, ms in entry["per_image_ms"].items():
                 cost.add_metric([shape, str(size)], ms)
+            for size, ms in entry.get("served_per_image_ms", {}).items():
+                served.add_metric([shape, str(size)], ms)
             capacity.add_metric([shape], entry["capacity"])
             wait.add_metric([shape], entry["wait_ms"])
         yield cost
+        yield served
         yield capacity
         yield wait
 

@@ -54,6 +54,14 @@ def test_a_burst_forms_waves_larger_than_one(engine):
     outs = asyncio.run(burst())
     assert all(out.ok for out in outs)
     assert max(out.batch_size for out in outs) > 1
+    # what the served waves took, per size, on /metrics (a wave of more than one too)
+    served = engine.policy.cost.served_per_image_ms()
+    assert any(size > 1 for table in served.values() for size in table)
+    for label, table in served.items():
+        for size, ms in table.items():
+            assert engine.metrics.registry.get_sample_value(
+                "diffbatch_served_cost_per_image_ms",
+                {"shape": label, "wave_size": str(size)}) == pytest.approx(ms)
 
 
 def test_low_load_runs_waves_of_one_without_waiting(engine):

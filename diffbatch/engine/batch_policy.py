@@ -566,18 +566,21 @@ class BatchPolicy:
         return self._stall_bound_s(max(known) if known else None)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per shape: per-image ms by wave size, capacity, last planned wait (metrics);
-        empty with fixed settings (the curve decides nothing there)."""
+        """Per shape: per-image ms by wave size (the curve's, and served waves' median),
+        capacity, last planned wait (metrics); empty with fixed settings (the curve
+        decides nothing there)."""
         if not self.learns:
             return {}
         with self._lock:
             waits = dict(self._last_wait_ms)
         per_image = self.cost.per_image_ms()
+        served = self.cost.served_per_image_ms()
         shapes = {s.label(): s for s in self.cost.shapes()}
         out: dict[str, dict[str, object]] = {}
         for label, table in per_image.items():
             shape = shapes[label]
             out[label] = {"per_image_ms": table,
+                          "served_per_image_ms": served.get(label, {}),
                           "capacity": self._step_curve(shape).capacity(shape),
                           "wait_ms": waits.get(label, 0.0)}
         return out

@@ -239,6 +239,14 @@ class WaveCostModel:
             return {shape.label(): {b: ms / b for b, ms in sorted(curve.ms.items())}
                     for shape, curve in self._curves.items()}
 
+    def served_per_image_ms(self) -> dict[str, dict[int, float]]:
+        """Shape label -> wave size -> median forward ms per image of the served waves
+        of exactly that size (for metrics; sizes no served wave had are left out)."""
+        with self._lock:
+            return {shape.label(): {b: statistics.median(window) / b
+                                    for b, window in sorted(curve.served.items())}
+                    for shape, curve in self._curves.items() if curve.served}
+
     def shapes(self) -> list[Shape]:
         with self._lock:
             return list(self._curves)

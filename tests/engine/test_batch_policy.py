@@ -420,6 +420,7 @@ def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
     assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
     snapshot = p.snapshot()["64x64/n1/cfg"]
     assert snapshot["per_image_ms"] == {4: 25.0} and snapshot["capacity"] == 4
+    assert snapshot["served_per_image_ms"] == {4: 25.0}
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -164,3 +164,7 @@ def test_per_image_table_for_metrics():
     model.observe(SHAPE, 1, 4, 40.0)
     model.observe(SHAPE, 4, 4, 80.0)
     assert model.per_image_ms() == {"64x64/n1/cfg": {1: 40.0, 4: 20.0}}
+    assert model.served_per_image_ms() == {}  # calibration waves are not served ones
+    for ms in (100.0, 120.0, 200.0):
+        model.observe(SHAPE, 4, 4, ms, served=True)
+    assert model.served_per_image_ms() == {"64x64/n1/cfg": {4: 30.0}}
