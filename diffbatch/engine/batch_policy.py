@@ -17,21 +17,29 @@ default) it chooses both per shape, from the learned cost curve
 **Wave size at the load seen.** The capacity is where a bigger wave stops paying in
 throughput; a load that does not need that throughput pays for it in latency (on
 tiny-sd at 64x64 a wave of 32 runs two thirds longer than one of 16). So with `n`
-requests waiting, more than the smallest ladder size `L` (1, 2, 4, ...) whose
-throughput as served, `L / s(L)`, covers `LOAD_HEADROOM` times the sustained arrival
-rate, the next wave takes `L` of them, not all: but only while the backlog is
-at most `BACKLOG_FACTOR * L` (a deeper one says waves of `L` do not keep up, whatever
-the curve says) and only if splitting lowers the sum of the `n` requests' latencies
-by `MIN_GAIN` (a pair at low load still runs as one wave: two waves of one take
-longer for both). Under an overload no size below the capacity covers the rate, and
-the capacity holds. `s(L)` is what served waves of about `L` took (the median of
-their cost per image, `WaveCostModel.served_estimate_ms`), the curve's `t(L)` until
-four of them ran: the curve's lower quartile, calibration included, is the worker
-on cores nobody else needs, and a saturated server's arrival rate is its own
-throughput (a closed loop of clients sends as fast as it is answered), so an
-optimistic `t(L)` would keep calling a smaller wave enough and cost throughput
-(measured on 2 cores, tiny-sd 64x64, 32 clients: served waves of 8 took 266 ms
-against a calibrated 134).
+requests waiting, more than the load's size `L`, the next wave takes `L` of them, not
+all: but only while the backlog is at most `BACKLOG_FACTOR * L` (a deeper one says
+waves of `L` do not keep up, whatever the curve says) and only if splitting lowers
+the sum of the `n` requests' latencies by `MIN_GAIN` (a pair at low load still runs
+as one wave: two waves of one take longer for both). Under an overload the capacity
+holds.
+
+`L` is the ladder size (1, 2, 4, ... up to the capacity) that answers soonest on
+average at the sustained arrival rate `r`: a wave of `L` taking `s(L)` as served
+keeps the worker busy `rho = r * s(L) / L` of the time, and a queue served that way
+answers in about `s(L) / (1 - rho)` (an M/M/1 queue's mean time in the system, with
+a wave as its service: the wave times of a shared machine vary, so the deterministic
+queue's smaller factor would be optimistic). A small wave near full utilization
+loses to a bigger one whose lower cost per image leaves slack: on tiny-sd at 128x128,
+where the cost per image keeps falling to waves of 12-16, 12 requests/s pick waves of
+8, not the waves of 4 that just keep up. No size with `rho < 1` is an overload.
+`s(L)` is what served waves of about `L` took (the median of their cost per image,
+`WaveCostModel.served_estimate_ms`), the curve's `t(L)` until four of them ran: the
+curve's lower quartile, calibration included, is the worker on cores nobody else
+needs, and a saturated server's arrival rate is its own throughput (a closed loop of
+clients sends as fast as it is answered), so an optimistic `t(L)` would keep calling
+a smaller wave enough and cost throughput (measured on 2 cores, tiny-sd 64x64, 32
+clients: served waves of 8 took 266 ms against a calibrated 134).
 
 The admission wait runs only while nothing is in flight (as a fixed wait does).
 With `q` requests waiting, arrivals at rate `r` per second and a learned wave time
@@ -102,11 +110,6 @@ BUSY_UTILIZATION = 0.5
 # A burst is arrivals far faster than the window's average: collecting the rest of it
 # costs milliseconds, and the rule below weighs that, busy or not.
 BURST_RATE_FACTOR = 3.0
-# Below saturation a wave of `L` is enough when its throughput as served covers the
-# sustained arrival rate this many times over: a rate near what waves of `L` deliver
-# leaves no slack for a slower spell, and the queue it builds costs more than the
-# bigger wave would have.
-LOAD_HEADROOM = 1.25
 # A backlog beyond this many waves of `L` means waves of `L` are not keeping up.
 BACKLOG_FACTOR = 2
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
@@ -164,16 +167,22 @@ def choose_wait(
 
 
 def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:
-    """The smallest ladder size (1, 2, 4, ... below `capacity`) whose throughput,
-    `size / wave_ms(size)`, covers `LOAD_HEADROOM` x `rate_per_s`; `capacity` when
-    none does."""
+    """The ladder size (1, 2, 4, ... up to `capacity`) with the shortest expected time
+    in the system at `rate_per_s`, `wave_ms(L) / (1 - rho)` with
+    `rho = rate_per_s * wave_ms(L) / L` (module docstring); `capacity` when no size
+    keeps up (`rho >= 1` everywhere: an overload)."""
+    best, best_ms = capacity, math.inf
     size = 1
-    while size < capacity:
+    while True:
+        size = min(size, capacity)
         ms = wave_ms(size)
-        if 0 < ms < math.inf and 1000.0 * size / ms >= LOAD_HEADROOM * rate_per_s:
-            return size
+        if 0 < ms < math.inf:
+            busy = max(rate_per_s, 0.0) * ms / (1000.0 * size)
+            if busy < 1.0 and ms / (1.0 - busy) < best_ms:
+                best, best_ms = size, ms / (1.0 - busy)
+        if size >= capacity:
+            return best
         size *= 2
-    return capacity
 
 
 def latency_sum_ms(num_waiting: int, wave_size: int, wave_ms: Callable[[int], float]) -> float:

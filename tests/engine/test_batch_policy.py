@@ -79,9 +79,23 @@ def test_no_wait_when_batching_does_not_pay_or_the_wave_is_full():
 
 
 @pytest.mark.parametrize(("rate_per_s", "size"), [
-    (0.0, 1), (10.0, 1), (40.0, 4), (80.0, 16), (100.0, 32), (1000.0, 32)])
-def test_the_load_needs_the_smallest_size_that_covers_it_with_headroom(rate_per_s, size):
+    (0.0, 1), (5.0, 1), (10.0, 2), (40.0, 8), (80.0, 16), (100.0, 32), (1000.0, 32)])
+def test_the_load_needs_the_size_that_answers_soonest_at_its_rate(rate_per_s, size):
     assert load_capacity(rate_per_s, tiny_sd_like, capacity=32) == size
+
+
+def test_a_small_wave_near_full_utilization_loses_to_a_cheaper_bigger_one():
+    """Shaped like tiny-sd at 128x128 here (served ms per image 1: 130, 2: 88, 4: 67,
+    8: 52, 16: 48): at 12/s waves of 4 just keep up (80% busy) and queue; waves of 8
+    (62% busy) answer sooner. At 6/s waves of 2 already leave slack."""
+    served = {1: 130.0, 2: 176.0, 4: 268.0, 8: 416.0, 16: 768.0}
+    assert load_capacity(12.0, served.__getitem__, capacity=16) == 8
+    assert load_capacity(6.0, served.__getitem__, capacity=16) == 2
+    # a size nothing is known of yet (inf) is no candidate
+    known = {1: 130.0, 2: 176.0, 4: 268.0, 8: float("inf"), 16: 768.0}
+    assert load_capacity(12.0, known.__getitem__, capacity=16) == 4
+    # no size keeps up: the capacity
+    assert load_capacity(40.0, served.__getitem__, capacity=16) == 16
 
 
 def test_a_backlog_below_saturation_runs_in_waves_the_load_needs():
@@ -100,8 +114,8 @@ def test_a_split_that_does_not_lower_the_latencies_is_not_made():
     """A pair at low load (the load needs waves of one) still runs together: two waves
     of one answer the second request later than one wave of two answers both."""
     assert wave_size_for_load(2, 5.0, tiny_sd_like, capacity=32) == 32
-    # 8 at a load that needs 4: 4 + 4 sums to 816 ms of latency, one wave of 8 to 768
-    assert wave_size_for_load(8, 40.0, tiny_sd_like, capacity=32) == 32
+    # 6 at a load that needs 4: 4 + 2 sums to 516 ms of latency, one wave of 6 to 492
+    assert wave_size_for_load(6, 30.0, tiny_sd_like, capacity=32) == 32
 
 
 # -- the arrival rate, on a driven clock -------------------------------------------------
