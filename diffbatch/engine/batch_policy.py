@@ -24,15 +24,21 @@ the sum of the `n` requests' latencies by `MIN_GAIN` (a pair at low load still r
 as one wave: two waves of one take longer for both). Under an overload the capacity
 holds.
 
-`L` is the ladder size (1, 2, 4, ... up to the capacity) that answers soonest on
-average at the sustained arrival rate `r`: a wave of `L` taking `s(L)` as served
-keeps the worker busy `rho = r * s(L) / L` of the time, and a queue served that way
-answers in about `s(L) / (1 - rho)` (an M/M/1 queue's mean time in the system, with
-a wave as its service: the wave times of a shared machine vary, so the deterministic
-queue's smaller factor would be optimistic). A small wave near full utilization
-loses to a bigger one whose lower cost per image leaves slack: on tiny-sd at 128x128,
-where the cost per image keeps falling to waves of 12-16, 12 requests/s pick waves of
-8, not the waves of 4 that just keep up. No size with `rho < 1` is an overload.
+`L` is the ladder size (1, 2, 4, ... below the capacity) that answers soonest on
+average at the sustained arrival rate `r`, among those that keep up with room to
+spare: a wave of `L` taking `s(L)` as served keeps the worker busy
+`rho = r * s(L) / L` of the time; it qualifies when `rho <= 1 / LOAD_HEADROOM` (a
+rate near what waves of `L` deliver leaves no slack for a slower spell, and a
+saturated server measures its own throughput as the rate: without the margin, waves
+of 8 on tiny-sd 64x64, a few percent dearer per image than 16, would be picked under
+a closed loop and cost ~10% of its throughput, measured), and a queue served that
+way answers in about `s(L) / (1 - rho)` (an M/M/1 queue's mean time in the system,
+with a wave as its service: the wave times of a shared machine vary, so the
+deterministic queue's smaller factor would be optimistic). So a small wave that
+just qualifies loses to a bigger one whose lower cost per image leaves more slack:
+on tiny-sd at 128x128, where the cost per image keeps falling to waves of 12-16, 11
+requests/s pick waves of 8, not the waves of 4 that qualify too. No qualifying size
+below the capacity: the capacity.
 `s(L)` is what served waves of about `L` took (the median of their cost per image,
 `WaveCostModel.served_estimate_ms`), the curve's `t(L)` until four of them ran: the
 curve's lower quartile, calibration included, is the worker on cores nobody else
@@ -112,6 +118,9 @@ BUSY_UTILIZATION = 0.5
 BURST_RATE_FACTOR = 3.0
 # A backlog beyond this many waves of `L` means waves of `L` are not keeping up.
 BACKLOG_FACTOR = 2
+# Below saturation a wave of `L` qualifies when its throughput as served covers the
+# sustained arrival rate this many times over (module docstring).
+LOAD_HEADROOM = 1.25
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
 # A backlog beyond a trial wave's size counts as sustained (worth a trial that leaves
@@ -167,10 +176,11 @@ def choose_wait(
 
 
 def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:
-    """The ladder size (1, 2, 4, ... up to `capacity`) with the shortest expected time
+    """The ladder size (1, 2, 4, ... below `capacity`) with the shortest expected time
     in the system at `rate_per_s`, `wave_ms(L) / (1 - rho)` with
-    `rho = rate_per_s * wave_ms(L) / L` (module docstring); `capacity` when no size
-    keeps up (`rho >= 1` everywhere: an overload)."""
+    `rho = rate_per_s * wave_ms(L) / L`, among those with `rho <= 1 / LOAD_HEADROOM`
+    (module docstring); `capacity` when none qualifies or the capacity itself would
+    answer sooner."""
     best, best_ms = capacity, math.inf
     size = 1
     while True:
@@ -178,7 +188,8 @@ def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: 
         ms = wave_ms(size)
         if 0 < ms < math.inf:
             busy = max(rate_per_s, 0.0) * ms / (1000.0 * size)
-            if busy < 1.0 and ms / (1.0 - busy) < best_ms:
+            if (size == capacity or busy * LOAD_HEADROOM <= 1.0) and busy < 1.0 \
+                    and ms / (1.0 - busy) < best_ms:
                 best, best_ms = size, ms / (1.0 - busy)
         if size >= capacity:
             return best

@@ -86,16 +86,25 @@ def test_the_load_needs_the_size_that_answers_soonest_at_its_rate(rate_per_s, si
 
 def test_a_small_wave_near_full_utilization_loses_to_a_cheaper_bigger_one():
     """Shaped like tiny-sd at 128x128 here (served ms per image 1: 130, 2: 88, 4: 67,
-    8: 52, 16: 48): at 12/s waves of 4 just keep up (80% busy) and queue; waves of 8
-    (62% busy) answer sooner. At 6/s waves of 2 already leave slack."""
+    8: 52, 16: 48): at 11/s waves of 4 keep up (74% busy) but queue; waves of 8 (57%
+    busy) answer sooner. At 6/s waves of 2 already leave slack."""
     served = {1: 130.0, 2: 176.0, 4: 268.0, 8: 416.0, 16: 768.0}
-    assert load_capacity(12.0, served.__getitem__, capacity=16) == 8
+    assert load_capacity(11.0, served.__getitem__, capacity=16) == 8
     assert load_capacity(6.0, served.__getitem__, capacity=16) == 2
     # a size nothing is known of yet (inf) is no candidate
     known = {1: 130.0, 2: 176.0, 4: 268.0, 8: float("inf"), 16: 768.0}
-    assert load_capacity(12.0, known.__getitem__, capacity=16) == 4
-    # no size keeps up: the capacity
+    assert load_capacity(11.0, known.__getitem__, capacity=16) == 4
+    # no size below the capacity keeps up with room to spare: the capacity
     assert load_capacity(40.0, served.__getitem__, capacity=16) == 16
+
+
+def test_a_size_without_headroom_is_not_picked_even_if_it_would_answer_sooner():
+    """Nearly flat per-image cost (tiny-sd 64x64 served: 8 at 17 ms, 16 at 16 ms per
+    image) under a closed loop whose rate is the server's own 50/s: waves of 8 are 85%
+    busy. Taken, they would lower the throughput the rate is measured from."""
+    served = {1: 45.0, 2: 60.0, 4: 88.0, 8: 136.0, 16: 256.0}
+    assert load_capacity(50.0, served.__getitem__, capacity=16) == 16
+    assert wave_size_for_load(14, 50.0, served.__getitem__, capacity=16) == 16
 
 
 def test_a_backlog_below_saturation_runs_in_waves_the_load_needs():
