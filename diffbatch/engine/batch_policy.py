@@ -39,6 +39,7 @@ just qualifies loses to a bigger one whose lower cost per image leaves more slac
 on tiny-sd at 128x128, where the cost per image keeps falling to waves of 12-16, 11
 requests/s pick waves of 8, not the waves of 4 that qualify too. No qualifying size
 below the capacity: the capacity.
+
 `s(L)` is what served waves of about `L` took (the median of their cost per image,
 `WaveCostModel.served_estimate_ms`), the curve's `t(L)` until four of them ran: the
 curve's lower quartile, calibration included, is the worker on cores nobody else
@@ -181,19 +182,18 @@ def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: 
     `rho = rate_per_s * wave_ms(L) / L`, among those with `rho <= 1 / LOAD_HEADROOM`
     (module docstring); `capacity` when none qualifies or the capacity itself would
     answer sooner."""
-    best, best_ms = capacity, math.inf
-    size = 1
-    while True:
-        size = min(size, capacity)
+    def time_in_system_ms(size: int) -> float:
+        """inf where `size` does not qualify (or nothing is known of it)."""
         ms = wave_ms(size)
-        if 0 < ms < math.inf:
-            busy = max(rate_per_s, 0.0) * ms / (1000.0 * size)
-            if (size == capacity or busy * LOAD_HEADROOM <= 1.0) and busy < 1.0 \
-                    and ms / (1.0 - busy) < best_ms:
-                best, best_ms = size, ms / (1.0 - busy)
-        if size >= capacity:
-            return best
-        size *= 2
+        if not 0 < ms < math.inf:
+            return math.inf
+        busy = max(rate_per_s, 0.0) * ms / (1000.0 * size)
+        qualifies = busy < 1.0 if size == capacity else busy * LOAD_HEADROOM <= 1.0
+        return ms / (1.0 - busy) if qualifies else math.inf
+
+    ladder = [1 << i for i in range(max(capacity - 1, 0).bit_length())]  # below capacity
+    best = min([*ladder, capacity], key=time_in_system_ms)  # ties: the smaller size
+    return best if time_in_system_ms(best) < math.inf else capacity
 
 
 def latency_sum_ms(num_waiting: int, wave_size: int, wave_ms: Callable[[int], float]) -> float:
