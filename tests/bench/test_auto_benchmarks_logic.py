@@ -143,3 +143,32 @@ def test_step_vs_request_judges_each_cancel_load_and_only_what_ran() -> None:
     result = step_vs_request.verdict(mixed, {"overhead_share": 0.04})
     assert result["passed"] == {"mixed@0.8 mean latency": True, "mixed@0.8 throughput": True,
                                 "uniform@0.95 throughput": False, "tick overhead": False}
+
+
+def test_auto_replicas_pairs_round_means_and_names_its_servers() -> None:
+    import auto_replicas
+
+    specs = auto_replicas.specs_for("tiny-sd", ["auto", "16:0", "auto:10"], replicas=2)
+    assert [s.name for s in specs] == ["auto#0", "seqs16_wait0#0", "seqsauto_wait10#0",
+                                       "auto#1", "seqs16_wait0#1", "seqsauto_wait10#1"]
+    assert not set(TUNING_FLAGS) & set(specs[0].cmd)
+    half = specs[2].cmd
+    assert half[half.index("--max-num-seqs") + 1] == "auto"
+    assert half[half.index("--request-batch-max-wait-ms") + 1] == "10"
+    with pytest.raises(SystemExit, match="S:W"):
+        auto_replicas.setting_label("16")
+
+    def runs(throughputs: list[float]) -> list[dict]:
+        return [{"throughput_rps": t, "p50_ms": 100.0, "mean_wave_size": 4.0}
+                for t in throughputs]
+
+    # round means: auto 50, 60, 70; fixed 55, 60, 56 -> ratios 1.1, 1.0, 0.8 -> 1.0
+    summary = auto_replicas.summarize(
+        {"auto#0": runs([40, 60, 70]), "auto#1": runs([60, 60, 70]),
+         "seqs16_wait0#0": runs([50, 50, 56]), "seqs16_wait0#1": runs([60, 70, 56])},
+        ["auto", "16:0"], replicas=2)
+    fixed = summary["seqs16_wait0"]
+    assert fixed["throughput_rps_round_means"] == [55, 60, 56]
+    assert fixed["throughput_rps_paired_to_auto"] == pytest.approx(1.0)
+    assert fixed["throughput_rps_range"] == [50, 70]
+    assert summary["auto"]["p50_ms_paired_to_auto"] == 1.0
