@@ -115,6 +115,27 @@ def format_table(summary: dict[str, Any], first: str) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], path: str) -> None:
+    """Every run's throughput and p50 by setting, one colour per replica."""
+    plt = harness.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    labels = list(report["summary"])
+    for x, label in enumerate(labels):
+        for replica in range(report["args"]["replicas"]):
+            runs = report["runs"][f"{label}#{replica}"]
+            for ax, key in zip(axes, ("throughput_rps", "p50_ms"), strict=True):
+                ax.scatter([x + 0.1 * replica] * len(runs), [r[key] for r in runs], s=12,
+                           color=f"C{replica}", label=f"server {replica}" if x == 0 else None)
+    for ax, title in zip(axes, ("requests/s per run", "p50 (ms) per run"), strict=True):
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title(f"{report['args']['config']}, load {report['args']['load']}: {title}",
+                     fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -133,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-requests", type=int, default=32,
                         help="per server, closed loop, before measuring")
     parser.add_argument("--out", default="benchmarks/results/auto_replicas.json")
+    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     (model, sizes), = parse_configs([args.config]).items()
     size = sizes[0]
@@ -161,8 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     report["runs"] = runs
     report["summary"] = summarize(runs, args.settings, args.replicas)
     print(format_table(report["summary"], setting_label(args.settings[0])))
-    report["elapsed_s"] = time.perf_counter() - start
-    harness.write_report(report, args.out)
+    harness.finish_report(report, args, plot, start_s=start)
 
 
 if __name__ == "__main__":

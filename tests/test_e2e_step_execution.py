@@ -273,17 +273,16 @@ def test_diffbatch_serve_step_execution_shares_steps_across_step_counts(tmp_path
 
     import httpx
 
-    from tests.entrypoints.test_cli_serve import free_port, wait_ready
+    from tests.entrypoints.test_cli_serve import wait_ready
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", "tiny-sd", "--port",
-         str(port), "--step-execution", "--max-num-seqs", "4", "--max-request-work", "0"],
+         "0", "--log-level", "info", "--step-execution", "--max-num-seqs", "4",
+         "--max-request-work", "0"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(proc, url)
+        url = wait_ready(proc, log.name)
         joins_before = metric(url, "diffbatch_step_joins_total")
 
         def generate(steps: int) -> httpx.Response:

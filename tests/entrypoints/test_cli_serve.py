@@ -13,6 +13,7 @@ import contextlib
 import io
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -40,19 +41,30 @@ pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 180.0  # cold import of torch + diffusers and the model load
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# uvicorn's line once it listens (at --log-level info): the port `--port 0` got
+LISTENING = re.compile(r"Uvicorn running on https?://\S+:(\d+)")
 
 
-def wait_ready(proc: subprocess.Popen, url: str) -> None:
-    """Poll /health until it answers 200; fail if the process exits or the deadline passes."""
+def listening_url(log_path: str) -> str | None:
+    """The server's URL once its log says where it listens (None before)."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        match = LISTENING.search(f.read())
+    return f"http://127.0.0.1:{match.group(1)}" if match else None
+
+
+def wait_ready(proc: subprocess.Popen, log_path: str) -> str:
+    """The URL of `diffbatch serve --port 0 --log-level info` (logging to `log_path`) once
+    its /health answers 200; fails if the process exits or the deadline passes.
+
+    The system picks the port as the server binds it: no port is chosen here and
+    released for the server to take, which another process could take first."""
     deadline = time.monotonic() + START_TIMEOUT_S
+    url = None
     while time.monotonic() < deadline:
+        url = url or listening_url(log_path)
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
+            if url and httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url
         except httpx.TransportError:
             pass
         try:  # doubles as the pause between polls, and catches an early exit
@@ -64,18 +76,16 @@ def wait_ready(proc: subprocess.Popen, url: str) -> None:
 
 
 def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "DIFFBATCH_API_KEY": "cli-key"}
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", "tiny-sd", "--port",
-         str(port), "--executor", "inproc", "--served-model-name", "cli-model",
+         "0", "--executor", "inproc", "--served-model-name", "cli-model",
          "--log-level", "info"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
-        wait_ready(proc, url)
+        url = wait_ready(proc, log.name)
         headers = {"Authorization": "Bearer cli-key"}
         assert httpx.post(f"{url}/v1/images/generations", json={"prompt": "p"}).status_code == 401
         response = httpx.post(f"{url}/v1/images/generations", headers=headers, timeout=120,
@@ -102,16 +112,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
           ) -> tuple[subprocess.Popen, str, Any]:
-    """Start `diffbatch serve ARGS` on a free port; its log goes to tmp_path/serve.log."""
-    port = free_port()
+    """`diffbatch serve ARGS` on a port the system picks, ready to take requests: the
+    process, its URL and its log (tmp_path/serve.log; `stop` closes it)."""
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - the caller closes it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", *args, "--port", str(port),
+        [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", *args, "--port", "0",
          "--torch-threads", "1", "--log-level", "info"],
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
         stdout=log, stderr=subprocess.STDOUT,
     )
-    return proc, f"http://127.0.0.1:{port}", log
+    try:
+        return proc, wait_ready(proc, log.name), log
+    except BaseException:
+        stop(proc, log)
+        raise
 
 
 def metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -153,16 +167,10 @@ def stop(proc: subprocess.Popen, log: Any) -> None:
 def serve_faulty(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Any]:
     """`diffbatch serve` of `FaultyPipeline` (markers in `tmp_path`), one request per
     wave and no admission wait, with `flags`; ready to take requests."""
-    proc, url, log = serve(
+    return serve(
         tmp_path, "--pipeline-class", "tests.fake_pipelines.FaultyPipeline",
         "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", *flags,
         env={"DIFFBATCH_FAKE_MARKER_DIR": str(tmp_path)})
-    try:
-        wait_ready(proc, url)
-    except BaseException:
-        stop(proc, log)
-        raise
-    return proc, url, log
 
 
 def poster(pool: ThreadPoolExecutor, url: str) -> Callable[[str], Any]:
@@ -258,7 +266,6 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
         "--max-num-seqs", "1", "--request-batch-max-wait-ms", "0", "--max-request-work", "0",
         env={"DIFFBATCH_FAKE_MARKER": str(marker)})
     try:
-        wait_ready(proc, url)
         worker = worker_of(proc.pid)
         with ThreadPoolExecutor(1) as pool:
             pool.submit(httpx.post, f"{url}/v1/images/generations", timeout=START_TIMEOUT_S,
@@ -311,7 +318,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                            "--max-num-seqs", "2", "--request-batch-max-wait-ms", "1000",
                            "--scheduling-policy", "grouped", "--max-request-work", "0")
     try:
-        wait_ready(proc, url)
         yield Served(url)
     finally:
         stop(proc, log)
