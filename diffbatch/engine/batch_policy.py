@@ -192,8 +192,8 @@ def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: 
         return ms / (1.0 - busy) if qualifies else math.inf
 
     ladder = [1 << i for i in range(max(capacity - 1, 0).bit_length())]  # below capacity
-    best = min([*ladder, capacity], key=time_in_system_ms)  # ties: the smaller size
-    return best if time_in_system_ms(best) < math.inf else capacity
+    best_ms, best = min((time_in_system_ms(size), size) for size in [*ladder, capacity])
+    return best if best_ms < math.inf else capacity  # ties went to the smaller size
 
 
 def latency_sum_ms(num_waiting: int, wave_size: int, wave_ms: Callable[[int], float]) -> float:
