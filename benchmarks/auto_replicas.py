@@ -29,36 +29,45 @@ import sys
 import time
 from typing import Any
 
-from auto_batching import bench, parse_configs, rotated
+from auto_batching import (
+    AUTO,
+    STARTUP_TIMEOUT_S,
+    Setting,
+    bench,
+    parse_configs,
+    rotated,
+    server_specs,
+)
 from peers_servers import harness
 
-STARTUP_TIMEOUT_S = 900.0
+
+def parse_setting(text: str) -> Setting:
+    """"auto" or "S:W" (S a positive integer or auto, W a number of ms >= 0 or auto)
+    -> the setting, named as `auto_batching.py` names its grid ("seqs16_wait0")."""
+    if text == AUTO.name:
+        return AUTO
+    seqs, sep, wait = text.partition(":")
+    valid_seqs = seqs == "auto" or (seqs.isdigit() and int(seqs) >= 1)
+    try:
+        valid_wait = wait == "auto" or float(wait) >= 0
+    except ValueError:
+        valid_wait = False
+    if not sep or not valid_seqs or not valid_wait:
+        raise SystemExit(f"--settings takes auto or S:W (e.g. 16:0, auto:0), got {text!r}")
+    name_wait = wait if wait == "auto" else f"{float(wait):g}"
+    return Setting(f"seqs{seqs}_wait{name_wait}", seqs, wait)  # type: ignore[arg-type]
 
 
 def setting_label(text: str) -> str:
     """"auto" or "S:W" -> a server name stem ("auto", "seqs16_wait0", "seqsauto_wait0")."""
-    if text == "auto":
-        return "auto"
-    seqs, sep, wait = text.partition(":")
-    if not sep or not seqs or not wait:
-        raise SystemExit(f"--settings takes auto or S:W (e.g. 16:0, auto:0), got {text!r}")
-    return f"seqs{seqs}_wait{wait}"
+    return parse_setting(text).name
 
 
 def specs_for(model: str, settings: list[str], replicas: int) -> list[harness.ServerSpec]:
     """Servers in the order replica 0 of every setting, replica 1 of every setting..."""
-    specs = []
-    for replica in range(replicas):
-        for text in settings:
-            name = f"{setting_label(text)}#{replica}"
-            if text == "auto":
-                specs.append(harness.diffbatch_defaults_spec(model, name=name,
-                                                             log_level="warning"))
-            else:
-                seqs, _, wait = text.partition(":")
-                specs.append(harness.diffbatch_spec(model, threads=None, max_num_seqs=seqs,
-                                                    wait_ms=wait, name=name))
-    return specs
+    parsed = [parse_setting(text) for text in settings]
+    return server_specs(model, [Setting(f"{s.name}#{replica}", s.max_num_seqs, s.wait_ms)
+                                for replica in range(replicas) for s in parsed], None)
 
 
 def load_shape(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,6 +92,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], settings: list[str],
                 for i in range(len(per_replica[0]))]
 
     first = setting_label(settings[0])
+    first_means = {key: round_means(first, key) for key in ("throughput_rps", "p50_ms")}
     out = {}
     for text in settings:
         label = setting_label(text)
@@ -93,9 +103,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], settings: list[str],
             row[key] = statistics.median(values) if values else None
             row[f"{key}_range"] = [min(values), max(values)] if values else None
         for key in ("throughput_rps", "p50_ms"):
-            mine, theirs = round_means(label, key), round_means(first, key)
+            mine = round_means(label, key)
             row[f"{key}_paired_to_{first}"] = statistics.median(
-                a / b for a, b in zip(mine, theirs, strict=True))
+                a / b for a, b in zip(mine, first_means[key], strict=True))
             row[f"{key}_round_means"] = mine
         out[label] = row
     return out

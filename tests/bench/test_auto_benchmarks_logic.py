@@ -157,6 +157,9 @@ def test_auto_replicas_pairs_round_means_and_names_its_servers() -> None:
     assert half[half.index("--request-batch-max-wait-ms") + 1] == "10"
     with pytest.raises(SystemExit, match="S:W"):
         auto_replicas.setting_label("16")
+    for bad in ("abc:0", "0:10", "16:-1", "16:x"):  # refused before any server starts
+        with pytest.raises(SystemExit, match="S:W"):
+            auto_replicas.specs_for("tiny-sd", ["auto", bad], replicas=1)
 
     def runs(throughputs: list[float]) -> list[dict]:
         return [{"throughput_rps": t, "p50_ms": 100.0, "mean_wave_size": 4.0}
