@@ -51,20 +51,22 @@ class _LearnedBatching(Collector):
         cost = GaugeMetricFamily(
             "diffbatch_learned_cost_per_image_ms",
             "Learned forward time per image (ms) of a wave of `wave_size` requests, per shape "
-            "(WxH/n[/cfg]), at the step count the shape was first seen with.",
+            "and step count (WxH/sSTEPS/nN[/cfg]).",
             labels=["shape", "wave_size"],
         )
         served = GaugeMetricFamily(
             "diffbatch_served_cost_per_image_ms",
             "Median forward time per image (ms) of the served waves of `wave_size` requests "
-            "(no calibration wave), per shape, at the step count the shape was first seen "
-            "with: what the load rule sizes waves by.",
+            "(no calibration wave), per shape and step count: what the load rule sizes waves "
+            "by.",
             labels=["shape", "wave_size"],
         )
         capacity = GaugeMetricFamily(
-            "diffbatch_capacity_requests", "Current wave capacity per shape.", labels=["shape"])
+            "diffbatch_capacity_requests", "Current wave capacity per shape and step count.",
+            labels=["shape"])
         wait = GaugeMetricFamily(
-            "diffbatch_admission_wait_ms", "Last planned admission wait per shape (ms).",
+            "diffbatch_admission_wait_ms",
+            "Last planned admission wait per shape and step count (ms).",
             labels=["shape"])
         for shape, entry in sorted(self.read().items()):
             for size, ms in entry["per_image_ms"].items():

@@ -41,9 +41,11 @@ def test_defaults_are_auto_and_calibrated(engine):
     shape = engine.policy.default_shape
     assert engine.policy.cost.estimate_ms(shape, 1, 4) is not None  # calibration ran
     assert engine.policy.cost.capacity(shape) > 1  # tiny-sd at 64x64 gains from waves
+    [(calibrated, steps)] = engine.policy.cost.curves()  # one step count, its own curve
+    assert calibrated == shape
     text = engine.metrics.registry.get_sample_value(
-        "diffbatch_capacity_requests", {"shape": shape.label()})
-    assert text == engine.policy.cost.capacity(shape)
+        "diffbatch_capacity_requests", {"shape": shape.label(steps)})
+    assert text == engine.policy.cost.capacity(shape, steps)
 
 
 def test_a_burst_forms_waves_larger_than_one(engine):

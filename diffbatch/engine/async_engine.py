@@ -180,8 +180,8 @@ class Engine:
                 self.close()
                 raise
             logger.info("calibration: %s; capacity at %s: %d", report.describe(),
-                        self.policy.default_shape.label(),
-                        self.policy.cost.capacity(self.policy.default_shape))
+                        self.policy.default_shape.label(report.steps),
+                        self.policy.cost.capacity(self.policy.default_shape, report.steps))
         # 5. Start-up is over: what runs from here on is counted (see `start_serving`).
         self.core.start_serving()
         logger.info(

@@ -379,7 +379,8 @@ class BatchPolicy:
             with self._lock:
                 self._deep_backlog_since.pop(shape, None)
             return size
-        trial = self.cost.next_size_to_try(shape) if num_waiting > capacity else None
+        trial = (self.cost.next_size_to_try(shape, key.num_denoising_steps)
+                 if num_waiting > capacity else None)
         with self._lock:
             if trial is None or num_waiting <= trial:
                 self._deep_backlog_since.pop(shape, None)
@@ -418,7 +419,8 @@ class BatchPolicy:
             return self.config.capacity_limit
         if key is None:
             return self.limit
-        return self.cost.capacity(Shape.of(key))
+        # (step mode's keys carry no step count: 0, the curve the shape is known best at)
+        return self.cost.capacity(Shape.of(key), key.num_denoising_steps or None)
 
     def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
         """Step mode: most requests in the running batch of `key`, with `demand`
@@ -492,7 +494,7 @@ class BatchPolicy:
                                 max_wait_ms=max(plan.max_wait_ms, wait),
                                 stable_window_ms=max(plan.stable_window_ms, wait))
         with self._lock:
-            self._last_wait_ms[shape.label()] = plan.max_wait_ms
+            self._last_wait_ms[shape.label(key.num_denoising_steps)] = plan.max_wait_ms
         return plan
 
     def _busy_with_a_steady_stream(self, rate_per_s: float, per_image_ms: float) -> bool:
@@ -586,22 +588,24 @@ class BatchPolicy:
         return self._stall_bound_s(max(known) if known else None)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per shape: per-image ms by wave size (the curve's, and served waves' median),
-        capacity, last planned wait (metrics); empty with fixed settings (the curve
-        decides nothing there)."""
+        """Per curve (shape and step count, e.g. "64x64/s4/n1/cfg"): per-image ms by
+        wave size (the curve's, and served waves' median), capacity, last planned wait
+        (metrics); empty with fixed settings (the curve decides nothing there)."""
         if not self.learns:
             return {}
         with self._lock:
             waits = dict(self._last_wait_ms)
         per_image = self.cost.per_image_ms()
         served = self.cost.served_per_image_ms()
-        shapes = {s.label(): s for s in self.cost.shapes()}
         out: dict[str, dict[str, object]] = {}
-        for label, table in per_image.items():
-            shape = shapes[label]
-            out[label] = {"per_image_ms": table,
+        for shape, steps in self.cost.curves():
+            label = shape.label(steps)
+            learned = self._step_curve(shape)  # step mode: the tick curve, once it knows
+            capacity = (learned.capacity(shape) if learned is self.step_cost
+                        else self.cost.capacity(shape, steps))
+            out[label] = {"per_image_ms": per_image[label],
                           "served_per_image_ms": served.get(label, {}),
-                          "capacity": self._step_curve(shape).capacity(shape),
+                          "capacity": capacity,
                           "wait_ms": waits.get(label, 0.0)}
         return out
 

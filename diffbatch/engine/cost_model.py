@@ -1,19 +1,31 @@
-"""The learned cost curve: how long a wave of B requests takes, per shape.
+"""The learned cost curve: how long a wave of B requests takes, per shape and step count.
 
 Every wave the engine runs is one observation: its shape, its step count, its size
 B and its forward time. `WaveCostModel` keeps, per shape (height, width, images
-per request, CFG on or off) and wave size, the last `WINDOW` forward times (scaled
-to one step count) and estimates with their lower quartile: a machine shared with
-other work makes some waves take several times longer, and those spikes must not
-teach the engine that big waves stopped paying (measured here: a 64x64 wave of 8
-took 80 ms or 3,400 ms depending on what else ran). An estimate at another step
-count is scaled by the step ratio (steps dominate a wave's cost; the fixed part,
-text encoding and decoding, is small beside them at any useful step count). A
-start-up calibration seeds the model's default shape
-(`diffbatch.engine.calibration`); other shapes are learned as they appear.
+per request, CFG on or off), step count and wave size, the last `WINDOW` forward
+times and estimates with their lower quartile: a machine shared with other work
+makes some waves take several times longer, and those spikes must not teach the
+engine that big waves stopped paying (measured here: a 64x64 wave of 8 took 80 ms or
+3,400 ms depending on what else ran).
 
-From the curve the model derives a shape's **capacity**, the wave size beyond
-which a bigger wave stops paying:
+Each step count has its own curve because the batching gain depends on it: the
+fixed part of a wave (text encoding, decoding) batches differently from the
+denoising steps, and weighs more at few steps (measured on `shapes` at 64x64: a
+wave of 16 costs 8% less per image than one of 8 at its default 15 steps, and
+25-40% less at 4 steps). A start-up calibration seeds the model's default shape at
+one step count (`diffbatch.engine.calibration`); other step counts and shapes are
+learned as they appear. Until then they borrow:
+
+- a step count of a known shape: the shape's curve at the step count it knows best
+  (most sizes measured), its times scaled by the step ratio; once the new step count
+  has waves of its own, their times are used where they were measured, and the
+  borrowed curve only gives the shape of the curve beyond them (its ratio between a
+  size and the nearest measured one: `_anchored`);
+- a new shape: the default shape's curve, scaled by the pixel ratio (and the step
+  ratio), its capacity too, until two sizes of it are measured.
+
+From the curve the model derives a shape's **capacity** at a step count, the wave
+size beyond which a bigger wave stops paying:
 
     capacity = the largest B on the ladder 1, 2, 4, 8, ... (up to the limit) whose
     cost per image, t(B) / B, is at least `MIN_GAIN` (5%) below that of every
@@ -22,9 +34,7 @@ which a bigger wave stops paying:
 A doubling that has not been measured yet is tried once the curve says the last
 one still paid, and one more after a doubling that gained less than that
 (`next_size_to_try`), so the curve grows with the traffic it sees (a wave of at
-least `NEAR_RUNG` of a rung's size counts for the rung);
-until a shape has two sizes measured, its capacity is the default shape's, scaled
-by the pixel ratio.
+least `NEAR_RUNG` of a rung's size counts for the rung).
 """
 
 from __future__ import annotations
@@ -71,9 +81,11 @@ class Shape:
         """Output pixels of one request: n * H * W."""
         return self.num_outputs_per_prompt * self.height * self.width
 
-    def label(self) -> str:
-        """Short form for metrics and logs, e.g. "64x64/n1/cfg"."""
-        return (f"{self.width}x{self.height}/n{self.num_outputs_per_prompt}"
+    def label(self, steps: int | None = None) -> str:
+        """Short form for metrics and logs, e.g. "64x64/n1/cfg", or with a step count
+        "64x64/s4/n1/cfg"."""
+        at = "" if steps is None else f"/s{steps}"
+        return (f"{self.width}x{self.height}{at}/n{self.num_outputs_per_prompt}"
                 + ("/cfg" if self.cfg else ""))
 
 
@@ -125,14 +137,15 @@ class _Curve:
 
 
 class WaveCostModel:
-    """Learned wave cost per shape; thread-safe. See the module docstring."""
+    """Learned wave cost per shape and step count; thread-safe. See the module
+    docstring."""
 
     def __init__(self, limit: int, default_shape: Shape | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit  # no capacity above this (memory, --max-num-seqs-limit)
         self.default_shape = default_shape
-        self._curves: dict[Shape, _Curve] = {}
+        self._curves: dict[tuple[Shape, int], _Curve] = {}
         self._lock = threading.Lock()
 
     def observe(self, shape: Shape, size: int, steps: int, forward_ms: float, *,
@@ -143,13 +156,13 @@ class WaveCostModel:
         if size < 1 or steps < 1 or not math.isfinite(forward_ms) or forward_ms <= 0:
             return
         with self._lock:
-            curve = self._curves.setdefault(shape, _Curve(steps))
+            curve = self._curves.setdefault((shape, steps), _Curve(steps))
             curve.observe(size, steps, forward_ms, served)
 
     def served_estimate_ms(self, shape: Shape, size: int, steps: int) -> float | None:
         """Forward ms of a wave of `size` at `steps` steps as served waves of about that
-        size took (their median cost per image; see `_Curve.served_ms`), or None
-        until `MIN_SAMPLES` of them ran.
+        size at that step count took (their median cost per image; see
+        `_Curve.served_ms`), or None until `MIN_SAMPLES` of them ran.
 
         The curve's estimate (`estimate_ms`) is the lower quartile of all waves, the
         calibration's included: right for comparing sizes, optimistic for what a size
@@ -157,99 +170,167 @@ class WaveCostModel:
         (measured on 2 cores, tiny-sd 64x64: served waves of 8 took 266 ms against a
         calibrated 134)."""
         with self._lock:
-            curve = self._curves.get(shape)
-            estimate = None if curve is None else curve.served_ms(size)
-            base_steps = None if curve is None else curve.steps
-        return None if estimate is None else estimate * steps / base_steps
+            curve = self._curves.get((shape, steps))
+            return None if curve is None else curve.served_ms(size)
 
     def estimate_ms(self, shape: Shape, size: int, steps: int, *,
                     proxy: bool = True) -> float | None:
         """Forward ms of a wave of `size` at `steps` steps; None when nothing is known.
-        `proxy=False`: from the shape's own curve only (not the default's, scaled)."""
+        `proxy=False`: from the shape's own curves only (any step count, not the default
+        shape's scaled by pixels)."""
         with self._lock:
-            curve = self._curves.get(shape)
-            if curve is None:
-                if not proxy:
-                    return None
-                curve, scale = self._proxy(shape)
-                if curve is None:
-                    return None
-            else:
-                scale = 1.0
-            estimate = curve.estimate_ms(size)
-        return None if estimate is None else estimate * scale * steps / curve.steps
+            return self._estimate(shape, size, steps, proxy)
 
-    def _proxy(self, shape: Shape) -> tuple[_Curve | None, float]:
-        """(Holding the lock.) The default shape's curve, scaled by pixels, for an
-        unseen shape."""
+    def _estimate(self, shape: Shape, size: int, steps: int, proxy: bool) -> float | None:
+        """(Holding the lock.) `estimate_ms`; see the module docstring for what is
+        borrowed where."""
+        own = self._curves.get((shape, steps))
+        guide = self._guide(shape, steps)
+        if own is not None:
+            return _anchored(own, guide, size)
+        if guide is not None:
+            return _scaled(guide, size, steps)
+        borrowed = self._proxy(shape)
+        if borrowed is None or not proxy:
+            return None
+        default, pixel_ratio = borrowed
+        estimate = _scaled(default, size, steps)
+        return None if estimate is None else estimate * pixel_ratio
+
+    def _guide(self, shape: Shape, steps: int | None) -> _Curve | None:
+        """(Holding the lock.) The shape's curve at another step count than `steps` that
+        knows most sizes (the nearest step count on a tie); None if there is none."""
+        others = [curve for (s, n), curve in self._curves.items()
+                  if s == shape and n != steps]
+        if not others:
+            return None
+        target = steps or 0
+        return max(others, key=lambda c: (len(c.ms), -abs(c.steps - target), -c.steps))
+
+    def _proxy(self, shape: Shape) -> tuple[_Curve, float] | None:
+        """(Holding the lock.) The default shape's best-known curve and `shape`'s pixels
+        over the default's, for a shape with no curve of its own; None for the default
+        shape itself or when nothing is known of it."""
         default = self.default_shape
-        if default is None or default not in self._curves:
-            return None, 1.0
-        return self._curves[default], shape.pixels / default.pixels
+        if default is None or shape == default:
+            return None
+        curve = self._guide(default, None)
+        return None if curve is None else (curve, shape.pixels / default.pixels)
 
-    def capacity(self, shape: Shape) -> int:
-        """The shape's capacity (see the module docstring); 1 <= capacity <= limit."""
+    def _steps_of(self, shape: Shape, steps: int | None) -> int | None:
+        """(Holding the lock.) `steps`, or where None the step count the shape is known
+        best at."""
+        if steps is not None:
+            return steps
+        best = self._guide(shape, None)
+        return None if best is None else best.steps
+
+    def capacity(self, shape: Shape, steps: int | None = None) -> int:
+        """The shape's capacity at `steps` steps (None: at the step count it is known
+        best at; see the module docstring); 1 <= capacity <= limit."""
         with self._lock:
-            curve = self._curves.get(shape)
-            if curve is not None and (len(curve.ms) >= 2 or shape == self.default_shape):
-                return capacity_from_curve(curve.ms, self.limit)
-            default = self.default_shape
-            if default is None or default not in self._curves:
-                return min(self.limit, max(curve.ms)) if curve is not None else 1
-            base = capacity_from_curve(self._curves[default].ms, self.limit)
-        scaled = base * default.pixels / shape.pixels
+            steps = self._steps_of(shape, steps)
+            own = None if steps is None else self._curves.get((shape, steps))
+            guide = self._guide(shape, steps)
+            if own is not None:
+                table = own.ms if guide is None else _merged(own, guide)
+            else:
+                table = {} if guide is None else guide.ms
+            if len(table) >= 2 or (table and shape == self.default_shape):
+                return capacity_from_curve(table, self.limit)
+            borrowed = self._proxy(shape)
+            if borrowed is None:
+                return min(self.limit, max(table)) if table else 1
+            default, pixel_ratio = borrowed
+            base = capacity_from_curve(default.ms, self.limit)
+        scaled = base / pixel_ratio
         return max(1, min(self.limit, 1 << max(0, int(math.log2(max(scaled, 1.0))))))
 
-    def next_size_to_try(self, shape: Shape) -> int | None:
-        """A wave size worth measuring for `shape`: the doubling after its capacity,
-        while it has fewer than `MIN_SAMPLES` observations (so one unlucky wave, run
-        while the machine was busy, cannot pin the capacity), and the doubling after
-        that one when it still cut the cost per image, if by less than `MIN_GAIN` (a
-        weak rung may hide a strong one). None when the curve already says where gains
-        stop."""
+    def next_size_to_try(self, shape: Shape, steps: int | None = None) -> int | None:
+        """A wave size worth measuring for `shape` at `steps` steps (None: the step count
+        it is known best at): the doubling after its capacity, while its own curve has
+        fewer than `MIN_SAMPLES` observations of it (so one unlucky wave, run while the
+        machine was busy, cannot pin the capacity), and the doubling after that one
+        when it still cut the cost per image, if by less than `MIN_GAIN` (a weak rung
+        may hide a strong one). None when the curve already says where gains stop, or
+        before the step count has a curve of its own."""
         with self._lock:
-            curve = self._curves.get(shape)
-            if curve is None:
+            steps = self._steps_of(shape, steps)
+            own = None if steps is None else self._curves.get((shape, steps))
+            if own is None:
                 return None
-            cap = capacity_from_curve(curve.ms, self.limit)
+            guide = self._guide(shape, steps)
+            cap = capacity_from_curve(own.ms if guide is None else _merged(own, guide),
+                                      self.limit)
             for size in (cap * 2, cap * 4):
                 if size > self.limit:
                     return None
-                if _num_near(curve, size) < MIN_SAMPLES:
+                if _num_near(own, size) < MIN_SAMPLES:
                     return size
-                if _per_image(curve, size) >= _per_image(curve, cap):
+                if (_anchored(own, guide, size) / size
+                        >= _anchored(own, guide, cap) / cap):
                     return None  # no gain at all: gains have stopped
             return None
 
-    def num_sizes(self, shape: Shape) -> int:
-        """How many wave sizes of `shape` have been measured."""
+    def num_sizes(self, shape: Shape, steps: int | None = None) -> int:
+        """How many wave sizes of `shape` have been measured at `steps` steps (None: at
+        the step count it is known best at)."""
         with self._lock:
-            curve = self._curves.get(shape)
+            curve = self._curves.get((shape, self._steps_of(shape, steps)))
             return 0 if curve is None else len(curve.ms)
 
-    def num_samples(self, shape: Shape, size: int) -> int:
-        """How many observations of a wave of `size` of `shape` are kept."""
+    def num_samples(self, shape: Shape, size: int, steps: int | None = None) -> int:
+        """How many observations of a wave of `size` of `shape` at `steps` steps (None:
+        as `num_sizes`) are kept."""
         with self._lock:
-            curve = self._curves.get(shape)
+            curve = self._curves.get((shape, self._steps_of(shape, steps)))
             return 0 if curve is None else len(curve.samples.get(size, ()))
 
     def per_image_ms(self) -> dict[str, dict[int, float]]:
-        """Shape label -> wave size -> measured forward ms per image (for metrics)."""
+        """Curve label (shape and step count) -> wave size -> measured forward ms per
+        image (for metrics)."""
         with self._lock:
-            return {shape.label(): {b: ms / b for b, ms in sorted(curve.ms.items())}
-                    for shape, curve in self._curves.items()}
+            return {shape.label(steps): {b: ms / b for b, ms in sorted(curve.ms.items())}
+                    for (shape, steps), curve in self._curves.items()}
 
     def served_per_image_ms(self) -> dict[str, dict[int, float]]:
-        """Shape label -> wave size -> median forward ms per image of the served waves
+        """Curve label -> wave size -> median forward ms per image of the served waves
         of exactly that size (for metrics; sizes no served wave had are left out)."""
         with self._lock:
-            return {shape.label(): {b: statistics.median(window) / b
-                                    for b, window in sorted(curve.served.items())}
-                    for shape, curve in self._curves.items() if curve.served}
+            return {shape.label(steps): {b: statistics.median(window) / b
+                                         for b, window in sorted(curve.served.items())}
+                    for (shape, steps), curve in self._curves.items() if curve.served}
 
-    def shapes(self) -> list[Shape]:
+    def curves(self) -> list[tuple[Shape, int]]:
+        """The (shape, step count) pairs with a curve of their own."""
         with self._lock:
             return list(self._curves)
+
+
+def _scaled(curve: _Curve, size: int, steps: int) -> float | None:
+    """`curve`'s estimate of a wave of `size`, scaled from its step count to `steps`."""
+    estimate = curve.estimate_ms(size)
+    return None if estimate is None else estimate * steps / curve.steps
+
+
+def _anchored(own: _Curve, guide: _Curve | None, size: int) -> float | None:
+    """A wave of `size` on `own`'s curve: measured or interpolated inside its measured
+    range; outside it, `guide`'s ratio between `size` and `own`'s nearest measured
+    size, times that size's time (the guide's step count cancels out). Without a guide,
+    `own`'s own extrapolation (no further gain)."""
+    lo, hi = min(own.ms), max(own.ms)
+    if guide is None or lo <= size <= hi:
+        return own.estimate_ms(size)
+    nearest = lo if size < lo else hi
+    at_size, at_nearest = guide.estimate_ms(size), guide.estimate_ms(nearest)
+    if at_size is None or not at_nearest:
+        return own.estimate_ms(size)
+    return own.ms[nearest] * at_size / at_nearest
+
+
+def _merged(own: _Curve, guide: _Curve) -> dict[int, float]:
+    """`own`'s curve over the sizes either curve measured (see `_anchored`)."""
+    return {size: _anchored(own, guide, size) for size in sorted({*own.ms, *guide.ms})}
 
 
 def capacity_from_curve(ms: dict[int, float], limit: int) -> int:

@@ -435,13 +435,13 @@ def test_no_wait_before_anything_is_learned():
 def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
     p = policy()
     p.observe_wave(key(), 4, 100.0)  # the warm-up, before serving
-    assert p.cost.shapes() == []
+    assert p.cost.curves() == []
     p.serving = True
     p.observe_wave(key(), 4, 100.0, num_forwards=3)  # a bisected wave: not one forward
-    assert p.cost.shapes() == []
+    assert p.cost.curves() == []
     p.observe_wave(key(), 4, 100.0)
     assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
-    snapshot = p.snapshot()["64x64/n1/cfg"]
+    snapshot = p.snapshot()["64x64/s4/n1/cfg"]
     assert snapshot["per_image_ms"] == {4: 25.0} and snapshot["capacity"] == 4
     assert snapshot["served_per_image_ms"] == {4: 25.0}
 
@@ -527,7 +527,7 @@ def test_step_capacity_grows_from_the_ticks_past_a_calibration_that_said_one():
     run_ticks(8)  # 8 costs more per request than 4: tried enough, not kept
     assert p.step_capacity(step_key) == 4
     assert p.step_capacity(step_key, demand=20) == 4
-    assert p.snapshot()[p.default_shape.label()]["capacity"] == 4
+    assert p.snapshot()[p.default_shape.label(4)]["capacity"] == 4
 
 
 def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():

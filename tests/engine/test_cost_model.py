@@ -46,18 +46,49 @@ def test_capacity_is_not_claimed_beyond_what_was_measured():
     assert capacity_from_curve({}, 32) == 1
 
 
-def test_observations_are_scaled_by_steps_and_interpolated():
+def test_observations_are_interpolated_and_extrapolated_with_no_gain():
     model = WaveCostModel(limit=32)
     model.observe(SHAPE, 4, steps=4, forward_ms=100.0)
+    model.observe(SHAPE, 1, steps=4, forward_ms=40.0)
     assert model.estimate_ms(SHAPE, 4, steps=4) == pytest.approx(100.0)
-    assert model.estimate_ms(SHAPE, 4, steps=8) == pytest.approx(200.0)
-    model.observe(SHAPE, 1, steps=8, forward_ms=80.0)  # 40 ms at the curve's 4 steps
     # between measured sizes: interpolated; beyond: the nearest size's cost per image
     assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(40.0 + (100.0 - 40.0) / 3)
     assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(200.0)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         model.observe(SHAPE, 2, steps=4, forward_ms=bad)  # ignored
     assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(60.0)
+
+
+def test_each_step_count_has_its_own_curve_and_borrows_the_shape_of_another():
+    """A wave's fixed part batches differently from its steps, so the gain of a bigger
+    wave depends on the step count: a curve per step count, and a step count not seen
+    yet borrows the curve the shape is known best at."""
+    model = WaveCostModel(limit=32, default_shape=SHAPE)
+    at_15 = {1: 300.0, 2: 480.0, 4: 800.0, 8: 1500.0}  # a calibration at 15 steps
+    for size, ms in at_15.items():
+        model.observe(SHAPE, size, 15, ms)
+    assert model.capacity(SHAPE) == model.capacity(SHAPE, 15) == 8  # stopped measuring at 8
+    # nothing at 4 steps yet: the 15-step curve scaled by the step ratio, its capacity
+    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(480.0 * 4 / 15)
+    assert model.capacity(SHAPE, 4) == 8
+    assert model.next_size_to_try(SHAPE, 4) is None  # no wave of its own yet
+    # waves at 4 steps: their own times where measured; elsewhere the 15-step curve's
+    # ratio to the nearest measured size (8 -> 2: 480 / 1500 of 8's 480 ms)
+    for _ in range(MIN_SAMPLES):
+        model.observe(SHAPE, 8, 4, 480.0)  # 60 ms per image
+    assert model.estimate_ms(SHAPE, 8, steps=4) == pytest.approx(480.0)
+    assert model.estimate_ms(SHAPE, 2, steps=4) == pytest.approx(480.0 * 480.0 / 1500.0)
+    assert model.capacity(SHAPE, 4) == 8 and model.next_size_to_try(SHAPE, 4) == 16
+    # 16 at 4 steps: 45 ms per image, 25% below 8's (at 15 steps, what would have been
+    # compared with the calibration's 8, a 16 scaled to 15 steps looked dearer)
+    for _ in range(MIN_SAMPLES):
+        model.observe(SHAPE, 16, 4, 720.0)
+    assert model.capacity(SHAPE, 4) == 16 and model.next_size_to_try(SHAPE, 4) == 32
+    assert model.capacity(SHAPE, 15) == 16  # the 15-step curve borrows 4's ratio past 8
+    assert model.estimate_ms(SHAPE, 8, steps=15) == pytest.approx(1500.0)  # its own
+    # the stall bound's estimate (proxy=False) still reads the shape's other step counts
+    assert model.estimate_ms(SHAPE, 8, steps=1, proxy=False) is not None
+    assert model.served_estimate_ms(SHAPE, 8, 4) is None  # no served wave anywhere
 
 
 def test_contention_spikes_do_not_move_the_curve_but_a_lasting_change_does():
@@ -135,9 +166,9 @@ def test_served_estimate_is_the_median_of_served_waves_about_the_size():
         model.observe(SHAPE, size, 4, ms, served=True)
     assert model.served_estimate_ms(SHAPE, 8, 4) is None  # 3 of them: too few
     model.observe(SHAPE, 7, 4, 7 * 32.0, served=True)
-    # per image: 30, 35, 50, 32 -> median 33.5, times 8; scaled by steps
+    # per image: 30, 35, 50, 32 -> median 33.5, times 8
     assert model.served_estimate_ms(SHAPE, 8, 4) == pytest.approx(268.0)
-    assert model.served_estimate_ms(SHAPE, 8, 8) == pytest.approx(536.0)
+    assert model.served_estimate_ms(SHAPE, 8, 8) is None  # served waves of its own only
     # the curve still compares sizes by the lower quartile of all waves
     assert model.estimate_ms(SHAPE, 8, 4) == pytest.approx(96.0)
     assert model.served_estimate_ms(Shape(128, 128, 1, True), 8, 4) is None
@@ -163,8 +194,8 @@ def test_per_image_table_for_metrics():
     model = WaveCostModel(limit=8)
     model.observe(SHAPE, 1, 4, 40.0)
     model.observe(SHAPE, 4, 4, 80.0)
-    assert model.per_image_ms() == {"64x64/n1/cfg": {1: 40.0, 4: 20.0}}
+    assert model.per_image_ms() == {"64x64/s4/n1/cfg": {1: 40.0, 4: 20.0}}
     assert model.served_per_image_ms() == {}  # calibration waves are not served ones
     for ms in (100.0, 120.0, 200.0):
         model.observe(SHAPE, 4, 4, ms, served=True)
-    assert model.served_per_image_ms() == {"64x64/n1/cfg": {4: 30.0}}
+    assert model.served_per_image_ms() == {"64x64/s4/n1/cfg": {4: 30.0}}
