@@ -269,7 +269,9 @@ class EngineCore:
             if self._stopped:
                 raise EngineClosedError("engine is closed")
             self.retract(notice)  # re-entrant: cond is an RLock-backed Condition
-            self.policy.observe_arrivals(len(requests))
+            busy = bool(self.in_flight) or self.scheduler.num_waiting > 0 \
+                or self.scheduler.num_running > 0
+            self.policy.observe_arrivals(len(requests), busy=busy)
             added = []
             try:
                 for request in requests:

@@ -180,6 +180,28 @@ def test_a_pause_is_not_averaged_into_the_stream_after_it():
     assert rate.rate_per_s() == pytest.approx(1.0 / (0.0005 + 0.2 * 0.0015))
 
 
+def test_a_closed_loops_silence_while_its_requests_run_is_no_pause():
+    """32 clients, waves of 16 a second: each wave's end brings 16 arrivals within a few
+    ms, then silence while the next wave runs. That silence is the load, not a pause:
+    mid-clump, the sustained rate is the loop's 16/s, not the clump's 9 so far."""
+    def loop(busy: bool) -> ArrivalRate:
+        clock = Clock()
+        rate = ArrivalRate(clock)
+        for _ in range(8):
+            for _ in range(16):
+                rate.observe(busy=busy)
+                clock.now += 0.001
+            clock.now += 1.0 - 0.016
+        for _ in range(9):  # the next clump, half in
+            rate.observe(busy=busy)
+            clock.now += 0.001
+        return rate
+
+    assert loop(busy=True).sustained_rate_per_s() == pytest.approx(16.0, rel=0.1)
+    # the same clumps reaching an idle engine: each is a new stream (a burst)
+    assert loop(busy=False).sustained_rate_per_s() == pytest.approx(9.0)
+
+
 def test_a_list_of_prompts_is_one_event_not_a_burst():
     clock = Clock()
     rate = ArrivalRate(clock)

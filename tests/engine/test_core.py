@@ -43,3 +43,25 @@ def test_stop_fails_every_open_request(gate):
         output = future.result(30)
         assert output.error is not None and "closed" in output.error.message
     assert engine.core.scheduler.request_ids() == []
+
+
+def test_arrivals_tell_the_policy_whether_the_engine_was_busy(gate, monkeypatch):
+    """A gap in arrivals that ends while requests run is no pause in the load (a closed
+    loop's clients are silent while their requests run): the core says which it was."""
+    with Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=1) as engine:
+        seen: list[bool] = []
+        observe = engine.core.policy.observe_arrivals
+
+        def spy(count: int, *, busy: bool = False) -> None:
+            seen.append(busy)
+            observe(count, busy=busy)
+
+        monkeypatch.setattr(engine.core.policy, "observe_arrivals", spy)
+        running = submit(engine, "runs", "a")
+        assert gate.entered.wait(30)
+        waiting = submit(engine, "arrives while a runs", "b")
+        gate.release.set()
+        assert running.result(30).ok and waiting.result(30).ok
+        assert engine.core.wait_idle(30)
+        assert submit(engine, "arrives to an idle engine", "c").result(30).ok
+    assert seen == [False, True, False]
