@@ -91,21 +91,20 @@ class Shape:
 
 @dataclass
 class _Curve:
-    """One shape's observations: wave size -> forward ms at `steps` steps."""
+    """One shape's observations at one step count: wave size -> forward ms."""
 
-    steps: int  # the step count the times below are scaled to
+    steps: int  # the step count of every wave below
     ms: dict[int, float] = field(default_factory=dict)  # size -> lower quartile of samples
     samples: dict[int, deque[float]] = field(default_factory=dict)  # size -> last WINDOW
     # size -> the last WINDOW waves run for served requests (no calibration wave)
     served: dict[int, deque[float]] = field(default_factory=dict)
 
-    def observe(self, size: int, steps: int, forward_ms: float, served: bool) -> None:
-        scaled = forward_ms * self.steps / steps
+    def observe(self, size: int, forward_ms: float, served: bool) -> None:
         window = self.samples.setdefault(size, deque(maxlen=WINDOW))
-        window.append(scaled)
+        window.append(forward_ms)
         self.ms[size] = sorted(window)[(len(window) - 1) // 4]
         if served:
-            self.served.setdefault(size, deque(maxlen=WINDOW)).append(scaled)
+            self.served.setdefault(size, deque(maxlen=WINDOW)).append(forward_ms)
 
     def served_ms(self, rung: int) -> float | None:
         """Forward ms of a wave of `rung` as served: the median cost per image of the
@@ -157,7 +156,7 @@ class WaveCostModel:
             return
         with self._lock:
             curve = self._curves.setdefault((shape, steps), _Curve(steps))
-            curve.observe(size, steps, forward_ms, served)
+            curve.observe(size, forward_ms, served)
 
     def served_estimate_ms(self, shape: Shape, size: int, steps: int) -> float | None:
         """Forward ms of a wave of `size` at `steps` steps as served waves of about that
@@ -185,6 +184,8 @@ class WaveCostModel:
         """(Holding the lock.) `estimate_ms`; see the module docstring for what is
         borrowed where."""
         own = self._curves.get((shape, steps))
+        if own is not None and min(own.ms) <= size <= max(own.ms):
+            return own.estimate_ms(size)  # the common case: no other curve to look up
         guide = self._guide(shape, steps)
         if own is not None:
             return _anchored(own, guide, size)
