@@ -269,9 +269,7 @@ class EngineCore:
             if self._stopped:
                 raise EngineClosedError("engine is closed")
             self.retract(notice)  # re-entrant: cond is an RLock-backed Condition
-            busy = bool(self.in_flight) or self.scheduler.num_waiting > 0 \
-                or self.scheduler.num_running > 0
-            self.policy.observe_arrivals(len(requests), busy=busy)
+            self.policy.observe_arrivals(len(requests), busy=not self._idle())
             added = []
             try:
                 for request in requests:
@@ -330,11 +328,12 @@ class EngineCore:
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing waits, runs or is in flight; False if `timeout_s` passed."""
         with self.cond:
-            return self.cond.wait_for(
-                lambda: not self.in_flight and not self._reruns
-                and self.scheduler.num_waiting == 0 and self.scheduler.num_running == 0,
-                timeout_s,
-            )
+            return self.cond.wait_for(self._idle, timeout_s)
+
+    def _idle(self) -> bool:
+        """(Holding `cond`.) Whether nothing waits, runs, is in flight or is to run again."""
+        return (not self.in_flight and not self._reruns
+                and self.scheduler.num_waiting == 0 and self.scheduler.num_running == 0)
 
     def _unwanted_waves(self) -> list[InFlightWave]:
         """(Holding `cond`.) Waves in flight none of whose requests is open any more, not
