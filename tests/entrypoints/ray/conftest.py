@@ -9,9 +9,13 @@ and `ray.shutdown()`. Replica logs stay in Ray's session folder
 (/tmp/ray/session_*/logs/serve/), not in the test output.
 
 `FileGatedPipeline` is the Ray twin of the in-process `GatedPipeline`: replicas are
-other processes, so the gate is a folder. A real wave writes
-`entered-<replica id>-<n>` there, then waits until a `release` file exists, so a
-test can act while a replica holds requests mid-wave (kill it, disconnect a client).
+other processes, so the gate is a folder. Each closing of the gate is a new
+generation, a subfolder named in the file `current`: a real wave writes
+`<generation>/entered-<replica id>-<n>`, then waits until `<generation>/release`
+exists, so a test can act while a replica holds requests mid-wave (kill it,
+disconnect a client). A wave still waiting on an earlier generation (it had not seen
+that gate open before the next test closed a new one) is let through by the earlier
+`release`, which stays.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ class FileGatedPipeline(FakeBatchPipeline):
 
     def forward(self, batch: DiffusionRequestBatch) -> list[Any]:
         gate_dir = self.kwargs.get("gate_dir")
-        if gate_dir and batch.prompts != ["warm-up"]:
+        current = Path(gate_dir, "current") if gate_dir else None
+        if current is not None and current.exists() and batch.prompts != ["warm-up"]:
             from ray import serve
 
+            generation = Path(gate_dir, current.read_text())
             replica_id = serve.get_replica_context().replica_tag
-            marker = Path(gate_dir, f"entered-{replica_id}-{next(self._waves)}")
+            marker = generation / f"entered-{replica_id}-{next(self._waves)}"
             marker.write_text(str(len(batch)))
-            release = Path(gate_dir, "release")
+            release = generation / "release"
             idle = threading.Event()
             deadline = time.monotonic() + GATE_WAIT_S
             while not release.exists() and time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import shutil
+import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -336,21 +336,33 @@ def test_metrics_and_health_name_their_replica(tiny_url: str) -> None:
 
 # -- gated replicas: disconnect and kill -------------------------------------------------
 class Gate:
-    """The folder `FileGatedPipeline` replicas wait on; see conftest.py."""
+    """The folder `FileGatedPipeline` replicas wait on; see conftest.py.
+
+    Open until first closed; each `close()` starts a new generation, so a wave that
+    still waits on an earlier one is released by that one's `open()`.
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self._generations = itertools.count()
+        self.generation: Path | None = None
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder.mkdir()
+        self.generation = self.folder / f"g{next(self._generations)}"
+        self.generation.mkdir()
+        current = self.folder / "current.tmp"
+        current.write_text(self.generation.name)
+        current.replace(self.folder / "current")  # replicas never read half a name
 
     def open(self) -> None:
-        (self.folder / "release").touch()
+        if self.generation is not None:
+            (self.generation / "release").touch()
 
     def entered_replicas(self) -> set[str]:
-        """Ids of the replicas with a wave waiting at the gate."""
-        return {m.name.split("-")[1] for m in self.folder.glob("entered-*")}
+        """Ids of the replicas with a wave waiting at the gate since it last closed."""
+        if self.generation is None:
+            return set()
+        return {m.name.split("-")[1] for m in self.generation.glob("entered-*")}
 
 
 @pytest.fixture(scope="module")
