@@ -57,7 +57,7 @@ TEST_WORKERS ?= 2
 test: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
 	DIFFBATCH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
