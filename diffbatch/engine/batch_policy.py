@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
 from diffbatch.engine.cost_model import MIN_GAIN, MIN_SAMPLES, Shape, WaveCostModel
+from diffbatch.engine.returning import ReturningClients
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -179,6 +180,29 @@ def choose_wait(
     # a quiet spell of a few mean gaps means the burst is over
     return WaitPlan(target=q + best_k, max_wait_ms=max_wait,
                     stable_window_ms=min(max_wait, 3.0 * gap_ms))
+
+
+def _hold_for(plan: WaitPlan, expected: int, capacity: int, hold_ms: float) -> WaitPlan:
+    """`plan`, made to wait up to `hold_ms` for `expected` requests in all (at most
+    `capacity`) where it would start with fewer."""
+    target = min(capacity, expected)
+    if plan.target >= target or hold_ms <= 0:
+        return plan
+    return WaitPlan(target=target, max_wait_ms=max(plan.max_wait_ms, hold_ms),
+                    stable_window_ms=max(plan.stable_window_ms, hold_ms))
+
+
+def holding_pays(num_waiting: int, num_returning: int, due_ms: float,
+                 wave_ms: Callable[[int], float]) -> bool:
+    """Whether a closed loop runs faster when the `num_waiting` requests wait
+    `due_ms` for `num_returning` clients to come back and all go as one wave than
+    when they start now and the others follow in the next: the loop's turn takes
+    `due + t(q + k)` one way, `max(t(q), due) + t(k)` the other (the next wave starts
+    when the first is done and they are back), with `wave_ms` as `t`."""
+    q, k = num_waiting, num_returning
+    if q < 1 or k < 1:
+        return False
+    return due_ms + wave_ms(q + k) < max(wave_ms(q), due_ms) + wave_ms(k)
 
 
 def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:
@@ -332,6 +356,7 @@ class BatchPolicy:
         # knows two sizes of a shape
         self.step_cost = WaveCostModel(self.limit, self.default_shape)
         self.arrivals = ArrivalRate(clock)
+        self.returns = ReturningClients(clock)  # a closed loop's clients, expected back
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
         self._tick_ms: dict[Shape, deque[float]] = {}  # step mode: recent tick times
         # since when a backlog of the shape has stood beyond its next trial size
@@ -492,13 +517,20 @@ class BatchPolicy:
             plan = WaitPlan.start_now(num_waiting)
         else:
             plan = choose_wait(num_waiting, rate, wave_ms, capacity, wait_bound_ms=bound)
-            if num_incoming > 0 and plan.target < min(capacity, num_waiting + num_incoming):
-                # A burst already at the door: the first request's wave would otherwise
-                # start alone and the rest wait for it to finish.
-                wait = min(bound, INCOMING_WAIT_MS)
-                plan = WaitPlan(target=min(capacity, num_waiting + num_incoming),
-                                max_wait_ms=max(plan.max_wait_ms, wait),
-                                stable_window_ms=max(plan.stable_window_ms, wait))
+            # A burst already at the door: the first request's wave would otherwise
+            # start alone and the rest wait for it to finish.
+            plan = _hold_for(plan, num_waiting + num_incoming, capacity,
+                             min(bound, INCOMING_WAIT_MS))
+        # The clients of a wave answered a moment ago, coming back (a closed loop):
+        # the same where one wave of them all runs the loop faster, whatever the load.
+        returning = self.returns.expected()
+        if returning is not None:
+            target = min(capacity, num_waiting + max(num_incoming, returning.count))
+            # (both ways on the learned curve: the served medians of some sizes and
+            # the curve's lower quartile for others would compare unlike numbers)
+            if holding_pays(num_waiting, target - num_waiting, returning.due_ms, wave_ms):
+                plan = _hold_for(plan, target, capacity,
+                                 min(bound, returning.window_left_ms))
         with self._lock:
             self._last_wait_ms[shape.label(key.num_denoising_steps)] = plan.max_wait_ms
         return plan
@@ -520,6 +552,12 @@ class BatchPolicy:
         come)."""
         if self.serving:
             self.arrivals.observe(count, busy=busy)
+            self.returns.arrived(count)
+
+    def observe_answers(self, count: int) -> None:
+        """A wave's `count` requests were answered just now (while serving)."""
+        if self.serving:
+            self.returns.answered(count, self.arrivals.sustained_rate_per_s())
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:

@@ -533,6 +533,7 @@ class EngineCore:
                                  runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
+            self.policy.observe_answers(len(finished))
             self.cond.notify_all()  # for wait_idle
         self._log_wave(wave, started, runner_output, record.admission_reason)
         for request, output in finished:

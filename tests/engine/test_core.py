@@ -65,3 +65,21 @@ def test_arrivals_tell_the_policy_whether_the_engine_was_busy(gate, monkeypatch)
         assert engine.core.wait_idle(30)
         assert submit(engine, "arrives to an idle engine", "c").result(30).ok
     assert seen == [False, True, False]
+
+
+def test_answered_waves_tell_the_policy_how_many_they_answered(gate, monkeypatch):
+    """Before a wave's outputs go out, the policy hears how many requests it answered
+    (a closed loop's clients come back right after)."""
+    gate.release.set()
+    with Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=4) as engine:
+        answered: list[int] = []
+        observe = engine.core.policy.observe_answers
+
+        def spy(count: int) -> None:
+            answered.append(count)
+            observe(count)
+
+        monkeypatch.setattr(engine.core.policy, "observe_answers", spy)
+        outputs = engine.generate(["a", "b", "c"])
+        assert all(output.ok for output in outputs)
+        assert sum(answered) == 3 and all(count > 0 for count in answered)

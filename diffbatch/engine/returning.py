@@ -1,0 +1,132 @@
+"""Clients that send their next request as soon as they are answered: `ReturningClients`.
+
+A closed loop of clients (a benchmark's `--max-concurrency`, a pool of workers that
+each send their next request when the last is answered, a page that regenerates)
+comes back right after each wave's answers, in a clump. When the loop holds about as
+many clients as a wave, the engine is idle when the first of them comes back, and
+without a reason to wait it starts that one alone while the others are still being
+answered; they then wait for it, run as the next wave, and the pattern repeats: waves
+of 1 and 15 in turn instead of 16 on `shapes` at 64x64 with 16 clients.
+
+`ReturningClients` records, after each wave is answered, the arrivals of the next
+`MAX_RETURN_WINDOW_MS` (up to the wave's size) and how long after the answers they
+came. A wave's clients came back when those arrivals are at least `MIN_RETURN_SHARE`
+of the wave and clearly more than the steady stream alone brings in the time they
+took (twice its mean, plus one: an open stream of arrivals has no reason to crowd
+after answers; a wave smaller than that tells nothing either way). When the last
+`ANSWERS_KEPT` waves that could tell all came back, the clients of the newest one
+that have not come back yet are expected: due when the loop's clients were back
+lately (the longest of those waves' times), and worth waiting for until
+`RETURN_SLACK` times that. Whether waiting for them pays is the admission wait's
+call (`BatchPolicy.plan_wait`). A loop that stops coming back costs at most one
+window before the next answered wave shows it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# The longest a wave's clients may take to come back and still count as a loop.
+# Measured on 2 cores (`shapes` 64x64, 16 clients, answers as b64 PNG, a machine
+# running at half its speed): the arrivals came 15-105 ms after their wave ended
+# (5th to 95th percentile).
+MAX_RETURN_WINDOW_MS = 250.0
+ANSWERS_KEPT = 2  # this many answered waves in a row must show the loop
+MIN_RETURN_SHARE = 0.5  # of a wave's requests, back within the window
+RETURN_SLACK = 1.5  # the expected clients are waited for this times as long as the
+# loop's clients took to come back lately
+
+
+@dataclass(frozen=True)
+class Returning:
+    """Answered clients expected back now."""
+
+    count: int
+    due_ms: float  # when they should all be back, from now (as the loop's were lately)
+    window_left_ms: float  # how long they may still be waited for
+
+
+@dataclass
+class _Answer:
+    """One answered wave and the arrivals after it so far."""
+
+    at: float  # clock seconds
+    size: int
+    steady_rate_per_s: float  # of the arrivals lately: what comes without any loop
+    lags_s: list[float] = field(default_factory=list)  # of arrivals after it, <= size
+
+    def span_s(self) -> float:
+        """How long after the answers the arrivals counted came."""
+        return self.lags_s[-1] if self.lags_s else MAX_RETURN_WINDOW_MS / 1000.0
+
+    def came_back(self) -> bool | None:
+        """Whether its clients came back; None when the wave is too small to tell
+        them from the steady stream."""
+        crowd = 2.0 * self.steady_rate_per_s * self.span_s() + 1.0
+        if self.size < crowd:
+            return None
+        return len(self.lags_s) >= max(MIN_RETURN_SHARE * self.size, crowd)
+
+
+class ReturningClients:
+    """Which answered clients are expected back now; thread-safe (module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last: _Answer | None = None
+        # (came back?, how long it took) of the last answered waves that could tell
+        self._seen: deque[tuple[bool, float]] = deque(maxlen=ANSWERS_KEPT)
+        self._lock = threading.Lock()
+
+    def answered(self, size: int, steady_rate_per_s: float) -> None:
+        """A wave of `size` requests was answered now; `steady_rate_per_s`: the arrival
+        rate sustained lately."""
+        if size < 1:
+            return
+        with self._lock:
+            now = self._clock()
+            self._settle(now)
+            self._last = _Answer(now, size, steady_rate_per_s)
+
+    def arrived(self, count: int) -> None:
+        """`count` requests arrived now."""
+        with self._lock:
+            last = self._last
+            now = self._clock()
+            if last is not None and now - last.at < MAX_RETURN_WINDOW_MS / 1000.0:
+                room = last.size - len(last.lags_s)
+                last.lags_s.extend([now - last.at] * min(count, room))
+
+    def expected(self) -> Returning | None:
+        """The answered clients still expected back, if any."""
+        with self._lock:
+            last = self._last
+            if (last is None or len(self._seen) < ANSWERS_KEPT
+                    or not all(came_back for came_back, _ in self._seen)):
+                return None
+            back_s = max(span for _, span in self._seen)
+            elapsed_s = self._clock() - last.at
+            window_s = min(RETURN_SLACK * back_s, MAX_RETURN_WINDOW_MS / 1000.0)
+            missing = last.size - len(last.lags_s)
+            if missing <= 0 or elapsed_s >= window_s:
+                return None
+            return Returning(missing, due_ms=1000.0 * max(back_s - elapsed_s, 0.0),
+                             window_left_ms=1000.0 * (window_s - elapsed_s))
+
+    def _settle(self, now: float) -> None:
+        """(Holding the lock.) Record whether the last answered wave's clients came
+        back. One answered again before its window closed and before all its clients
+        were back tells nothing either way, nor does one too small to tell."""
+        last = self._last
+        if last is None:
+            return
+        complete = len(last.lags_s) >= last.size
+        if not complete and now - last.at < MAX_RETURN_WINDOW_MS / 1000.0:
+            return
+        came_back = last.came_back()
+        if came_back is not None:
+            self._seen.append((came_back, last.span_s()))

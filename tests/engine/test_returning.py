@@ -1,0 +1,219 @@
+"""Answered clients that come back at once (a closed loop), on a driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffbatch.engine.batch_policy import holding_pays
+from diffbatch.engine.returning import (
+    ANSWERS_KEPT,
+    MAX_RETURN_WINDOW_MS,
+    RETURN_SLACK,
+    ReturningClients,
+)
+from tests.engine.test_batch_policy import Clock, key, policy, teach
+
+
+def closed_loop(clients: ReturningClients, clock: Clock, sizes: list[int],
+                cycle_s: float = 0.8, return_gap_s: float = 0.001,
+                steady_rate: float = 20.0) -> None:
+    """Waves of `sizes` answered one after another; each wave's clients come back one
+    every `return_gap_s` right after their answers, `cycle_s` apart."""
+    for size in sizes:
+        clients.answered(size, steady_rate)
+        for _ in range(size):
+            clock.now += return_gap_s
+            clients.arrived(1)
+        clock.now += cycle_s - size * return_gap_s
+
+
+def test_a_closed_loops_clients_are_expected_back_after_their_answers():
+    """16 clients back 1 ms apart after each wave's answers: once two waves showed it,
+    the clients of the newest one are due 16 ms after it, waited for up to 24 ms."""
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [16] * ANSWERS_KEPT)
+    assert clients.expected() is None  # nobody answered a moment ago
+    clients.answered(16, 20.0)
+    window_ms = RETURN_SLACK * 16.0
+    expected = clients.expected()
+    assert expected.count == 16
+    assert (expected.due_ms, expected.window_left_ms) == pytest.approx((16.0, window_ms))
+    clock.now += 0.002
+    clients.arrived(1)
+    expected = clients.expected()
+    assert expected.count == 15
+    assert (expected.due_ms, expected.window_left_ms) == pytest.approx((14.0, window_ms - 2))
+    clock.now += 0.020
+    assert clients.expected().due_ms == 0.0  # overdue, still waited for
+    clock.now += 0.002  # the window closed: those not back by now are not expected
+    assert clients.expected() is None
+
+
+def test_the_window_follows_how_long_the_clients_took():
+    """Clients 10 ms apart (a slower machine) are waited for longer, up to the cap."""
+    for gap_s, window_ms in ((0.010, RETURN_SLACK * 160.0), (0.030, MAX_RETURN_WINDOW_MS)):
+        clock = Clock()
+        clients = ReturningClients(clock)
+        closed_loop(clients, clock, [16] * ANSWERS_KEPT, return_gap_s=gap_s, cycle_s=2.0,
+                    steady_rate=8.0)
+        clients.answered(16, 8.0)
+        expected = clients.expected()
+        assert expected.count == 16
+        assert expected.window_left_ms == pytest.approx(window_ms)
+
+
+def test_one_closed_loop_wave_is_not_enough():
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [16] * (ANSWERS_KEPT - 1))
+    clients.answered(16, 20.0)
+    assert clients.expected() is None
+
+
+def test_an_open_stream_is_never_expected_back():
+    """Arrivals every 50 ms whatever the answers (20/s), waves of 8 answered every
+    400 ms: a window after an answer holds one arrival at most, as any window does."""
+    clock = Clock()
+    clients = ReturningClients(clock)
+    for step in range(400):  # 20 s in 5 ms steps
+        if step % 80 == 0:
+            clients.answered(8, 20.0)
+        if step % 10 == 3:
+            clients.arrived(1)
+        assert clients.expected() is None
+        clock.now += 0.005
+
+
+def test_a_crowd_the_steady_stream_explains_is_no_loop():
+    """8 arrivals after each wave of 8, but 5 ms apart, as a steady 200/s brings them
+    anyway: no loop to wait for."""
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [8] * 3, return_gap_s=0.005, steady_rate=200.0)
+    clients.answered(8, 200.0)
+    assert clients.expected() is None
+
+
+def test_waves_too_small_to_tell_do_not_break_the_loop():
+    """Waves of 1 and 15 in turn (16 clients): a wave of one says nothing, the waves
+    of 15 show the loop, and after either the rest of the loop is expected back."""
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [15, 1, 15, 1])
+    clients.answered(1, 20.0)
+    assert clients.expected().count == 1
+    clock.now += 1.0
+    clients.answered(15, 20.0)
+    assert clients.expected().count == 15
+
+
+def test_a_loop_that_stops_costs_one_window():
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [16] * ANSWERS_KEPT)
+    clients.answered(16, 20.0)  # nobody comes back this time
+    assert clients.expected().count == 16
+    clock.now += 1.0
+    assert clients.expected() is None
+    clients.answered(16, 20.0)
+    assert clients.expected() is None
+
+
+def test_answers_before_the_clients_came_back_tell_nothing():
+    """A wave answered right behind another (it was queued at the worker), before the
+    first one's clients were back: the first one's count was cut short, so it does
+    not count against the loop."""
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [16] * ANSWERS_KEPT)
+    clients.answered(16, 20.0)
+    clock.now += 0.001
+    clients.arrived(1)
+    clients.answered(16, 20.0)
+    for _ in range(16):
+        clock.now += 0.001
+        clients.arrived(1)
+    clock.now += 1.0
+    clients.answered(16, 20.0)
+    assert clients.expected().count == 16
+
+
+# -- in the admission wait ---------------------------------------------------------------
+
+
+def test_the_admission_wait_holds_for_a_closed_loops_clients():
+    """16 clients at capacity 16, a wave every 0.25 s: a sustained load (64/s, 0.6 of
+    what waves of 16 serve), under which the wait rule itself starts at once. Told of
+    the answers, the first client back does not start alone: the wave waits, within
+    the window, for the 15 on their way."""
+    def first_back(answers_seen: bool):
+        clock = Clock()
+        p = policy(clock, max_num_seqs=16)
+        teach(p)
+        for _ in range(20):
+            if answers_seen:
+                p.observe_answers(16)
+            for _ in range(16):
+                clock.now += 0.001
+                p.observe_arrivals(1, busy=True)
+            clock.now += 0.25 - 0.016
+        if answers_seen:
+            p.observe_answers(16)
+        clock.now += 0.003
+        p.observe_arrivals(1)
+        return p.plan_wait(key(), 1)
+
+    plan = first_back(answers_seen=True)
+    assert plan.target == 16
+    assert plan.max_wait_ms == pytest.approx(RETURN_SLACK * 16.0 - 3.0)
+    assert first_back(answers_seen=False).max_wait_ms == 0.0
+
+
+def test_the_returns_hold_never_grows_a_wave_past_the_capacity():
+    clock = Clock()
+    p = policy(clock, max_num_seqs=8)
+    teach(p)
+    for _ in range(ANSWERS_KEPT + 1):
+        p.observe_answers(16)
+        clock.now += 0.001
+        p.observe_arrivals(16)
+        clock.now += 1.0
+    p.observe_answers(16)
+    clock.now += 0.001
+    p.observe_arrivals(1)
+    assert p.plan_wait(key(), 5).target == 8
+    assert p.plan_wait(key(), 8).max_wait_ms == 0.0  # full already
+
+
+def test_holding_pays_where_one_wave_turns_the_loop_faster():
+    """A wave's fixed cost (40 ms + 7 ms per request): one wave of 16 beats 1 then 15
+    when the 15 are due soon, and 8 then 8 when the 8 are due sooner than the fixed
+    cost they save; a cost per request without a fixed part never pays a wait."""
+    def fixed_part(size: int) -> float:
+        return 40.0 + 7.0 * size
+
+    assert holding_pays(1, 15, 13.0, fixed_part)  # 13 + 152 < 47 + 145
+    assert holding_pays(8, 8, 10.0, fixed_part)  # 10 + 152 < 96 + 96
+    assert not holding_pays(8, 8, 100.0, fixed_part)  # 100 + 152 > 100 + 96
+    assert not holding_pays(1, 15, 1.0, lambda size: 10.0 * size)
+    assert not holding_pays(0, 15, 1.0, fixed_part) and not holding_pays(4, 0, 1.0, fixed_part)
+
+
+def test_no_hold_where_it_does_not_pay():
+    """The loop of the test above on a curve without a fixed cost: the clients come
+    back, but one wave of them all would not run faster; the first starts at once."""
+    clock = Clock()
+    p = policy(clock, max_num_seqs=16)
+    teach(p, wave_ms=lambda size: 10.0 * size)
+    for _ in range(20):
+        p.observe_answers(16)
+        for _ in range(16):
+            clock.now += 0.001
+            p.observe_arrivals(1, busy=True)
+        clock.now += 0.25 - 0.016
+    p.observe_answers(16)
+    clock.now += 0.003
+    p.observe_arrivals(1)
+    assert p.returns.expected().count == 15
+    assert p.plan_wait(key(), 1).max_wait_ms == 0.0
