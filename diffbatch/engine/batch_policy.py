@@ -73,6 +73,13 @@ queue refills while each wave runs, and a worker idle in a wait delays everyone
 behind it. (A burst, even one that keeps the worker busy for seconds, still waits for
 its last requests.) The rule is in `choose_wait`, a pure function of those numbers;
 docs/serving.md walks through it.
+
+Two kinds of requests not here yet are waited for too, at any load, where the wave
+would otherwise start without them: requests announced by the HTTP layer while it
+still reads their bodies (`INCOMING_WAIT_MS` at most), and the clients of a wave
+answered a moment ago that a closed loop sends right back
+(`diffbatch.engine.returning`), where one wave of them all turns the loop faster
+(`holding_pays`).
 """
 
 from __future__ import annotations
