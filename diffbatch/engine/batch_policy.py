@@ -528,18 +528,47 @@ class BatchPolicy:
             # start alone and the rest wait for it to finish.
             plan = _hold_for(plan, num_waiting + num_incoming, capacity,
                              min(bound, INCOMING_WAIT_MS))
-        # The clients of a wave answered a moment ago, coming back (a closed loop):
-        # the same where one wave of them all runs the loop faster, whatever the load.
-        returning = self.returns.expected()
-        if returning is not None:
-            target = min(capacity, num_waiting + max(num_incoming, returning.count))
-            # (both ways on the learned curve: the served medians of some sizes and
-            # the curve's lower quartile for others would compare unlike numbers)
-            if holding_pays(num_waiting, target - num_waiting, returning.due_ms, wave_ms):
-                plan = _hold_for(plan, target, capacity,
-                                 min(bound, returning.window_left_ms))
+        plan = self._hold_for_returning(plan, key, num_waiting, num_incoming, capacity,
+                                        wave_ms, bound)
         with self._lock:
             self._last_wait_ms[shape.label(key.num_denoising_steps)] = plan.max_wait_ms
+        return plan
+
+    def _hold_for_returning(self, plan: WaitPlan, key: SamplingParamsKey, num_waiting: int,
+                            num_incoming: int, capacity: int,
+                            wave_ms: Callable[[int], float], bound_ms: float) -> WaitPlan:
+        """`plan`, holding for the clients of a wave answered a moment ago that a
+        closed loop sends right back (`diffbatch.engine.returning`), at any load:
+
+        - where the loop is bigger than the capacity and the next doubling is untried
+          (`WaveCostModel.next_size_to_try`), for a trial wave of that size. Such a
+          loop never leaves a backlog beyond the capacity (its other clients are in
+          the running wave or on their way back), so the trial a backlog would run
+          never runs; what the trial finds decides from then on;
+        - else up to the capacity, where one wave of them all turns the loop faster
+          (`holding_pays`, both ways on the learned curve: served medians for some
+          sizes and the curve's lower quartile for others would compare unlike
+          numbers), or where that wave was measured fewer than `MIN_SAMPLES` times
+          (as the trial rule, one slow wave is no ground to judge by: measured on
+          `shapes`, a single wave of 16 slower per image than the 15s beside it kept
+          a loop of 16 at waves of 1 and 15 for good).
+        """
+        returning = self.returns.expected()
+        if returning is None:
+            return plan
+        shape, steps = Shape.of(key), key.num_denoising_steps
+        demand = num_waiting + max(num_incoming, returning.count)
+        hold_ms = min(bound_ms, returning.window_left_ms)
+        if self.config.auto_capacity and demand > capacity:
+            trial = self.cost.next_size_to_try(shape, steps)
+            if trial is not None and num_waiting < trial <= demand:
+                return _hold_for(plan, trial, trial, hold_ms)
+        target = min(capacity, demand)
+        if target <= num_waiting:
+            return plan
+        if (self.cost.num_samples(shape, target, steps) < MIN_SAMPLES
+                or holding_pays(num_waiting, target - num_waiting, returning.due_ms, wave_ms)):
+            return _hold_for(plan, target, capacity, hold_ms)
         return plan
 
     def _busy_with_a_steady_stream(self, rate_per_s: float, per_image_ms: float) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from diffbatch.engine.batch_policy import holding_pays
+from diffbatch.engine.cost_model import MIN_SAMPLES
 from diffbatch.engine.returning import (
     ANSWERS_KEPT,
     MAX_RETURN_WINDOW_MS,
     RETURN_SLACK,
     ReturningClients,
 )
-from tests.engine.test_batch_policy import Clock, key, policy, teach
+from tests.engine.test_batch_policy import Clock, key, policy, teach, tiny_sd_like
 
 
 def closed_loop(clients: ReturningClients, clock: Clock, sizes: list[int],
@@ -205,7 +206,7 @@ def test_no_hold_where_it_does_not_pay():
     back, but one wave of them all would not run faster; the first starts at once."""
     clock = Clock()
     p = policy(clock, max_num_seqs=16)
-    teach(p, wave_ms=lambda size: 10.0 * size)
+    teach(p, wave_ms=lambda size: 10.0 * size, sizes=(1, 2, 4, 8, 16) * 4)
     for _ in range(20):
         p.observe_answers(16)
         for _ in range(16):
@@ -217,3 +218,63 @@ def test_no_hold_where_it_does_not_pay():
     p.observe_arrivals(1)
     assert p.returns.expected().count == 15
     assert p.plan_wait(key(), 1).max_wait_ms == 0.0
+
+
+def test_a_loop_of_twice_the_capacity_tries_the_next_size():
+    """Waves of 8 known, 16 never tried: 16 clients run as two full waves of 8 in turn
+    and never leave a backlog beyond 8 that would try 16. With 8 waiting and the last
+    wave's 8 on their way back, the wave waits for them as a trial of 16; once 16 has
+    been measured, the curve decides."""
+    def next_wave(answers_seen: bool, sizes=(1, 2, 4, 8), wave_ms=tiny_sd_like):
+        clock = Clock()
+        p = policy(clock)
+        teach(p, wave_ms=wave_ms, sizes=sizes)
+        for _ in range(20):  # waves of 8 every 0.3 s, their clients back 2 ms apart
+            if answers_seen:
+                p.observe_answers(8)
+            for _ in range(8):
+                clock.now += 0.002
+                p.observe_arrivals(1, busy=True)
+            clock.now += 0.3 - 0.016
+        if answers_seen:
+            p.observe_answers(8)
+        return p.capacity(key()), p.plan_wait(key(), 8)
+
+    capacity, plan = next_wave(answers_seen=True)
+    assert capacity == 8 and plan.target == 16 and plan.max_wait_ms > 0.0
+    capacity, plan = next_wave(answers_seen=False)
+    assert capacity == 8 and plan.max_wait_ms == 0.0
+    # 16 measured four times at 9.5 ms per image against 8's 12: the capacity is 16,
+    # and one wave of the loop pays
+    measured = (1, 2, 4, 8, 16, 16, 16, 16)
+    capacity, plan = next_wave(answers_seen=True, sizes=measured)
+    assert capacity == 16 and plan.target == 16
+    # measured at 8's cost per image: the capacity stays 8, and 8 start at once
+    capacity, plan = next_wave(answers_seen=True, sizes=measured, wave_ms=lambda size:
+                               tiny_sd_like(min(size, 8)) * max(size / 8, 1))
+    assert capacity == 8 and plan.max_wait_ms == 0.0
+
+
+def test_a_wave_measured_too_few_times_is_held_for_until_it_is_known():
+    """One slow wave of 16 (dearer per image than the 15s beside it) must not keep a
+    loop of 16 at waves of 1 and 15 for good: until 16 is measured `MIN_SAMPLES`
+    times the loop holds for it; measured that slow every time, it does not."""
+    def first_back(num_slow_waves: int):
+        clock = Clock()
+        p = policy(clock, max_num_seqs=16)
+        teach(p, sizes=(1, 2, 4, 8, 15) * 4)
+        for _ in range(num_slow_waves):
+            p.cost.observe(p.default_shape, 16, 4, 16 * 20.0)  # 20 ms per image
+        for _ in range(20):
+            p.observe_answers(16)
+            for _ in range(16):
+                clock.now += 0.001
+                p.observe_arrivals(1, busy=True)
+            clock.now += 0.25 - 0.016
+        p.observe_answers(16)
+        clock.now += 0.003
+        p.observe_arrivals(1)
+        return p.plan_wait(key(), 1)
+
+    assert first_back(num_slow_waves=1).target == 16
+    assert first_back(num_slow_waves=MIN_SAMPLES).max_wait_ms == 0.0
