@@ -143,32 +143,45 @@ def test_answers_before_the_clients_came_back_tell_nothing():
 # -- in the admission wait ---------------------------------------------------------------
 
 
+def serve_loop(p, clock: Clock, clients: int = 16, return_gap_s: float = 0.001,
+               cycle_s: float = 0.25, answers_seen: bool = True) -> None:
+    """20 waves of a loop of `clients`, `cycle_s` apart, each one's clients back
+    `return_gap_s` apart after its answers, then the next wave's answers; the policy
+    is told of the answers only if `answers_seen`."""
+    for _ in range(20):
+        if answers_seen:
+            p.observe_answers(clients)
+        for _ in range(clients):
+            clock.now += return_gap_s
+            p.observe_arrivals(1, busy=True)
+        clock.now += cycle_s - clients * return_gap_s
+    if answers_seen:
+        p.observe_answers(clients)
+
+
+def first_back(p, clock: Clock):
+    """The plan for the loop's first client back, 3 ms after the last answers."""
+    clock.now += 0.003
+    p.observe_arrivals(1)
+    return p.plan_wait(key(), 1)
+
+
 def test_the_admission_wait_holds_for_a_closed_loops_clients():
     """16 clients at capacity 16, a wave every 0.25 s: a sustained load (64/s, 0.6 of
     what waves of 16 serve), under which the wait rule itself starts at once. Told of
     the answers, the first client back does not start alone: the wave waits, within
     the window, for the 15 on their way."""
-    def first_back(answers_seen: bool):
+    def plan(answers_seen: bool):
         clock = Clock()
         p = policy(clock, max_num_seqs=16)
         teach(p)
-        for _ in range(20):
-            if answers_seen:
-                p.observe_answers(16)
-            for _ in range(16):
-                clock.now += 0.001
-                p.observe_arrivals(1, busy=True)
-            clock.now += 0.25 - 0.016
-        if answers_seen:
-            p.observe_answers(16)
-        clock.now += 0.003
-        p.observe_arrivals(1)
-        return p.plan_wait(key(), 1)
+        serve_loop(p, clock, answers_seen=answers_seen)
+        return first_back(p, clock)
 
-    plan = first_back(answers_seen=True)
-    assert plan.target == 16
-    assert plan.max_wait_ms == pytest.approx(RETURN_SLACK * 16.0 - 3.0)
-    assert first_back(answers_seen=False).max_wait_ms == 0.0
+    held = plan(answers_seen=True)
+    assert held.target == 16
+    assert held.max_wait_ms == pytest.approx(RETURN_SLACK * 16.0 - 3.0)
+    assert plan(answers_seen=False).max_wait_ms == 0.0
 
 
 def test_the_returns_hold_never_grows_a_wave_past_the_capacity():
@@ -207,17 +220,10 @@ def test_no_hold_where_it_does_not_pay():
     clock = Clock()
     p = policy(clock, max_num_seqs=16)
     teach(p, wave_ms=lambda size: 10.0 * size, sizes=(1, 2, 4, 8, 16) * 4)
-    for _ in range(20):
-        p.observe_answers(16)
-        for _ in range(16):
-            clock.now += 0.001
-            p.observe_arrivals(1, busy=True)
-        clock.now += 0.25 - 0.016
-    p.observe_answers(16)
-    clock.now += 0.003
-    p.observe_arrivals(1)
+    serve_loop(p, clock)
+    plan = first_back(p, clock)
     assert p.returns.expected().count == 15
-    assert p.plan_wait(key(), 1).max_wait_ms == 0.0
+    assert plan.max_wait_ms == 0.0
 
 
 def test_a_loop_of_twice_the_capacity_tries_the_next_size():
@@ -229,15 +235,9 @@ def test_a_loop_of_twice_the_capacity_tries_the_next_size():
         clock = Clock()
         p = policy(clock)
         teach(p, wave_ms=wave_ms, sizes=sizes)
-        for _ in range(20):  # waves of 8 every 0.3 s, their clients back 2 ms apart
-            if answers_seen:
-                p.observe_answers(8)
-            for _ in range(8):
-                clock.now += 0.002
-                p.observe_arrivals(1, busy=True)
-            clock.now += 0.3 - 0.016
-        if answers_seen:
-            p.observe_answers(8)
+        # waves of 8 every 0.3 s, their clients back 2 ms apart
+        serve_loop(p, clock, clients=8, return_gap_s=0.002, cycle_s=0.3,
+                   answers_seen=answers_seen)
         return p.capacity(key()), p.plan_wait(key(), 8)
 
     capacity, plan = next_wave(answers_seen=True)
@@ -259,22 +259,14 @@ def test_a_wave_measured_too_few_times_is_held_for_until_it_is_known():
     """One slow wave of 16 (dearer per image than the 15s beside it) must not keep a
     loop of 16 at waves of 1 and 15 for good: until 16 is measured `MIN_SAMPLES`
     times the loop holds for it; measured that slow every time, it does not."""
-    def first_back(num_slow_waves: int):
+    def plan(num_slow_waves: int):
         clock = Clock()
         p = policy(clock, max_num_seqs=16)
         teach(p, sizes=(1, 2, 4, 8, 15) * 4)
         for _ in range(num_slow_waves):
             p.cost.observe(p.default_shape, 16, 4, 16 * 20.0)  # 20 ms per image
-        for _ in range(20):
-            p.observe_answers(16)
-            for _ in range(16):
-                clock.now += 0.001
-                p.observe_arrivals(1, busy=True)
-            clock.now += 0.25 - 0.016
-        p.observe_answers(16)
-        clock.now += 0.003
-        p.observe_arrivals(1)
-        return p.plan_wait(key(), 1)
+        serve_loop(p, clock)
+        return first_back(p, clock)
 
-    assert first_back(num_slow_waves=1).target == 16
-    assert first_back(num_slow_waves=MIN_SAMPLES).max_wait_ms == 0.0
+    assert plan(num_slow_waves=1).target == 16
+    assert plan(num_slow_waves=MIN_SAMPLES).max_wait_ms == 0.0
