@@ -110,6 +110,25 @@ def test_verdict_compares_auto_with_the_references_round_by_round() -> None:
     assert v["dominated_by"] == ["seqs4_wait0"]
 
 
+def test_held_out_picks_each_rounds_reference_on_the_other_rounds() -> None:
+    # seqs4 is best on medians only through its lucky round 1 (30 against 20 and 20);
+    # seqs1 is steady at 21. In-sample, auto (20 in every round) is compared with
+    # seqs4 throughout; held out, round 1 is compared with seqs1 (the best of rounds
+    # 2-3), rounds 2 and 3 with seqs4 (the best of rounds 1 and 3, or 1 and 2).
+    rows_ = rounds(auto=([20.0, 20.0, 20.0], [100.0, 100.0, 100.0]),
+                   seqs1_wait0=([21.0, 21.0, 21.0], [100.0, 100.0, 100.0]),
+                   seqs4_wait0=([30.0, 20.0, 22.0], [100.0, 100.0, 100.0]))
+    v = auto_batching.verdict("poisson_0.9x", 0.9, rows_, SETTINGS)
+    assert v["best_fixed_throughput_setting"] == "seqs4_wait0"
+    assert v["throughput_ratio"] == pytest.approx(20.0 / 22.0)
+    # ratios 20/21 (round 1, against seqs1), 20/20 and 20/22: the median is 20/21
+    assert v["throughput_ratio_held_out"] == pytest.approx(20.0 / 21.0)
+    # One round: nothing to hold out.
+    one = auto_batching.verdict("poisson_0.9x", 0.9, rows((10.0, 100.0), (6.0, 300.0),
+                                                          (10.2, 95.0)), SETTINGS)
+    assert one["throughput_ratio_held_out"] is None
+
+
 def test_defaults_server_has_no_tuning_flags_and_no_thread_env(monkeypatch) -> None:
     spec = harness.diffbatch_defaults_spec("tiny-sd")
     assert spec.cmd[-4:] == ["serve", "tiny-sd", "--port", str(spec.port)]
