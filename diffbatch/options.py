@@ -4,7 +4,7 @@
 metadata). The same rule checks a value given in Python (`Engine(max_num_seqs=0)`),
 parses a command-line flag (`--max-num-seqs 0`) and converts a Ray Serve builder
 string (`max_num_seqs=0`), so all three say the same thing: "`max_num_seqs` must be
-an integer >= 1, got 0".
+'auto' or an integer >= 1, got 0".
 
     Rule
     ├── IntRange, FloatRange    numbers with bounds (bool is never a number here)

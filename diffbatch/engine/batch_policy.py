@@ -507,8 +507,9 @@ class BatchPolicy:
         wait = self.config.request_batch_max_wait_ms
         if not self.config.auto_wait:
             fixed = float(wait)
-            return WaitPlan(target=capacity, max_wait_ms=fixed,
-                            stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
+            return self._planned(key, WaitPlan(
+                target=capacity, max_wait_ms=fixed,
+                stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0)))
         if key is None:
             return WaitPlan.start_now(num_waiting)
         shape = Shape.of(key)
@@ -530,8 +531,14 @@ class BatchPolicy:
                              min(bound, INCOMING_WAIT_MS))
         plan = self._hold_for_returning(plan, key, num_waiting, num_incoming, capacity,
                                         wave_ms, bound)
-        with self._lock:
-            self._last_wait_ms[shape.label(key.num_denoising_steps)] = plan.max_wait_ms
+        return self._planned(key, plan)
+
+    def _planned(self, key: SamplingParamsKey | None, plan: WaitPlan) -> WaitPlan:
+        """`plan`, recorded as `key`'s last planned wait (metrics)."""
+        if key is not None:
+            with self._lock:
+                self._last_wait_ms[Shape.of(key).label(key.num_denoising_steps)] = \
+                    plan.max_wait_ms
         return plan
 
     def _hold_for_returning(self, plan: WaitPlan, key: SamplingParamsKey, num_waiting: int,

@@ -4,8 +4,9 @@ With `max_num_seqs="auto"` (or an "auto" wait), the engine runs a few synthetic
 waves through the normal executor path before it serves: sizes 1, 2, 4, ... at the
 model's default size, each twice (the faster counts, so a first allocation does
 not), until a doubling stops cutting the cost per image by 5%, the size limit is
-reached, or the next wave would overrun the time budget (`calibration_budget_s`,
-10 s by default). A one-step probe first sets the step count: the model's default,
+reached, or the next waves (a doubling's pair, or the re-measure that confirms a
+doubling did not pay) would overrun the time budget (`calibration_budget_s`, 10 s
+by default). A one-step probe first sets the step count: the model's default,
 or fewer when sizes up to about 8 would not fit the budget at it (the curve scales
 with steps, so a real model on a CPU is measured at one step).
 
@@ -104,7 +105,13 @@ def calibrate(
                 break
         if size > 1 and not _pays(report, size):
             # Confirm before stopping: re-measure both sizes once (a neighbour's burst
-            # of work during one of them would otherwise end the ladder early).
+            # of work during one of them would otherwise end the ladder early), where
+            # the budget still holds both waves.
+            elapsed_ms = max((time.monotonic() - start) * 1000.0, spent_ms)
+            confirm_ms = report.forward_ms[size // 2] + report.forward_ms[size]
+            if elapsed_ms + confirm_ms > budget_s * 1000.0:
+                report.stop_reason = "budget"
+                break
             for again in (size // 2, size):
                 output = executor.execute_batch(_wave(info, again, report.steps))
                 spent_ms += output.forward_time_ms

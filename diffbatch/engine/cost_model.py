@@ -22,14 +22,16 @@ learned as they appear. Until then they borrow:
   borrowed curve only gives the shape of the curve beyond them (its ratio between a
   size and the nearest measured one: `_anchored`);
 - a new shape: the default shape's curve, scaled by the pixel ratio (and the step
-  ratio), its capacity too, until two sizes of it are measured.
+  ratio): its wave times until the shape's first wave is measured, its capacity
+  until two sizes of it are.
 
 From the curve the model derives a shape's **capacity** at a step count, the wave
 size beyond which a bigger wave stops paying:
 
-    capacity = the largest B on the ladder 1, 2, 4, 8, ... (up to the limit) whose
-    cost per image, t(B) / B, is at least `MIN_GAIN` (5%) below that of every
-    smaller B on the ladder.
+    capacity = walking the ladder 1, 2, 4, 8, ... (up to the limit), keep each B
+    whose cost per image, t(B) / B, is at least `MIN_GAIN` (5%) below that of the
+    last B kept; the last B kept (a rung that gains less is skipped, not the end:
+    the next is compared with the last kept one).
 
 A doubling that has not been measured yet is tried once the curve says the last
 one still paid, and one more after a doubling that gained less than that
@@ -340,10 +342,10 @@ def capacity_from_curve(ms: dict[int, float], limit: int) -> int:
     Walks the ladder from the smallest measured size up to the largest measured one,
     or the rung just above it when that size is at least `NEAR_RUNG` of the rung
     (sizes between measured ones are interpolated; beyond the largest, its cost per
-    image holds), and keeps the largest size whose cost per image is at least
-    `MIN_GAIN` below the best smaller size's. A rung that
-    gains too little does not end the walk: the next one is compared with the best
-    size so far, so one noisy or weak rung cannot pin the capacity low.
+    image holds), and keeps each size whose cost per image is at least `MIN_GAIN`
+    below that of the last size kept, returning the last one kept. A rung that
+    gains too little does not end the walk: the next one is compared with the last
+    size kept, so one noisy or weak rung cannot pin the capacity low.
     """
     if not ms:
         return 1

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 MAX_RETURN_WINDOW_MS = 250.0
 ANSWERS_KEPT = 2  # this many answered waves in a row must show the loop
 MIN_RETURN_SHARE = 0.5  # of a wave's requests, back within the window
-# A crowd is more than this many times the steady stream's mean count, plus one. At 2,
+# A crowd is at least this many times the steady stream's mean count, plus one. At 2,
 # a Poisson stream at 12/s on `shapes` (waves of 4-8, near saturation) passed for a
 # loop twice in a row about once in 40 waves (measured: 3-7 of 209 arrivals found
 # clients expected back); at 3 a wave of 8 needs 5 arrivals where 1.2 are expected.

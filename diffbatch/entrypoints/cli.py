@@ -2,8 +2,8 @@
 
 Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its
 parser and sets `func`; `main` parses, configures logging and calls `func(args)`.
-Flag values are checked while parsing ("--max-num-seqs must be an integer >= 1,
-got 0"), so a bad flag fails before any model is loaded.
+Flag values are checked while parsing ("--max-num-seqs must be 'auto' or an integer
+>= 1, got 0"), so a bad flag fails before any model is loaded.
 """
 
 from __future__ import annotations

@@ -239,6 +239,14 @@ def test_fixed_settings_pass_through():
     assert (plan.target, plan.max_wait_ms, plan.stable_window_ms) == (8, 20.0, 4.0)
 
 
+def test_a_fixed_wait_beside_an_auto_capacity_is_what_the_metrics_show():
+    p = policy(request_batch_max_wait_ms=20)  # max_num_seqs stays auto
+    teach(p, wave_ms=lambda size: 10.0 + 10.0 * size)
+    plan = p.plan_wait(key(), 1)
+    assert plan.max_wait_ms == 20.0 and plan.target == 16
+    assert p.snapshot()[Shape.of(key()).label(4)]["wait_ms"] == 20.0
+
+
 def test_a_pipeline_that_cannot_batch_gets_waves_of_one():
     config = EngineConfig(model="fake")
     p = BatchPolicy(config, INFO, supports_request_batch=False)

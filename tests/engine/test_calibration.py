@@ -77,6 +77,20 @@ def test_a_slow_model_is_measured_at_fewer_steps_within_the_budget():
     assert p.cost.estimate_ms(p.default_shape, 1, 20) == pytest.approx(600.0 * 20)
 
 
+def test_the_confirming_waves_stay_within_the_budget():
+    # 20 steps of (0.5 + B) ms: waves of 1..16 take 30, 50, 90, 170, 330 ms; after the
+    # two waves of 16 (1341.5 ms spent with the probe) confirming 8 and 16 would take
+    # 500 ms more, past the 1.5 s budget: the ladder stops there unconfirmed.
+    p = policy()
+    executor = SyntheticExecutor(fixed_ms=0.5, per_image_ms=1.0)
+    report = calibrate(executor, INFO, p, budget_s=1.5)
+    assert report.steps == 20 and report.stop_reason == "budget"
+    assert executor.waves.count((16, 20)) == 2 and executor.waves.count((8, 20)) == 2
+    spent_ms = sum((0.5 + 1.0 * b) * s for b, s in executor.waves)
+    assert spent_ms <= 1500.0
+    assert p.cost.capacity(p.default_shape) == 8
+
+
 def test_a_busy_moment_does_not_end_the_ladder():
     """Both waves of size 2 hit a neighbour's burst of work; the re-measure does not."""
 
