@@ -534,8 +534,9 @@ class BatchPolicy:
         return self._planned(key, plan)
 
     def _planned(self, key: SamplingParamsKey | None, plan: WaitPlan) -> WaitPlan:
-        """`plan`, recorded as `key`'s last planned wait (metrics)."""
-        if key is not None:
+        """`plan`, recorded as `key`'s last planned wait (metrics; nothing to record
+        with fixed settings, whose snapshot is empty)."""
+        if key is not None and self.learns:
             with self._lock:
                 self._last_wait_ms[Shape.of(key).label(key.num_denoising_steps)] = \
                     plan.max_wait_ms

@@ -70,15 +70,17 @@ def calibrate(
     report = CalibrationReport(steps=max(1, min(info.default_num_inference_steps, fit)))
     peaks: list[tuple[int, int]] = []  # (wave size, peak memory after it)
     free_at_start = probe.free_memory_bytes
+
+    def remaining_ms() -> float:  # the budget left, by the wall clock or forward time
+        return budget_s * 1000.0 - max((time.monotonic() - start) * 1000.0, spent_ms)
+
     size = 1
     while True:
         if size > policy.limit:
             report.stop_reason = "limit"
             break
         expected_ms = _expected_ms(report, size)
-        elapsed_ms = max((time.monotonic() - start) * 1000.0, spent_ms)
-        remaining_ms = budget_s * 1000.0 - elapsed_ms
-        if expected_ms is not None and REPEATS * expected_ms > remaining_ms:
+        if expected_ms is not None and REPEATS * expected_ms > remaining_ms():
             report.stop_reason = "budget"
             break
         best = None
@@ -107,9 +109,7 @@ def calibrate(
             # Confirm before stopping: re-measure both sizes once (a neighbour's burst
             # of work during one of them would otherwise end the ladder early), where
             # the budget still holds both waves.
-            elapsed_ms = max((time.monotonic() - start) * 1000.0, spent_ms)
-            confirm_ms = report.forward_ms[size // 2] + report.forward_ms[size]
-            if elapsed_ms + confirm_ms > budget_s * 1000.0:
+            if report.forward_ms[size // 2] + report.forward_ms[size] > remaining_ms():
                 report.stop_reason = "budget"
                 break
             for again in (size // 2, size):
