@@ -74,12 +74,14 @@ behind it. (A burst, even one that keeps the worker busy for seconds, still wait
 its last requests.) The rule is in `choose_wait`, a pure function of those numbers;
 docs/serving.md walks through it.
 
-Two kinds of requests not here yet are waited for too, at any load, where the wave
-would otherwise start without them: requests announced by the HTTP layer while it
-still reads their bodies (`INCOMING_WAIT_MS` at most), and the clients of a wave
-answered a moment ago that a closed loop sends right back
-(`diffbatch.engine.returning`), where one wave of them all turns the loop faster
-(`holding_pays`).
+Three kinds of requests not here yet are waited for too, where the wave would
+otherwise start without them: requests announced by the HTTP layer while it still
+reads their bodies (`INCOMING_WAIT_MS` at most); the clients of a wave answered a
+moment ago that a closed loop sends right back (`diffbatch.engine.returning`), where
+one wave of them all turns the loop faster (`holding_pays`); and a burst that may be
+right behind an idle server's first request (`FIRST_REQUEST_HOLD_SHARE`). A stream
+younger than `MIN_SUSTAINED_SPAN_S` is not split by the load rule: it has no
+sustained rate yet.
 """
 
 from __future__ import annotations
@@ -135,6 +137,15 @@ BACKLOG_FACTOR = 2
 # Below saturation a wave of `L` qualifies when its throughput as served covers the
 # sustained arrival rate this many times over (module docstring).
 LOAD_HEADROOM = 1.25
+# An idle server's first request (none in the last `SUSTAINED_WINDOW_S`) waits this
+# share of its wave time (at most `INCOMING_WAIT_MS`) for a second one, and goes on
+# waiting while more come that close together, up to the wait's bound, where a wave's
+# fixed cost makes that pay (`t(1) - t(C)/C` beyond the hold). A burst at an idle
+# server (a batch job starting, a benchmark's clients) reaches the engine a few
+# milliseconds apart, and without the hold its first request runs alone while the
+# rest wait for it (measured on tiny-sd 64x64, 32 or 64 requests at once: a wave of 1
+# of 130-380 ms ahead of every burst). A lone request pays the share at most.
+FIRST_REQUEST_HOLD_SHARE = 0.2
 SLACK = 1.5  # the wait's deadline allows Poisson arrivals this much beyond the mean
 TICKS_KEPT = 64  # step mode: recent tick times kept per shape (for the stall bound)
 # A backlog beyond a trial wave's size counts as sustained (worth a trial that leaves
@@ -197,6 +208,16 @@ def _hold_for(plan: WaitPlan, expected: int, capacity: int, hold_ms: float) -> W
         return plan
     return WaitPlan(target=target, max_wait_ms=max(plan.max_wait_ms, hold_ms),
                     stable_window_ms=max(plan.stable_window_ms, hold_ms))
+
+
+def _hold_for_a_burst(plan: WaitPlan, capacity: int, bound_ms: float,
+                      gap_ms: float) -> WaitPlan:
+    """`plan`, made to go on waiting (up to `capacity` requests and `bound_ms`) for as
+    long as requests keep arriving less than `gap_ms` apart."""
+    if plan.target >= capacity or gap_ms <= 0:
+        return plan
+    return WaitPlan(target=capacity, max_wait_ms=max(plan.max_wait_ms, bound_ms),
+                    stable_window_ms=max(plan.stable_window_ms, gap_ms))
 
 
 def holding_pays(num_waiting: int, num_returning: int, due_ms: float,
@@ -277,6 +298,7 @@ class ArrivalRate:
         self._last: float | None = None
         self._gap_s_per_request: float | None = None
         self._stream_start: float | None = None  # the first arrival after the last pause
+        self._after_quiet = False  # the last arrival came after a quiet window (or first)
         self._recent: deque[tuple[float, int]] = deque()  # (time, count), last window
         self._recent_count = 0
         self._lock = threading.Lock()
@@ -286,6 +308,9 @@ class ArrivalRate:
         long gap before these is no pause, see `NEW_STREAM_GAP_FACTOR`)."""
         now = self.clock()
         with self._lock:
+            if count > 0:
+                self._after_quiet = (self._last is None
+                                     or now - self._last >= SUSTAINED_WINDOW_S)
             if self._last is not None and count > 0:
                 gap = (now - self._last) / count
                 old = self._gap_s_per_request
@@ -318,6 +343,21 @@ class ArrivalRate:
                 return self._recent_count / SUSTAINED_WINDOW_S
             count = sum(n for at, n in self._recent if at >= start)
             return count / max(now - start, MIN_SUSTAINED_SPAN_S)
+
+    def came_after_quiet(self) -> bool:
+        """Whether the last arrival event came after `SUSTAINED_WINDOW_S` without any,
+        or was the first ever: an idle server's first request, of a stream whose rate
+        nothing tells yet."""
+        with self._lock:
+            return self._after_quiet
+
+    def is_sustained(self) -> bool:
+        """Whether the stream has lasted `MIN_SUSTAINED_SPAN_S` since its last pause, so
+        that `sustained_rate_per_s` measures a rate and not a burst's first requests
+        spread over a second they have not lasted yet."""
+        with self._lock:
+            start = self._stream_start
+        return start is not None and self.clock() - start >= MIN_SUSTAINED_SPAN_S
 
     def _forget_before(self, since: float) -> None:
         """(Holding the lock.)"""
@@ -408,8 +448,14 @@ class BatchPolicy:
         shape = Shape.of(key)
         wave_ms = self._wave_ms(shape, key.num_denoising_steps)
         # (the scheduler asks on every check of a forming wave: a lone request, the
-        # common case at low load, is answered without reading the arrival window)
-        size = capacity if num_waiting <= 1 else wave_size_for_load(
+        # common case at low load, is answered without reading the arrival window).
+        # A stream younger than `MIN_SUSTAINED_SPAN_S` has no sustained rate to size
+        # waves by: its count spread over a second reads a burst's first requests as
+        # a light load, and the load rule would split them (measured on tiny-sd 64x64,
+        # 32 or 64 requests at once on an idle server: a wave of 4 went ahead of the
+        # waves of 16-32 while the rest were still arriving, every burst).
+        size = capacity if num_waiting <= 1 or not self.arrivals.is_sustained() \
+            else wave_size_for_load(
             num_waiting, self.arrivals.sustained_rate_per_s(), wave_ms, capacity,
             self._served_ms(shape, key.num_denoising_steps, wave_ms))
         now = self._clock()
@@ -529,6 +575,14 @@ class BatchPolicy:
             # start alone and the rest wait for it to finish.
             plan = _hold_for(plan, num_waiting + num_incoming, capacity,
                              min(bound, INCOMING_WAIT_MS))
+            if self.arrivals.came_after_quiet():
+                # An idle server's first request: a burst may be right behind it.
+                gap_ms = min(INCOMING_WAIT_MS, FIRST_REQUEST_HOLD_SHARE * one)
+                # (it pays where a wave of one costs more than that wait beyond the
+                # request's share of a full wave: two learned points, not the difference
+                # of two noisy neighbours)
+                if one - wave_ms(capacity) / capacity > gap_ms:
+                    plan = _hold_for_a_burst(plan, capacity, bound, gap_ms)
         plan = self._hold_for_returning(plan, key, num_waiting, num_incoming, capacity,
                                         wave_ms, bound)
         return self._planned(key, plan)

@@ -6,10 +6,13 @@ import pytest
 
 from diffbatch.config import EngineConfig
 from diffbatch.engine.batch_policy import (
+    FIRST_REQUEST_HOLD_SHARE,
+    INCOMING_WAIT_MS,
     MIN_SUSTAINED_SPAN_S,
     SUSTAINED_WINDOW_S,
     ArrivalRate,
     BatchPolicy,
+    WaitPlan,
     choose_wait,
     load_capacity,
     wave_size_for_load,
@@ -363,7 +366,7 @@ def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
         clock.now += 0.0005
     burst = p.plan_wait(key(), 3)
     assert burst.target > 3 and 0 < burst.max_wait_ms <= tiny_sd_like(1)
-    clock.now += 5.0  # then nothing for 5 s: an arrival now is alone
+    clock.now += 2.0  # then one 2 s later: a light load, no burst
     p.observe_arrivals(1)
     alone = p.plan_wait(key(), 1)
     assert alone.max_wait_ms == 0.0 and alone.target == 1
@@ -411,6 +414,61 @@ def test_no_wait_under_a_steady_sustained_load_but_a_burst_waits():
     # below half the capacity's throughput the rule itself decides (here: the requests
     # at the door are waited for)
     assert plans(0.3, then_burst=False)[1].max_wait_ms > 0.0
+
+
+def test_an_idle_servers_first_request_holds_briefly_for_a_burst_behind_it():
+    """After `SUSTAINED_WINDOW_S` without arrivals, nothing says whether a request is
+    alone or the first of a burst: it waits a fifth of its wave time (at most 20 ms)
+    for a second, and the wave goes on collecting while they keep coming that close,
+    up to the capacity and the wait's bound. Where waves have no fixed cost to share,
+    it starts at once."""
+    clock = Clock()
+    p = policy(clock)
+    teach(p)  # capacity 32, a wave of one 47 ms
+    p.observe_arrivals(1)
+    first = p.plan_wait(key(), 1)
+    assert first.target == 32
+    assert first.stable_window_ms == pytest.approx(FIRST_REQUEST_HOLD_SHARE * tiny_sd_like(1))
+    assert first.max_wait_ms == pytest.approx(tiny_sd_like(1))
+    # the same request 2 s after the last one (a light load, not an idle server)
+    clock.now += 2.0
+    p.observe_arrivals(1)
+    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)
+    # idle again: the hold returns; a slow model's window stays at 20 ms
+    clock.now += SUSTAINED_WINDOW_S
+    p.observe_arrivals(1)
+    assert p.plan_wait(key(), 1).stable_window_ms > 0.0
+    slow = policy(clock)
+    teach(slow, wave_ms=lambda size: 900.0 + 100.0 * size)
+    slow.observe_arrivals(1)
+    assert slow.plan_wait(key(), 1).stable_window_ms == INCOMING_WAIT_MS
+    # a cost per request without a fixed part: one wave of all saves nothing
+    flat = policy(clock, max_num_seqs=16)
+    teach(flat, wave_ms=lambda size: 10.0 * size, sizes=(1, 2, 4, 8, 16) * 4)
+    flat.observe_arrivals(1)
+    assert flat.plan_wait(key(), 1) == WaitPlan.start_now(1)
+
+
+def test_a_burst_at_an_idle_server_is_not_split_by_the_load_rule():
+    """A young stream has no sustained rate: its first requests spread over a second
+    read as a light load, under which the load rule would split them into small
+    waves. Within its first second the capacity holds; a stream that has lasted the
+    second at that rate is split."""
+    def fixed_cost(size: int) -> float:
+        return 150.0 + 15.0 * size  # capacity 32; 24 per second need waves of 16
+
+    clock = Clock()
+    p = policy(clock)
+    teach(p, wave_ms=fixed_cost)
+    assert p.capacity(key()) == 32
+    for _ in range(24):  # 24 requests 1 ms apart at an idle server
+        p.observe_arrivals(1)
+        clock.now += 0.001
+    assert p.capacity(key(), num_waiting=24) == 32
+    for _ in range(48):  # ... then 20 per second for 2.4 s
+        clock.now += 0.05
+        p.observe_arrivals(1)
+    assert p.capacity(key(), num_waiting=24) == 16
 
 
 def test_a_load_counts_as_load_from_its_first_second():
@@ -501,7 +559,7 @@ def test_announced_requests_are_waited_for_briefly():
     p = policy(clock)
     teach(p)
     p.observe_arrivals(1)
-    clock.now += 5.0  # quiet until now: the rate alone says "start at once"
+    clock.now += 3.0  # quiet until now: the rate alone says "start at once"
     p.observe_arrivals(1)
     assert p.plan_wait(key(), 1).max_wait_ms == 0.0
     plan = p.plan_wait(key(), 1, num_incoming=7)
@@ -596,4 +654,10 @@ def test_arrivals_before_serving_do_not_count():
     clock.now += 0.05  # the first real request, right after start-up
     p.observe_arrivals(2)
     assert p.arrivals.rate_per_s() == 0.0  # one event: no rate yet
-    assert p.plan_wait(key(), 2).max_wait_ms == 0.0
+    # planned as an idle server's first request (a brief hold for a burst behind it),
+    # not as the tail of a burst of arrivals 50 ms apart
+    fresh = policy(clock)
+    teach(fresh)
+    fresh.observe_arrivals(2)
+    assert p.plan_wait(key(), 2) == fresh.plan_wait(key(), 2)
+    assert p.plan_wait(key(), 2).stable_window_ms == FIRST_REQUEST_HOLD_SHARE * tiny_sd_like(1)
