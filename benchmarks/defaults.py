@@ -14,7 +14,9 @@ in odd ones):
       script gets; `peers_servers/plain_loop.py`), calling the pipeline with b
       prompts at a time for at least `--num-images` images, at b = 1, b = B and the
       `--extra-batches` (8). B is the mean wave size of the served warm-up run
-      (same load, not measured), rounded. Reported: images/s, CPU s/image.
+      (same load, not measured), rounded. Reported: images/s, CPU s/image. On a
+      GPU machine, `--device cuda` moves the plain pipeline there (`pipe.to("cuda")`,
+      what a user's GPU script does); the server needs no flag, it takes CUDA itself.
 Figures (median over `--repeats` rounds of ratios taken within a round):
 served/plain@B = served images/s / plain images/s at b = B, and served/plain@1.
 Bars, per model: served/plain@B >= 0.8 and served/plain@1 >= 2.0; PASS when both
@@ -85,6 +87,8 @@ def plain_round(model: str, args: argparse.Namespace, batches: list[int]) -> dic
     cmd = [sys.executable, "-m", "peers_servers.plain_loop", "--model", model,
            "--size", str(args.size), "--steps", str(args.steps),
            "--num-images", str(args.num_images), "--batches", *map(str, batches)]
+    if args.device:
+        cmd += ["--device", args.device]
     result = subprocess.run(cmd, env=env, cwd=str(harness.REPO_ROOT), capture_output=True,
                             text=True, timeout=PLAIN_TIMEOUT_S)
     if result.returncode != 0:
@@ -152,6 +156,7 @@ def summarize(
         "batch_B": batch_b, "warmup_mean_wave_size": warm["mean_wave_size"],
         "batch_B_from_rounds": rounds_b,
         "plain_torch_threads": plain[0]["torch_threads"] if plain else None,
+        "plain_device": plain[0].get("device") if plain else None,
         "served": {
             "images_per_s": med([s["images_per_s"] for s in served]),
             "mean_wave_size": med(wave_rounds),
@@ -234,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extra-batches", type=int, nargs="*", default=[8],
                         help="plain-loop batch sizes besides 1 and B")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per model")
+    parser.add_argument("--device", default=None,
+                        help='where the plain loop runs, e.g. "cuda" on a GPU machine (the '
+                             "server picks its device itself: CUDA where there is one)")
     parser.add_argument("--out", default="benchmarks/results/defaults.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)

@@ -1,24 +1,109 @@
 #!/usr/bin/env bash
-# One short check on a machine with an NVIDIA GPU: install, run the CUDA tests, one benchmark.
+# One short check on a machine with an NVIDIA GPU: install, run the CUDA tests, benchmarks.
 #
-#   bash scripts/gpu_check.sh            # writes gpu_check/ (logs, JSON) in the repo root
+#   bash scripts/gpu_check.sh                  # a machine that reaches PyPI
+#   WHEELS=.whl bash scripts/gpu_check.sh      # one that cannot, with CUDA torch on it
 #
-# It makes its own venv (.venv-gpu) with the CUDA build of the pinned torch (PyPI's
-# default Linux wheel), installs diffbatch with its test extra, prints the GPU, runs
-# tests/test_cuda.py (skipped on machines without CUDA) and the learned-curve benchmark
-# on the GPU (the start-up calibration measures wave sizes against free device memory).
-set -euo pipefail
+# Writes OUT (default gpu_check/): env.txt (GPU, torch), test_cuda.log, benchmarks.log,
+# and the JSON and figure of learned_curve and defaults (seven files).
+#
+# With PyPI: a venv (.venv-gpu) with the CUDA build of the pinned torch (PyPI's default
+# Linux wheel) and diffbatch with its test and bench extras. Without (WHEELS=DIR): the
+# machine's python3 and its own torch, plus the wheels in DIR that `scripts/gpu_wheels.sh`
+# fetched elsewhere (diffbatch itself runs from this checkout through PYTHONPATH).
+#
+# Steps, each under its own time limit (about four minutes in all on an H200):
+#   1. tests/test_cuda.py: auto batching, batch invariance, fp16, step mode on CUDA;
+#   2. how far a request's image in a wave is from its image alone, TF32 on and off;
+#   3. benchmarks/learned_curve.py on the GPU (calibration against free device memory);
+#   4. benchmarks/defaults.py, the plain diffusers loop on the GPU too
+#      (`diffbatch serve tiny-sd` with no flags vs `pipe.to("cuda")`);
+#   5. `diffbatch bench serve` against `diffbatch serve tiny-sd` with no flags and with
+#      fixed settings, at 16 and 64 closed-loop clients (mean wave size, queue wait).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
-test -x .venv-gpu/bin/python || "$PY" -m venv .venv-gpu
-.venv-gpu/bin/pip install -q "torch==2.13.0"
-.venv-gpu/bin/pip install -q "torch==2.13.0" -e ".[dev]"
-nvidia-smi | tee "$OUT/nvidia-smi.txt" || true
-.venv-gpu/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/torch.txt"
-.venv-gpu/bin/python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$OUT/test_cuda.log"
-(cd benchmarks && ../.venv-gpu/bin/python learned_curve.py --device cuda \
-    --out "../$OUT/learned_curve_cuda.json" --figure "../$OUT/learned_curve_cuda.png" 2>&1 \
-    | grep -v " INFO " | tee "../$OUT/learned_curve.log")
+OUT=$(cd "$OUT" && pwd)
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -n "${WHEELS:-}" ]; then
+    SITE=${SITE:-/tmp/diffbatch-site}
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    PY=python3
+else
+    BASE=${PYTHON:-python3.11}
+    command -v "$BASE" >/dev/null || BASE=python3
+    test -x .venv-gpu/bin/python || "$BASE" -m venv .venv-gpu
+    .venv-gpu/bin/pip install -q "torch==2.13.0" || exit 1
+    .venv-gpu/bin/pip install -q "torch==2.13.0" -e ".[dev,bench]" || exit 1
+    PY=$PWD/.venv-gpu/bin/python
+fi
+LOG=$OUT/benchmarks.log
+: > "$LOG"
+status=0
+
+{
+    nvidia-smi
+    "$PY" -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) \
+if torch.cuda.is_available() else ''); print('diffusers', diffusers.__version__, \
+'transformers', transformers.__version__)"
+    echo "cpus: $(nproc)"
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== 1. tests/test_cuda.py"
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 \
+    | tee "$OUT/test_cuda.log" || status=1
+
+echo "== 2. batch invariance: |wave of 3 - alone| on [0, 1] images" | tee -a "$LOG"
+PYTHONPATH="benchmarks:${PYTHONPATH:-}" timeout 120 "$PY" - <<'EOF' 2>&1 | tee -a "$LOG" || status=1
+import torch
+from peers_servers.pipeline import ImageJob, load_pipeline, pipeline_call
+pipe = load_pipeline("tiny-sd", device="cuda")
+jobs = [ImageJob(p, 1, 64, 64, 4, None, None, s)
+        for p, s in (("a red circle", 1), ("a blue square", 2), ("a cat", 3))]
+for tf32 in (True, False):
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    together = pipeline_call(pipe, jobs)[1]
+    alone = pipeline_call(pipe, jobs[1:2])[0]
+    diff = (together - alone).abs()
+    print(f"tf32 {tf32}: max {diff.max().item():.2e}, mean {diff.mean().item():.2e}, "
+          f"8-bit pixels changed {((together * 255).round() != (alone * 255).round()).sum().item()}"
+          f" of {diff.numel()}")
+EOF
+
+echo "== 3. learned_curve.py" | tee -a "$LOG"
+(cd benchmarks && timeout 120 "$PY" learned_curve.py --device cuda \
+    --out "$OUT/learned_curve_cuda.json" --figure "$OUT/learned_curve_cuda.png") 2>&1 \
+    | grep -v " INFO " | tee -a "$LOG" || status=1
+
+echo "== 4. defaults.py" | tee -a "$LOG"
+(cd benchmarks && timeout 200 "$PY" defaults.py --models tiny-sd --device cuda \
+    --repeats "${DEFAULTS_REPEATS:-2}" --out "$OUT/defaults_cuda.json") 2>&1 \
+    | grep -v " INFO " | tee -a "$LOG" || status=1
+
+echo "== 5. bench serve: flags -> clients: images/s, mean wave, queue wait" | tee -a "$LOG"
+serve_and_bench() {  # PORT FLAGS... ; then benches at 16 and 64 clients
+    local port=$1; shift
+    "$PY" -m diffbatch.entrypoints.cli serve tiny-sd --port "$port" --log-level warning "$@" \
+        > "/tmp/serve-$port.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        sleep 1
+    done
+    for clients in 16 64; do
+        echo "-- serve ${*:-(no flags)}, $clients clients" | tee -a "$LOG"
+        timeout 60 "$PY" -m diffbatch.entrypoints.cli bench serve \
+            --base-url "http://127.0.0.1:$port" --num-prompts $((clients * 8)) \
+            --max-concurrency "$clients" --warmup-requests "$clients" --disable-tqdm 2>&1 \
+            | grep -iE "throughput|p50|mean wave|queue|failed" | tee -a "$LOG"
+    done
+    kill "$pid"; wait "$pid" 2>/dev/null
+}
+serve_and_bench 8101
+serve_and_bench 8102 --max-num-seqs 16 --request-batch-max-wait-ms 0
+serve_and_bench 8103 --max-num-seqs 64 --request-batch-max-wait-ms 0
+exit $status

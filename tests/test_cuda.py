@@ -7,6 +7,12 @@ import torch
 
 from diffbatch import Engine, SamplingParams
 
+# The GPU picks its kernels by batch size (cuBLAS/cuDNN, TF32 convolutions by default),
+# so a request's image in a wave is not bitwise its image alone, as on the CPU: an H200
+# measured differences up to 0.0013 on [0, 1] images. They stay under one 8-bit level,
+# so a served PNG differs at most by one level in a few pixels.
+CUDA_ATOL = 1 / 255
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -28,12 +34,13 @@ def test_generates_on_cuda_with_auto_batching(engine):
 
 
 def test_batch_invariance_on_cuda(engine):
+    """A request's image in a wave equals its image alone, up to the GPU's rounding."""
     params = SamplingParams(height=64, width=64, num_inference_steps=4, output_type="pt")
     together = engine.generate(["a red circle", "a blue square", "a cat"],
                                [params.clone(seed=s) for s in (1, 2, 3)])
     alone = engine.generate(["a blue square"], params.clone(seed=2))[0]
     assert together[1].batch_size > 1
-    torch.testing.assert_close(together[1].images, alone.images, atol=1e-4, rtol=0)
+    torch.testing.assert_close(together[1].images, alone.images, atol=CUDA_ATOL, rtol=0)
 
 
 def test_half_precision_runs_on_cuda():
@@ -55,5 +62,5 @@ def test_step_mode_on_cuda_equals_request_mode(engine):
         alone = [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
     for out, ref in zip(stepped, alone, strict=True):
         assert out.ok, out.error
-        torch.testing.assert_close(out.images, ref.images, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.images, ref.images, atol=CUDA_ATOL, rtol=0)
     assert max(o.batch_size for o in stepped) > 1

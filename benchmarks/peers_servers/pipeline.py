@@ -95,13 +95,15 @@ def load_kwargs(path: str) -> dict[str, Any]:
     return kwargs
 
 
-def load_pipeline(model: str, threads: int | None = None) -> Any:
+def load_pipeline(model: str, threads: int | None = None, device: str | None = None) -> Any:
     """Load `model` (a built-in name or a diffusers folder) as a plain diffusers pipeline.
 
     Args:
         model: e.g. "tiny-sd"; built-in names resolve through diffbatch's registry,
             which builds the tiny models offline on first use.
         threads: torch intra-op threads of this process (None = leave as is).
+        device: where the pipeline runs ("cuda", as a user's GPU script would move it;
+            None = where `from_pretrained` puts it, the CPU).
     """
     import torch
 
@@ -117,6 +119,8 @@ def load_pipeline(model: str, threads: int | None = None) -> Any:
     path = resolve_model_path(model)
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, **load_kwargs(path))
     pipe.set_progress_bar_config(disable=True)
+    if device is not None:
+        pipe.to(device)
     return pipe
 
 
