@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+import aiohttp
 
 from diffbatch.arg_types import int_at_least
 
@@ -173,23 +173,49 @@ def request_body(config: BenchConfig, model: str | None, index: int) -> dict[str
     return body
 
 
+# The client is aiohttp, as in vLLM's benchmarks: on a GPU machine an httpx client was the
+# bottleneck (about 100 requests/s from one process at 64 in flight, falling as
+# concurrency grew; docs/benchmarks.md), and aiohttp spends a few percent of its CPU per
+# request.
+_CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError, ValueError)
+
+
+class _Client:
+    """The benchmark's HTTP session: `base_url` + path, JSON in, status, headers and
+    JSON out."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self.session, self.base_url = session, base_url
+
+    async def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[int, Any, Any]:
+        """(status, headers, body: the parsed JSON, the text for non-JSON, {} if empty)."""
+        async with self.session.request(method, self.base_url + path, json=body) as response:
+            raw = await response.read()
+            if not raw:
+                return response.status, response.headers, {}
+            if response.content_type == "application/json":
+                return response.status, response.headers, json.loads(raw)
+            return response.status, response.headers, raw.decode("utf-8", "replace")
+
+
 async def _send(
-    client: httpx.AsyncClient, config: BenchConfig, body: dict[str, Any], index: int, t0: float
+    client: _Client, config: BenchConfig, body: dict[str, Any], index: int, t0: float
 ) -> RequestResult:
     start = time.perf_counter()
     result = RequestResult(index=index, start_s=start - t0)
     try:
-        response = await client.post(config.endpoint, json=body)
-        payload = response.json() if response.content else {}
-    except (httpx.HTTPError, ValueError) as exc:
+        status, headers, payload = await client.request("POST", config.endpoint, body)
+    except _CLIENT_ERRORS as exc:
         result.latency_s = time.perf_counter() - start
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency_s = time.perf_counter() - start
-    result.status_code = response.status_code
-    if response.status_code != 200:
+    result.status_code = status
+    if status != 200:
         message = payload.get("error", payload) if isinstance(payload, dict) else payload
-        result.error = f"HTTP {response.status_code}: {str(message)[:300]}"
+        result.error = f"HTTP {status}: {str(message)[:300]}"
         return result
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list) or len(data) != config.n:
@@ -197,7 +223,7 @@ async def _send(
         return result
     result.ok, result.num_images = True, len(data)
     for name, header in _TIMING_HEADERS.items():
-        value = response.headers.get(header)
+        value = headers.get(header)
         if value is not None:
             with contextlib.suppress(ValueError):
                 result.server[name] = float(value)
@@ -205,7 +231,7 @@ async def _send(
 
 
 async def _run_requests(
-    client: httpx.AsyncClient,
+    client: _Client,
     config: BenchConfig,
     model: str | None,
     offsets: Sequence[float],
@@ -230,15 +256,15 @@ async def _run_requests(
 
 
 # -- /metrics ----------------------------------------------------------------------------
-async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, Any] | None:
+async def scrape_metrics(client: _Client) -> dict[str, Any] | None:
     """diffbatch's wave-size and queue-time series, or None if the target has none."""
     try:
-        response = await client.get("/metrics")
-    except httpx.HTTPError:
+        status, _headers, text = await client.request("GET", "/metrics")
+    except _CLIENT_ERRORS:
         return None
-    if response.status_code != 200 or _WAVE_SIZE not in response.text:
+    if status != 200 or not isinstance(text, str) or _WAVE_SIZE not in text:
         return None
-    return parse_metrics(response.text)
+    return parse_metrics(text)
 
 
 def parse_metrics(text: str) -> dict[str, Any]:
@@ -304,13 +330,13 @@ def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, fl
 
 
 # -- the run -----------------------------------------------------------------------------
-async def _served_model(client: httpx.AsyncClient) -> str | None:
+async def _served_model(client: _Client) -> str | None:
     """The first model `GET /v1/models` lists; None if the target has no such route."""
     try:
-        response = await client.get("/v1/models")
-        if response.status_code == 200:
-            return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        status, _headers, payload = await client.request("GET", "/v1/models")
+        if status == 200:
+            return payload["data"][0]["id"]
+    except (*_CLIENT_ERRORS, KeyError, IndexError, TypeError):
         pass
     return None
 
@@ -362,11 +388,11 @@ async def run_benchmark_async(config: BenchConfig) -> dict[str, Any]:
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     in_flight = config.max_concurrency or max(config.num_prompts, config.warmup_requests)
-    limits = httpx.Limits(max_connections=min(in_flight, 1024), max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=config.base_url, headers=headers, limits=limits, trust_env=False,
-        timeout=httpx.Timeout(config.timeout_s, connect=30.0),
-    ) as client:
+    async with aiohttp.ClientSession(
+        headers=headers, connector=aiohttp.TCPConnector(limit=min(in_flight, 1024)),
+        timeout=aiohttp.ClientTimeout(total=config.timeout_s, connect=30.0),
+    ) as session:
+        client = _Client(session, config.base_url)
         model = config.model if config.model is not None else await _served_model(client)
         # 1. Warm-up: the same request shape, not measured.
         if config.warmup_requests:
