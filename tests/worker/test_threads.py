@@ -100,12 +100,24 @@ def test_the_governor_gives_up_threads_at_once_and_takes_them_back_slowly():
     assert m.after(1.5, g) == 2 and m.set_to == [1, 2]  # no call without a change
 
 
-def test_the_governor_does_not_act_on_the_load_of_an_idle_stretch():
+def test_a_busy_idle_stretch_takes_no_thread_away():
     m = Machine()
     g = m.governor()
     m.load = 1.5  # busy while the worker had nothing to do
     assert m.after(30.0, g) == 2 and m.set_to == []
     assert m.after(1.5, g) == 1  # still busy over the interval that followed
+
+
+def test_a_quiet_idle_stretch_gives_threads_back_at_once():
+    """Bursts shorter than an interval, with quiet between, never make two intervals in
+    a row: a count set low beside a busy process must come back between them."""
+    m = Machine()
+    g = m.governor(current=1)  # chosen at start-up beside a busy process
+    m.load = 0.1  # it is gone; bursts of under a second, 6 s apart
+    assert m.after(6.0, g) == 2 and m.set_to == [2]
+    m.load = 1.2  # a busy idle stretch after that: no change
+    assert m.after(6.0, g) == 2 and m.set_to == [2]
+    assert m.after(1.2, g) == 1  # busy over an interval of serving: down at once
 
 
 def test_the_governor_never_goes_past_its_bounds():
