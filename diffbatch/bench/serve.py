@@ -35,11 +35,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from diffbatch.arg_types import int_at_least
+
+if TYPE_CHECKING:
+    import aiohttp
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +177,12 @@ def request_body(config: BenchConfig, model: str | None, index: int) -> dict[str
 # The client is aiohttp, as in vLLM's benchmarks: on a GPU machine an httpx client was the
 # bottleneck (about 100 requests/s from one process at 64 in flight, falling as
 # concurrency grew; docs/benchmarks.md), and aiohttp spends a few percent of its CPU per
-# request.
-_CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError, ValueError)
+# request. (Imported where a run starts: `diffbatch serve` builds this command's parser
+# too, and needs no HTTP client.)
+def _client_errors() -> tuple[type[Exception], ...]:
+    import aiohttp
+
+    return (aiohttp.ClientError, TimeoutError, ValueError)
 
 
 class _Client:
@@ -207,7 +212,7 @@ async def _send(
     result = RequestResult(index=index, start_s=start - t0)
     try:
         status, headers, payload = await client.request("POST", config.endpoint, body)
-    except _CLIENT_ERRORS as exc:
+    except _client_errors() as exc:
         result.latency_s = time.perf_counter() - start
         result.error = f"{type(exc).__name__}: {exc}"
         return result
@@ -260,7 +265,7 @@ async def scrape_metrics(client: _Client) -> dict[str, Any] | None:
     """diffbatch's wave-size and queue-time series, or None if the target has none."""
     try:
         status, _headers, text = await client.request("GET", "/metrics")
-    except _CLIENT_ERRORS:
+    except _client_errors():
         return None
     if status != 200 or not isinstance(text, str) or _WAVE_SIZE not in text:
         return None
@@ -336,7 +341,7 @@ async def _served_model(client: _Client) -> str | None:
         status, _headers, payload = await client.request("GET", "/v1/models")
         if status == 200:
             return payload["data"][0]["id"]
-    except (*_CLIENT_ERRORS, KeyError, IndexError, TypeError):
+    except (*_client_errors(), KeyError, IndexError, TypeError):
         pass
     return None
 
@@ -388,6 +393,8 @@ async def run_benchmark_async(config: BenchConfig) -> dict[str, Any]:
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     in_flight = config.max_concurrency or max(config.num_prompts, config.warmup_requests)
+    import aiohttp
+
     async with aiohttp.ClientSession(
         headers=headers, connector=aiohttp.TCPConnector(limit=min(in_flight, 1024)),
         timeout=aiohttp.ClientTimeout(total=config.timeout_s, connect=30.0),
