@@ -13,6 +13,7 @@ from diffbatch.bench.serve import BenchConfig, run_benchmark_async
 
 
 def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -56,8 +57,8 @@ async def server():
     app.router.add_get("/v1/models", images.models)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()  # a port the system picks
+    port = runner.addresses[0][1]
     yield images, f"http://127.0.0.1:{port}/v1"
     await runner.cleanup()
 
