@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
 from diffbatch.engine.cost_model import MIN_GAIN, MIN_SAMPLES, Shape, WaveCostModel
-from diffbatch.engine.returning import ReturningClients
+from diffbatch.engine.returning import MAX_RETURN_WINDOW_MS, ReturningClients
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -330,11 +330,11 @@ class ArrivalRate:
                 self._recent_count += count
                 self._forget_before(now - SUSTAINED_WINDOW_S)
 
-    def sustained_rate_per_s(self) -> float:
+    def sustained_rate_per_s(self, min_span_s: float = MIN_SUSTAINED_SPAN_S) -> float:
         """Requests per second over the last `SUSTAINED_WINDOW_S`, or over the stream's
-        age where it began after a pause less than that ago (at least
-        `MIN_SUSTAINED_SPAN_S`: a burst, however dense, counts spread over a second or
-        more, so it is no sustained load)."""
+        age where it began after a pause less than that ago (at least `min_span_s`; by
+        default `MIN_SUSTAINED_SPAN_S`: a burst, however dense, counts spread over a
+        second or more, so it is no sustained load)."""
         now = self.clock()
         with self._lock:
             self._forget_before(now - SUSTAINED_WINDOW_S)
@@ -342,7 +342,7 @@ class ArrivalRate:
             if start is None or now - start >= SUSTAINED_WINDOW_S:
                 return self._recent_count / SUSTAINED_WINDOW_S
             count = sum(n for at, n in self._recent if at >= start)
-            return count / max(now - start, MIN_SUSTAINED_SPAN_S)
+            return count / max(now - start, min_span_s)
 
     def came_after_quiet(self) -> bool:
         """Whether the last arrival event came after `SUSTAINED_WINDOW_S` without any,
@@ -653,9 +653,16 @@ class BatchPolicy:
             self.returns.arrived(count)
 
     def observe_answers(self, count: int) -> None:
-        """A wave's `count` requests were answered just now (while serving)."""
+        """A wave's `count` requests were answered just now (while serving).
+
+        The steady stream a loop's returns are told from is the arrivals' rate over
+        the stream's own age, however young (down to one return window): spread over
+        the second a load rule counts a young stream's arrivals over, an open stream's
+        first waves at 48/s read as 15/s and their answers as a loop's, twice in a row
+        (measured, tiny-sd 64x64)."""
         if self.serving:
-            self.returns.answered(count, self.arrivals.sustained_rate_per_s())
+            self.returns.answered(count, self.arrivals.sustained_rate_per_s(
+                min_span_s=MAX_RETURN_WINDOW_MS / 1000.0))
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:

@@ -19,7 +19,8 @@ that have not come back yet are expected: due when the loop's clients were back
 lately (the longest of those waves' times), and worth waiting for until
 `RETURN_SLACK` times that. Whether waiting for them pays is the admission wait's
 call (`BatchPolicy.plan_wait`). A loop that stops coming back costs at most one
-window before the next answered wave shows it.
+window before the next answered wave shows it, and `UNTOLD_WAVES_FORGET` waves in a
+row that tell nothing (an open stream's small waves) forget what came before them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ from dataclasses import dataclass, field
 # (5th to 95th percentile).
 MAX_RETURN_WINDOW_MS = 250.0
 ANSWERS_KEPT = 2  # this many answered waves in a row must show the loop
+# This many answered waves in a row that tell nothing (too small to tell, or answered
+# again before their clients were back) forget what the waves before them showed. An
+# open stream's waves mostly tell nothing, and now and then one of them passes for a
+# loop by chance (a few of its arrivals close together right after the answers): a
+# verdict kept across them would make two such chances, however far apart, a loop
+# for good, and hold every wave after them for clients that are no loop's (measured:
+# Poisson arrivals at 48/s on tiny-sd 64x64, every wait of a 5 s run held 38 ms for
+# them, waves of 10 where 4 keep up). A real loop's telling waves come every other
+# wave at worst (waves of 1 and 15 in turn).
+UNTOLD_WAVES_FORGET = 3
 MIN_RETURN_SHARE = 0.5  # of a wave's requests, back within the window
 # A crowd is at least this many times the steady stream's mean count, plus one. At 2,
 # a Poisson stream at 12/s on `shapes` (waves of 4-8, near saturation) passed for a
@@ -85,6 +96,7 @@ class ReturningClients:
         self._last: _Answer | None = None
         # (came back?, how long it took) of the last answered waves that could tell
         self._seen: deque[tuple[bool, float]] = deque(maxlen=ANSWERS_KEPT)
+        self._untold = 0  # answered waves in a row since the last that could tell
         self._lock = threading.Lock()
 
     def answered(self, size: int, steady_rate_per_s: float) -> None:
@@ -125,13 +137,19 @@ class ReturningClients:
     def _settle(self, now: float) -> None:
         """(Holding the lock.) Record whether the last answered wave's clients came
         back. One answered again before its window closed and before all its clients
-        were back tells nothing either way, nor does one too small to tell."""
+        were back tells nothing either way, nor does one too small to tell; after
+        `UNTOLD_WAVES_FORGET` of those in a row, what earlier waves showed is
+        forgotten."""
         last = self._last
         if last is None:
             return
         complete = len(last.lags_s) >= last.size
-        if not complete and now - last.at < MAX_RETURN_WINDOW_MS / 1000.0:
-            return
-        came_back = last.came_back()
+        came_back = (None if not complete and now - last.at < MAX_RETURN_WINDOW_MS / 1000.0
+                     else last.came_back())
         if came_back is not None:
             self._seen.append((came_back, last.span_s()))
+            self._untold = 0
+            return
+        self._untold += 1
+        if self._untold >= UNTOLD_WAVES_FORGET:
+            self._seen.clear()

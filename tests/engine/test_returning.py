@@ -10,6 +10,7 @@ from diffbatch.engine.returning import (
     ANSWERS_KEPT,
     MAX_RETURN_WINDOW_MS,
     RETURN_SLACK,
+    UNTOLD_WAVES_FORGET,
     ReturningClients,
 )
 from tests.engine.test_batch_policy import Clock, key, policy, teach, tiny_sd_like
@@ -109,6 +110,29 @@ def test_waves_too_small_to_tell_do_not_break_the_loop():
     assert clients.expected().count == 15
 
 
+def test_waves_that_tell_nothing_for_long_forget_a_chance_loop():
+    """Two waves whose arrivals crowded after their answers, as an open stream's now
+    and then do by chance, then waves too small to tell (an open stream's usual): the
+    chance is forgotten after `UNTOLD_WAVES_FORGET` of them, not kept for good."""
+    clock = Clock()
+    clients = ReturningClients(clock)
+    closed_loop(clients, clock, [16] * ANSWERS_KEPT)
+    for untold in range(UNTOLD_WAVES_FORGET + 1):
+        clients.answered(2, 20.0)  # 2 arrivals after it, 100 ms apart: too few to tell
+        expected = clients.expected()
+        if untold < UNTOLD_WAVES_FORGET:
+            assert expected is not None and expected.count == 2
+        else:
+            assert expected is None
+        for _ in range(2):
+            clock.now += 0.1
+            clients.arrived(1)
+        clock.now += 0.2
+    closed_loop(clients, clock, [16] * (ANSWERS_KEPT - 1))
+    clients.answered(16, 20.0)
+    assert clients.expected() is None  # one loop-like wave since: not a loop yet
+
+
 def test_a_loop_that_stops_costs_one_window():
     clock = Clock()
     clients = ReturningClients(clock)
@@ -182,6 +206,27 @@ def test_the_admission_wait_holds_for_a_closed_loops_clients():
     assert held.target == 16
     assert held.max_wait_ms == pytest.approx(RETURN_SLACK * 16.0 - 3.0)
     assert plan(answers_seen=False).max_wait_ms == 0.0
+
+
+def test_a_young_open_streams_first_waves_are_no_loop():
+    """A stream at 48/s starts after a quiet spell, its requests evenly 20.8 ms apart;
+    its first waves grow (4, 4, 8, 16), each answered when the arrivals double, with
+    the arrivals since the last answers. Counted
+    over a whole second, those arrivals would read as a stream of 4-8/s, and the
+    requests right after each answer as a loop's clients coming back, twice in a row;
+    over the stream's own age they are the stream's 48/s. No clients are expected
+    back, and the admission wait holds for none."""
+    clock = Clock()
+    p = policy(clock, max_num_seqs=16)
+    teach(p)
+    clock.now += 60.0
+    for arrival in range(1, 33):
+        p.observe_arrivals(1, busy=arrival > 1)
+        if arrival in (4, 8, 16, 32):
+            p.observe_answers(max(arrival // 2, 4))
+            assert p.returns.expected() is None, f"after {arrival} arrivals"
+        clock.now += 1.0 / 48.0
+    assert p.plan_wait(key(), 3).max_wait_ms == 0.0
 
 
 def test_the_returns_hold_never_grows_a_wave_past_the_capacity():
