@@ -373,6 +373,9 @@ def judge(result: dict[str, Any], settings: list[Setting]) -> None:
     result["pass"] = all(v["pass"] for v in result["verdicts"].values())
 
 
+DEFAULT_OUT = "benchmarks/results/auto_batching.json"
+
+
 def rejudge(path: str, args: argparse.Namespace) -> None:
     """Judge a results file again with this file's bars (no server is run)."""
     with open(path, encoding="utf-8") as f:
@@ -383,7 +386,8 @@ def rejudge(path: str, args: argparse.Namespace) -> None:
     report["pass"] = all(r["pass"] for r in report["results"])
     report["rejudged"] = {"from": path, "command": " ".join(sys.argv)}
     print(format_table(report))
-    harness.finish_report(report, args, plot)
+    if args.out is not None:  # (by default only the table: the file judged stays as it is)
+        harness.finish_report(report, args, plot)
 
 
 def parse_configs(configs: list[str]) -> dict[str, list[int]]:
@@ -493,15 +497,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every server (default: none set; each "
                         "server chooses)")
-    parser.add_argument("--out", default="benchmarks/results/auto_batching.json")
+    parser.add_argument("--out", default=None,
+                        help=f"results JSON (default {DEFAULT_OUT}; with --rejudge, none: "
+                        "the table only)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--rejudge", metavar="RESULTS_JSON", default=None,
-                        help="judge a results file again with these bars and write it to "
-                        "--out (runs no server)")
+                        help="judge a results file again with these bars, print the table "
+                        "and write it to --out if given (runs no server)")
     args = parser.parse_args(argv)
     if args.rejudge:
         rejudge(args.rejudge, args)
         return
+    if args.out is None:
+        args.out = DEFAULT_OUT
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

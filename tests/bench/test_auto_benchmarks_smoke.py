@@ -29,7 +29,8 @@ def test_defaults_smoke(tmp_path: Path) -> None:
     assert report["verdicts"] == {"tiny-sd": "PASS" if row["pass"] else "FAIL"}
 
 
-def test_auto_batching_smoke(tmp_path: Path) -> None:
+def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
     report = run_script("auto_batching.py", tmp_path / "auto.json", *MINIMAL, "--quick",
                         "--grid-seqs", "2", "--grid-waits", "0", "--loads", "0.5",
                         "--burst", "3", "--num-requests", "3", "--capacity-requests", "3",
@@ -68,3 +69,10 @@ def test_auto_batching_smoke(tmp_path: Path) -> None:
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["rejudged"]["from"] == str(tmp_path / "auto.json")
     assert again["results"][0]["verdicts"] == result["verdicts"]
+    # Without --out the table is printed and no file is written (the default results
+    # file, relative to the working directory, is left as it was).
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    auto_batching.main(["--rejudge", "auto.json", "--no-plot"])
+    assert "poisson_0.5x" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*.json")) == ["again.json", "auto.json"]
