@@ -46,6 +46,36 @@ def test_capacity_is_not_claimed_beyond_what_was_measured():
     assert capacity_from_curve({}, 32) == 1
 
 
+def test_served_waves_keep_a_rung_whose_gain_the_quartiles_hide():
+    """The curve's quartiles say 16 gains 2% per image over 8 (not kept); the served
+    waves' medians say 10%: 16 is kept. The medians alone never drop a rung the
+    curve keeps, and a rung with too few served waves says nothing."""
+    ms = {1: 120.0, 8: 8 * 45.9, 16: 16 * 45.0, 32: 32 * 45.0}
+    medians = {8: 52.2, 16: 47.2, 32: 47.4}
+    assert capacity_from_curve(ms, 32) == 8
+    assert capacity_from_curve(ms, 32, medians.get) == 16
+    assert capacity_from_curve(ms, 32, {8: 52.2}.get) == 8
+    assert capacity_from_curve({1: 40.0, 2: 40.0}, 32, {1: 10.0, 2: 30.0}.get) == 2
+
+
+def test_a_shape_learned_from_served_waves_takes_the_gain_they_show():
+    """Tiny-sd at 128x128 as served under a closed loop of 32 clients: the first waves
+    of 8 ran fast (42-46 ms per image), the later ones at 50-57; the waves of 16 at
+    46-51. The quartile of 8 comes from its first waves and hides 16's gain; the
+    medians show it, and the capacity is 16 (32 gains nothing over 16)."""
+    model = WaveCostModel(limit=32)
+    shape = Shape(128, 128, 1, True)
+    model.observe(shape, 1, 4, 121.0, served=True)
+    for per_image in (42.5, 45.5, 45.6, 49.6, 51.1, 51.3, 53.1, 53.2, 55.0, 57.3):
+        model.observe(shape, 8, 4, 8 * per_image, served=True)
+    for per_image in (46.6, 46.9, 47.1, 47.4, 47.6, 48.8, 51.0):
+        model.observe(shape, 16, 4, 16 * per_image, served=True)
+    for per_image in (47.4, 47.5, 47.5, 47.6):
+        model.observe(shape, 32, 4, 32 * per_image, served=True)
+    assert model.capacity(shape, 4) == 16
+    assert model.next_size_to_try(shape, 4) is None  # 32 measured: no gain, no trial
+
+
 def test_observations_are_interpolated_and_extrapolated_with_no_gain():
     model = WaveCostModel(limit=32)
     model.observe(SHAPE, 4, steps=4, forward_ms=100.0)
