@@ -31,7 +31,9 @@ size beyond which a bigger wave stops paying:
     capacity = walking the ladder 1, 2, 4, 8, ... (up to the limit), keep each B
     whose cost per image, t(B) / B, is at least `MIN_GAIN` (5%) below that of the
     last B kept; the last B kept (a rung that gains less is skipped, not the end:
-    the next is compared with the last kept one).
+    the next is compared with the last kept one); a B is kept too where the served
+    waves of about its size and of the last B kept (`MIN_SAMPLES` of each) show the
+    gain in their median cost per image (`capacity_from_curve`).
 
 A doubling that has not been measured yet is tried once the curve says the last
 one still paid, and one more after a doubling that gained less than that
