@@ -358,8 +358,10 @@ def capacity_from_curve(ms: dict[int, float], limit: int,
     learned from served waves alone: 45.9 ms per image at 8 against 46.6 at 16 by
     the curve, the quartile of 8 set by its first waves, while the medians were 52.2
     against 47.2; capacity 8 served a loop of 32 clients at 0.83 of waves of 16).
-    Bigger waves of the same load run under at least as much contention, so the
-    served comparison does not flatter them.
+    Bigger waves of one load run under at least as much contention as its smaller
+    ones, so the medians flatter the bigger wave only where the machine itself got
+    faster between them; a capacity too large below saturation costs little, as the
+    load rule sizes those waves (`diffbatch.engine.batch_policy`).
     """
     if not ms:
         return 1
