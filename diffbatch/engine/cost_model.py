@@ -103,6 +103,9 @@ class _Curve:
     samples: dict[int, deque[float]] = field(default_factory=dict)  # size -> last WINDOW
     # size -> the last WINDOW waves run for served requests (no calibration wave)
     served: dict[int, deque[float]] = field(default_factory=dict)
+    # rung -> `served_ms(rung)` since the last served wave (the capacity rule and the
+    # load rule ask on every check of a forming wave; a wave changes it once)
+    _served_ms: dict[int, float | None] = field(default_factory=dict)
 
     def observe(self, size: int, forward_ms: float, served: bool) -> None:
         window = self.samples.setdefault(size, deque(maxlen=WINDOW))
@@ -110,16 +113,18 @@ class _Curve:
         self.ms[size] = sorted(window)[(len(window) - 1) // 4]
         if served:
             self.served.setdefault(size, deque(maxlen=WINDOW)).append(forward_ms)
+            self._served_ms.clear()
 
     def served_ms(self, rung: int) -> float | None:
         """Forward ms of a wave of `rung` as served: the median cost per image of the
         served waves of sizes from `NEAR_RUNG` x `rung` up to it, times `rung`; None
         with fewer than `MIN_SAMPLES` of them."""
-        per_image = sorted(ms / size for size, window in self.served.items()
-                           if NEAR_RUNG * rung <= size <= rung for ms in window)
-        if len(per_image) < MIN_SAMPLES:
-            return None
-        return statistics.median(per_image) * rung
+        if rung not in self._served_ms:
+            per_image = [ms / size for size, window in self.served.items()
+                         if NEAR_RUNG * rung <= size <= rung for ms in window]
+            self._served_ms[rung] = (statistics.median(per_image) * rung
+                                     if len(per_image) >= MIN_SAMPLES else None)
+        return self._served_ms[rung]
 
     def estimate_ms(self, size: int) -> float | None:
         """Forward ms of a wave of `size` at `steps`: measured, interpolated between the

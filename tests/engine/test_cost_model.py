@@ -76,6 +76,19 @@ def test_a_shape_learned_from_served_waves_takes_the_gain_they_show():
     assert model.next_size_to_try(shape, 4) is None  # 32 measured: no gain, no trial
 
 
+def test_the_served_estimate_follows_every_new_served_wave():
+    """The served medians are kept between waves; each served wave renews them."""
+    model = WaveCostModel(limit=32)
+    for _ in range(MIN_SAMPLES):
+        model.observe(SHAPE, 8, 4, 80.0, served=True)
+    assert model.served_estimate_ms(SHAPE, 8, 4) == pytest.approx(80.0)
+    for _ in range(MIN_SAMPLES + 1):
+        model.observe(SHAPE, 8, 4, 160.0, served=True)
+    assert model.served_estimate_ms(SHAPE, 8, 4) == pytest.approx(160.0)
+    model.observe(SHAPE, 8, 4, 1.0)  # a calibration wave: not a served one
+    assert model.served_estimate_ms(SHAPE, 8, 4) == pytest.approx(160.0)
+
+
 def test_observations_are_interpolated_and_extrapolated_with_no_gain():
     model = WaveCostModel(limit=32)
     model.observe(SHAPE, 4, steps=4, forward_ms=100.0)
