@@ -40,16 +40,6 @@ on tiny-sd at 128x128, where the cost per image keeps falling to waves of 12-16,
 requests/s pick waves of 8, not the waves of 4 that qualify too. No qualifying size
 below the capacity: the capacity.
 
-`r` is the sustained rate, or the rate of the last `RISE_WINDOW_S` where that is
-`RISE_FACTOR` times higher or more: a load that rises without a pause shows in the
-sustained window only over its five seconds, and waves sized for the old rate
-meanwhile fall behind while the backlog stays below the split's bound (measured on
-tiny-sd 128x128, 12.5 then 22.5 requests/s with no pause between: five waves of 4 in
-a row, each leaving a bigger queue). The factor keeps a steady stream's chance
-busy seconds out: read at the higher of the two rates, a Poisson stream of 12.5/s
-counts ~13% above its rate on average, enough to move `L` from 2 to 4 on tiny-sd
-128x128.
-
 `s(L)` is what served waves of about `L` took (the median of their cost per image,
 `WaveCostModel.served_estimate_ms`), the curve's `t(L)` until four of them ran: the
 curve's lower quartile, calibration included, is the worker on cores nobody else
@@ -138,11 +128,6 @@ NEW_STREAM_GAP_FACTOR = 10.0
 # near capacity then keeps: each wave's arrivals fill the next).
 SUSTAINED_WINDOW_S = 5.0
 MIN_SUSTAINED_SPAN_S = 1.0
-# The load rule also reads the arrivals of this last window, where they come this many
-# times faster than the sustained rate: a rising load shows there within a second, in
-# the sustained window only over its length.
-RISE_WINDOW_S = 1.0
-RISE_FACTOR = 1.5
 BUSY_UTILIZATION = 0.5
 # A burst is arrivals far faster than the window's average: collecting the rest of it
 # costs milliseconds, and the rule below weighs that, busy or not.
@@ -359,25 +344,6 @@ class ArrivalRate:
             count = sum(n for at, n in self._recent if at >= start)
             return count / max(now - start, min_span_s)
 
-    def load_rate_per_s(self) -> float:
-        """The rate the load rule sizes waves by: `sustained_rate_per_s`, or the rate
-        over the last `RISE_WINDOW_S` where that is `RISE_FACTOR` times higher or more
-        (module docstring)."""
-        sustained = self.sustained_rate_per_s()
-        now = self.clock()
-        since = now - RISE_WINDOW_S
-        with self._lock:
-            start = self._stream_start
-            if start is not None and start > since:
-                return sustained  # younger than the window: the sustained rate is its own
-            recent = 0
-            for at, count in reversed(self._recent):
-                if at < since:
-                    break
-                recent += count
-        recent_rate = recent / RISE_WINDOW_S
-        return recent_rate if recent_rate >= RISE_FACTOR * sustained else sustained
-
     def came_after_quiet(self) -> bool:
         """Whether the last arrival event came after `SUSTAINED_WINDOW_S` without any,
         or was the first ever: an idle server's first request, of a stream whose rate
@@ -490,7 +456,7 @@ class BatchPolicy:
         # waves of 16-32 while the rest were still arriving, every burst).
         size = capacity if num_waiting <= 1 or not self.arrivals.is_sustained() \
             else wave_size_for_load(
-            num_waiting, self.arrivals.load_rate_per_s(), wave_ms, capacity,
+            num_waiting, self.arrivals.sustained_rate_per_s(), wave_ms, capacity,
             self._served_ms(shape, key.num_denoising_steps, wave_ms))
         now = self._clock()
         if size < capacity:  # the load needs less than the capacity: no trial either

@@ -9,7 +9,6 @@ from diffbatch.engine.batch_policy import (
     FIRST_REQUEST_HOLD_SHARE,
     INCOMING_WAIT_MS,
     MIN_SUSTAINED_SPAN_S,
-    RISE_WINDOW_S,
     SUSTAINED_WINDOW_S,
     ArrivalRate,
     BatchPolicy,
@@ -322,47 +321,6 @@ def test_auto_capacity_follows_the_load_below_saturation():
         fixed.observe_arrivals(1)
         clock.now += 1 / 80
     assert fixed.capacity(key(), num_waiting=24) == 32
-
-
-def test_a_load_that_rises_without_a_pause_is_sized_by_its_last_second():
-    """60 requests/s for 5 s, then 160/s (an overload) for a second, with no pause
-    between: the 5 s window still reads 80/s, for which waves of 16 would do, while
-    the last second says the capacity's waves are needed."""
-    clock = Clock()
-    p = policy(clock)
-    teach(p)  # capacity 32
-    for rate_per_s, seconds in ((60, SUSTAINED_WINDOW_S), (160, RISE_WINDOW_S)):
-        for _ in range(round(rate_per_s * seconds)):
-            p.observe_arrivals(1)
-            clock.now += 1 / rate_per_s
-    assert p.arrivals.sustained_rate_per_s() == pytest.approx(80, rel=0.03)
-    assert p.arrivals.load_rate_per_s() == pytest.approx(160, rel=0.03)
-    assert p.capacity(key(), num_waiting=24) == 32
-    # read at the sustained 80/s, the same backlog is split into waves of 16
-    assert wave_size_for_load(24, p.arrivals.sustained_rate_per_s(), tiny_sd_like, 32) == 16
-
-
-def test_the_load_rate_reads_a_rise_at_once_and_a_fall_at_the_windows_pace():
-    """The last second counts where it is `RISE_FACTOR` times the sustained rate."""
-    clock = Clock()
-    rate = ArrivalRate(clock)
-
-    def stream(rate_per_s: float, seconds: float) -> None:
-        for _ in range(round(rate_per_s * seconds)):
-            rate.observe()
-            clock.now += 1 / rate_per_s
-
-    stream(20, 0.5)  # a stream younger than the last-second window: its own rate
-    assert rate.load_rate_per_s() == rate.sustained_rate_per_s()
-    stream(20, SUSTAINED_WINDOW_S)
-    assert rate.load_rate_per_s() == rate.sustained_rate_per_s()  # steady: the window's
-    stream(26, RISE_WINDOW_S)  # a busier second than the window's, but no rise
-    assert rate.load_rate_per_s() == rate.sustained_rate_per_s()
-    stream(60, RISE_WINDOW_S)
-    assert rate.load_rate_per_s() == pytest.approx(60, rel=0.03)
-    stream(10, 2 * RISE_WINDOW_S)  # a fall: the window still holds the higher rate
-    assert rate.load_rate_per_s() == rate.sustained_rate_per_s()
-    assert rate.load_rate_per_s() > 20
 
 
 def test_the_load_rule_trusts_what_served_waves_took_over_the_calibration():
