@@ -97,6 +97,9 @@ class ServerSpec:
     threads: int | None  # None: no thread settings (see `user_env`)
     health_path: str = "/health"
     env: dict[str, str] = field(default_factory=dict)  # on top of the thread settings
+    # the checkout whose `diffbatch` it runs (working directory and first on the path):
+    # None, this one; another commit's worktree for an A/B of two versions
+    source_tree: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -172,13 +175,14 @@ class Server:
         env = dict(os.environ) if spec.threads is not None else user_env()
         env.update(server_env_overrides(spec.threads))
         env.update(spec.env)
+        root = spec.source_tree or REPO_ROOT
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(BENCH_DIR), str(REPO_ROOT), env.get("PYTHONPATH")) if p
+            p for p in (str(BENCH_DIR), str(root), env.get("PYTHONPATH")) if p
         )
         self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
             spec.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=str(REPO_ROOT), start_new_session=True,
+            env=env, cwd=str(root), start_new_session=True,
         )
 
     @property
