@@ -37,6 +37,10 @@ round's servers share its machine state and arrival schedule, rounds differ):
     auto <= the S = 1 setting's p50 + 2 ms instead;
   - dominance: no fixed setting has both throughput > 1.05 x auto and
     p50 < 0.95 x auto.
+`--control S:W` (full run: 16:10) adds a twin of the grid's seqsS_waitW, judged with
+auto's bars against the grid (it is none of the references): a server that *is* a
+grid setting, so what it misses is what the bars miss by noise alone. The table gives
+its verdicts below auto's.
 `--rejudge RESULTS_JSON` judges a results file again (no server is run).
 Note: the best of 13 noisy settings is biased in its favour (the minimum of noisy
 p50s is low), so the bars err against `auto`; more `--repeats` shrink that bias.
@@ -95,6 +99,7 @@ FULL = {
     "capacity_requests": 128,
     "warmup_requests": 32,
     "repeats": 3,
+    "control": ["16:10"],
 }
 QUICK = {
     "configs": ["tiny-sd:64"],
@@ -107,6 +112,7 @@ QUICK = {
     "capacity_requests": 24,
     "warmup_requests": 16,
     "repeats": 1,
+    "control": [],
 }
 
 
@@ -124,13 +130,35 @@ class Setting:
     name: str
     max_num_seqs: int | None  # None: auto
     wait_ms: float | None
+    # a twin of a grid setting, judged with auto's bars against the grid (not one of
+    # the references): how often a server that *is* a grid setting passes them
+    control: bool = False
 
     @property
     def is_auto(self) -> bool:
         return self.max_num_seqs is None
 
+    @property
+    def is_reference(self) -> bool:
+        """One of the fixed grid that auto is compared with."""
+        return not self.is_auto and not self.control
+
 
 AUTO = Setting("auto", None, None)
+
+
+def control_setting(text: str) -> Setting:
+    """`--control S:W` -> the twin of the grid's seqsS_waitW, named control_seqsS_waitW."""
+    seqs, sep, wait = text.partition(":")
+    try:
+        s, w = int(seqs), float(wait)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--control takes S:W (e.g. 16:10), got {text!r}") from None
+    if not sep or s < 1 or w < 0:
+        raise argparse.ArgumentTypeError(f"--control takes S:W with S >= 1 and W >= 0, "
+                                         f"got {text!r}")
+    return Setting(f"control_seqs{s}_wait{w:g}", s, w, control=True)
 
 
 def grid(seqs: list[int], waits: list[float]) -> list[Setting]:
@@ -234,7 +262,7 @@ def held_out(auto: dict[str, Any], fixed: dict[str, dict[str, Any]], key: str,
 
 
 def verdict(load: str, factor: float | None, rows: dict[str, dict[str, Any]],
-            settings: list[Setting]) -> dict[str, Any]:
+            settings: list[Setting], subject: str = "auto") -> dict[str, Any]:
     """The three bars for one load; `rows` maps setting name -> medians and the
     per-round values.
 
@@ -244,15 +272,16 @@ def verdict(load: str, factor: float | None, rows: dict[str, dict[str, Any]],
     arrival schedule, while rounds differ by 10-25% on this shared machine, which a
     ratio of medians taken from different rounds would count against one side.
     """
-    auto = rows[AUTO.name]
-    fixed = {s.name: rows[s.name] for s in settings if not s.is_auto}
+    auto = rows[subject]  # the server judged: auto, or a control twin with auto's bars
+    fixed = {s.name: rows[s.name] for s in settings if s.is_reference}
     best_thr_name = max(fixed, key=lambda n: fixed[n]["throughput_rps"])
     best_p50_name = min(fixed, key=lambda n: fixed[n]["p50_ms"] or math.inf)
     best_thr = fixed[best_thr_name]["throughput_rps"]
     best_p50 = fixed[best_p50_name]["p50_ms"]
     thr_ratio = paired(auto, fixed[best_thr_name], "throughput_rps")
     low_load = factor is not None and factor <= LOW_LOAD + 1e-9
-    serial = next((s.name for s in settings if s.max_num_seqs == 1), None)
+    serial = next((s.name for s in settings
+                   if s.is_reference and s.max_num_seqs == 1), None)
     p50_ref_name = serial if low_load and serial is not None else best_p50_name
     ref_p50 = fixed[p50_ref_name]["p50_ms"]
     factor_p50 = 1.0 if p50_ref_name == serial and low_load else P50_FACTOR
@@ -329,7 +358,7 @@ def measure_size(
         run("saturated", {**saturated, "seed": 1000 + rep}, rep, rep)
     fixed_capacity = {
         s.name: _median([r["throughput_rps"] for r in runs[("saturated", s.name)]])
-        for s in settings if not s.is_auto
+        for s in settings if s.is_reference
     }
     capacity_setting = max(fixed_capacity, key=lambda n: fixed_capacity[n] or 0.0)
     capacity = fixed_capacity[capacity_setting]
@@ -371,6 +400,11 @@ def judge(result: dict[str, Any], settings: list[Setting]) -> None:
                                         settings)
                           for load, rows in by_load.items()}
     result["pass"] = all(v["pass"] for v in result["verdicts"].values())
+    result["control_verdicts"] = {
+        s.name: {load: verdict(load, result["loads"][load].get("factor"), rows, settings,
+                               subject=s.name)
+                 for load, rows in by_load.items()}
+        for s in settings if s.control}
 
 
 DEFAULT_OUT = "benchmarks/results/auto_batching.json"
@@ -412,17 +446,12 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{result['elapsed_s'] / 60:.1f} min")
         lines.append(header)
         for v in result["verdicts"].values():
-            dominated = ",".join(v["dominated_by"]) or "-"
-            lines.append(
-                f"{v['load']:14s} {v['auto_throughput_rps']:8.2f} "
-                f"{v['best_fixed_throughput_rps']:8.2f} {v['throughput_ratio'] or 0:6.3f} "
-                f"{v['throughput_ratio_of_medians'] or 0:6.3f} "
-                f"{v.get('throughput_ratio_held_out') or math.nan:6.3f} "
-                f"{v['auto_p50_ms'] or math.nan:9.1f} {v['p50_bar_ms'] or math.nan:8.1f} "
-                f"{v['p50_to_bar'] or math.nan:5.2f} "
-                f"{v.get('p50_to_bar_held_out') or math.nan:5.2f} "
-                f"{v['p50_reference_setting']:15s} {dominated[:16]:16s} "
-                f"{'PASS' if v['pass'] else 'FAIL'}")
+            lines.append(_table_row(v))
+        for name, verdicts in result.get("control_verdicts", {}).items():
+            lines.append(f"{name} (a twin of a grid setting, judged with auto's bars): "
+                         f"{sum(v['pass'] for v in verdicts.values())} of {len(verdicts)} "
+                         "loads pass")
+            lines.extend(_table_row(v) for v in verdicts.values())
         lines.append("")
     lines.append("ratio: auto / best fixed throughput, the median of per-round ratios "
                  "((med): of the medians); /bar: auto p50 / the p50 bar, per round, median; (ho): "
@@ -432,6 +461,20 @@ def format_table(report: dict[str, Any]) -> str:
                  f"S=1 p50 + {P50_SLACK_MS:g} ms); no setting better by > "
                  f"{DOMINANCE:.0%} on both. Overall: {'PASS' if report['pass'] else 'FAIL'}")
     return "\n".join(lines)
+
+
+def _table_row(v: dict[str, Any]) -> str:
+    """One load's verdict as a row of `format_table` ("auto" = the server judged)."""
+    dominated = ",".join(v["dominated_by"]) or "-"
+    return (f"{v['load']:14s} {v['auto_throughput_rps']:8.2f} "
+            f"{v['best_fixed_throughput_rps']:8.2f} {v['throughput_ratio'] or 0:6.3f} "
+            f"{v['throughput_ratio_of_medians'] or 0:6.3f} "
+            f"{v.get('throughput_ratio_held_out') or math.nan:6.3f} "
+            f"{v['auto_p50_ms'] or math.nan:9.1f} {v['p50_bar_ms'] or math.nan:8.1f} "
+            f"{v['p50_to_bar'] or math.nan:5.2f} "
+            f"{v.get('p50_to_bar_held_out') or math.nan:5.2f} "
+            f"{v['p50_reference_setting']:15s} {dominated[:16]:16s} "
+            f"{'PASS' if v['pass'] else 'FAIL'}")
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -494,6 +537,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-requests", type=int, default=None,
                         help="per server and size, before measuring")
     parser.add_argument("--repeats", type=int, default=None, help="rounds")
+    parser.add_argument("--control", type=control_setting, nargs="*", default=None,
+                        metavar="S:W", help="a twin of the grid's seqsS_waitW, judged with "
+                        "auto's bars against the grid: how often a server that is a grid "
+                        "setting passes them (the bars' noise floor)")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every server (default: none set; each "
                         "server chooses)")
@@ -513,7 +560,9 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    settings = [AUTO, *grid(args.grid_seqs, args.grid_waits)]
+    controls = [c if isinstance(c, Setting) else control_setting(c) for c in args.control]
+    args.control = [f"{c.max_num_seqs}:{c.wait_ms:g}" for c in controls]  # (JSON-able)
+    settings = [AUTO, *grid(args.grid_seqs, args.grid_waits), *controls]
     report = harness.report_header("auto_batching", args)
     report["settings"] = {s.name: asdict(s) for s in settings}
     start = time.perf_counter()

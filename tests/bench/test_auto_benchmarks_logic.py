@@ -4,6 +4,7 @@ test_benchmarks_smoke.py."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -108,6 +109,32 @@ def test_verdict_compares_auto_with_the_references_round_by_round() -> None:
         seqs4_wait0=([26.0, 23.6, 25.7], [400.0, 410.0, 420.0])), SETTINGS)
     assert not v["throughput_pass"] and not v["p50_pass"]
     assert v["dominated_by"] == ["seqs4_wait0"]
+
+
+def test_a_control_twin_is_judged_with_autos_bars_and_is_no_reference() -> None:
+    # A twin of seqs1_wait0 with the lowest p50 of all: were it a reference, auto's
+    # low-load bar would be its p50 (40 + 2 ms) and auto would fail it.
+    control = auto_batching.control_setting("1:0")
+    assert (control.name, control.max_num_seqs, control.wait_ms) == (
+        "control_seqs1_wait0", 1, 0.0)
+    assert control.control and not control.is_auto and not control.is_reference
+    settings = [*SETTINGS, control]
+    rows_ = rows((1.0, 51.0), (1.0, 50.0), (1.0, 60.0))
+    rows_[control.name] = {"throughput_rps": 1.0, "p50_ms": 40.0, "mean_wave_size": 1.0,
+                           "throughput_rps_rounds": [1.0], "p50_ms_rounds": [40.0]}
+    v = auto_batching.verdict("poisson_0.1x", 0.1, rows_, settings)
+    assert v["p50_reference_setting"] == "seqs1_wait0" and v["pass"]
+    twin = auto_batching.verdict("poisson_0.1x", 0.1, rows_, settings,
+                                 subject=control.name)
+    assert twin["auto_p50_ms"] == 40.0 and twin["p50_reference_setting"] == "seqs1_wait0"
+    assert twin["pass"]
+    # a twin slower than the reference by more than the slack fails as auto would
+    rows_[control.name]["p50_ms"] = rows_[control.name]["p50_ms_rounds"][0] = 53.0
+    twin = auto_batching.verdict("poisson_0.1x", 0.1, rows_, settings,
+                                 subject=control.name)
+    assert not twin["p50_pass"] and not twin["pass"]
+    with pytest.raises(argparse.ArgumentTypeError, match="S:W"):
+        auto_batching.control_setting("16")
 
 
 def test_held_out_picks_each_rounds_reference_on_the_other_rounds() -> None:

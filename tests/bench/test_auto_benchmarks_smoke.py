@@ -34,8 +34,9 @@ def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     report = run_script("auto_batching.py", tmp_path / "auto.json", *MINIMAL, "--quick",
                         "--grid-seqs", "2", "--grid-waits", "0", "--loads", "0.5",
                         "--burst", "3", "--num-requests", "3", "--capacity-requests", "3",
-                        "--warmup-requests", "2")
-    assert set(report["settings"]) == {"auto", "seqs2_wait0"}
+                        "--warmup-requests", "2", "--control", "2:0")
+    assert set(report["settings"]) == {"auto", "seqs2_wait0", "control_seqs2_wait0"}
+    assert report["settings"]["control_seqs2_wait0"]["control"]
     assert report["settings"]["auto"]["max_num_seqs"] is None
     [result] = report["results"]
     assert (result["model"], result["size"]) == ("tiny-sd", 64)
@@ -57,6 +58,12 @@ def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         assert verdict["pass"] == (verdict["throughput_pass"] and verdict["p50_pass"]
                                    and verdict["dominance_pass"])
     assert report["pass"] == result["pass"]
+    # the twin is judged with auto's bars against the grid, and is none of its references
+    control = result["control_verdicts"]["control_seqs2_wait0"]
+    assert list(control) == loads
+    assert all(v["best_fixed_throughput_setting"] == "seqs2_wait0" for v in control.values())
+    assert {v["auto_throughput_rps"] for v in control.values()} == {
+        r["throughput_rps"] for r in result["results"] if r["setting"] == "control_seqs2_wait0"}
     # Judged again from the file alone (in this process: no server is run): the same
     # verdicts, marked as rejudged.
     sys.path.insert(0, str(BENCHMARKS))
@@ -69,6 +76,7 @@ def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["rejudged"]["from"] == str(tmp_path / "auto.json")
     assert again["results"][0]["verdicts"] == result["verdicts"]
+    assert again["results"][0]["control_verdicts"] == result["control_verdicts"]
     # Without --out the table is printed and no file is written (the default results
     # file, relative to the working directory, is left as it was).
     monkeypatch.chdir(tmp_path)
