@@ -147,18 +147,23 @@ class Setting:
 AUTO = Setting("auto", None, None)
 
 
-def control_setting(text: str) -> Setting:
-    """`--control S:W` -> the twin of the grid's seqsS_waitW, named control_seqsS_waitW."""
+def fixed_setting(text: str, *, control: bool = False) -> Setting:
+    """"S:W" -> the fixed setting seqsS_waitW (`--max-num-seqs S
+    --request-batch-max-wait-ms W`); `control`: its twin, named control_seqsS_waitW."""
     seqs, sep, wait = text.partition(":")
     try:
         s, w = int(seqs), float(wait)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--control takes S:W (e.g. 16:10), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected S:W (e.g. 16:10), got {text!r}") from None
     if not sep or s < 1 or w < 0:
-        raise argparse.ArgumentTypeError(f"--control takes S:W with S >= 1 and W >= 0, "
-                                         f"got {text!r}")
-    return Setting(f"control_seqs{s}_wait{w:g}", s, w, control=True)
+        raise argparse.ArgumentTypeError(f"expected S:W with S >= 1 and W >= 0, got {text!r}")
+    name = f"seqs{s}_wait{w:g}"
+    return Setting(f"control_{name}" if control else name, s, w, control=control)
+
+
+def control_setting(text: str) -> Setting:
+    """`--control S:W` -> the twin of the grid's seqsS_waitW, named control_seqsS_waitW."""
+    return fixed_setting(text, control=True)
 
 
 def grid(seqs: list[int], waits: list[float]) -> list[Setting]:
@@ -560,9 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    controls = [c if isinstance(c, Setting) else control_setting(c) for c in args.control]
-    args.control = [f"{c.max_num_seqs}:{c.wait_ms:g}" for c in controls]  # (JSON-able)
-    settings = [AUTO, *grid(args.grid_seqs, args.grid_waits), *controls]
+    # (the full run's default is given as text, like the command line)
+    args.control = [c if isinstance(c, Setting) else control_setting(c) for c in args.control]
+    settings = [AUTO, *grid(args.grid_seqs, args.grid_waits), *args.control]
     report = harness.report_header("auto_batching", args)
     report["settings"] = {s.name: asdict(s) for s in settings}
     start = time.perf_counter()

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from auto_batching import AUTO, fixed_setting, server_specs
 from peers_servers import harness
 
 from diffbatch.bench.serve import BenchConfig, run_benchmark
@@ -39,25 +40,15 @@ PAUSE_S = 6.0  # before each server's sequence: longer than the engine's 5 s rat
 STARTUP_TIMEOUT_S = 300.0
 
 
-def parse_fixed(text: str) -> tuple[int, float]:
-    seqs, _, wait = text.partition(":")
-    try:
-        return int(seqs), float(wait or 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected S:W (e.g. 16:10), got {text!r}") from None
-
-
 def specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
-    servers = [harness.diffbatch_defaults_spec(args.model, name="auto", log_level="warning")]
+    """auto (and `baseline` from `--baseline-tree`) and the `--fixed` settings, started
+    as `auto_batching.py` starts its servers."""
+    servers = server_specs(args.model, [AUTO, *args.fixed], threads=None)
     if args.baseline_tree:
         base = harness.diffbatch_defaults_spec(args.model, name="baseline",
                                                log_level="warning")
         base.source_tree = Path(args.baseline_tree).resolve()
-        servers.append(base)
-    for seqs, wait in args.fixed:
-        servers.append(harness.diffbatch_spec(
-            args.model, threads=None, max_num_seqs=seqs, wait_ms=wait,
-            name=f"seqs{seqs}_wait{wait:g}"))
+        servers.insert(1, base)
     return servers
 
 
@@ -123,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--baseline-tree", default=None,
                         help="another checkout whose `diffbatch serve` runs as `baseline`")
-    parser.add_argument("--fixed", type=parse_fixed, nargs="*", default=[],
+    parser.add_argument("--fixed", type=fixed_setting, nargs="*", default=[],
                         metavar="S:W", help="fixed settings to run beside auto")
     parser.add_argument("--warmup-requests", type=int, default=64)
     parser.add_argument("--out", default=DEFAULT_OUT)

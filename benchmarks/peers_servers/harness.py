@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -346,8 +346,18 @@ def report_header(benchmark: str, args: Any) -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "command": " ".join([os.path.relpath(sys.executable, REPO_ROOT), *sys.argv]),
-        "args": vars(args),
+        "args": {key: _jsonable(value) for key, value in vars(args).items()},
     }
+
+
+def _jsonable(value: Any) -> Any:
+    """An argument as the report's JSON holds it: a dataclass (a parsed option, e.g. a
+    benchmark's fixed setting) as its fields, lists item by item."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    return value
 
 
 def write_report(report: dict[str, Any], path: str) -> None:
