@@ -397,11 +397,11 @@ class BatchPolicy:
         self.default_shape = Shape(info.default_height, info.default_width, 1,
                                    info.cfg_threshold is not None
                                    and info.default_guidance_scale > info.cfg_threshold)
-        self.cost = WaveCostModel(self.limit, self.default_shape)
+        self.cost = WaveCostModel(self.limit, self.default_shape, clock)
         # step mode: one step of a running batch of B requests (its fused denoiser
         # call), learned from the ticks; the calibration's wave curve stands in until it
         # knows two sizes of a shape
-        self.step_cost = WaveCostModel(self.limit, self.default_shape)
+        self.step_cost = WaveCostModel(self.limit, self.default_shape, clock)
         self.arrivals = ArrivalRate(clock)
         self.returns = ReturningClients(clock)  # a closed loop's clients, expected back
         self._last_wait_ms: dict[str, float] = {}  # shape label -> last planned wait
@@ -526,13 +526,15 @@ class BatchPolicy:
         shape = Shape.of(key)
         learned = self._step_curve(shape)
         capacity = learned.capacity(shape)
+        if demand <= capacity:
+            return capacity
         if learned is self.step_cost:
             trial = self.step_cost.next_size_to_try(shape)
         else:
             trial = capacity * 2
             if trial > self.limit or self.step_cost.num_samples(shape, trial) >= MIN_SAMPLES:
                 trial = None
-        if demand > capacity and trial is not None and trial > capacity:
+        if trial is not None and trial > capacity:
             return min(trial, demand)
         return capacity
 

@@ -38,7 +38,11 @@ size beyond which a bigger wave stops paying:
 A doubling that has not been measured yet is tried once the curve says the last
 one still paid, and one more after a doubling that gained less than that
 (`next_size_to_try`), so the curve grows with the traffic it sees (a wave of at
-least `NEAR_RUNG` of a rung's size counts for the rung).
+least `NEAR_RUNG` of a rung's size counts for the rung). A rung above the capacity
+that has not run for `RETRY_AFTER_S` and `RETRY_AFTER_WAVES` waves (doubled with
+each retry) is measured afresh the same way: a machine shared with other work
+changes speed, and a rung measured in a slow spell that never runs again would
+otherwise pin the capacity where that spell left it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +71,19 @@ WINDOW = 16  # observations kept per shape and wave size
 # assumed for the full rung (no further gain), is what the rung would cost at most.
 NEAR_RUNG = 0.75
 MIN_SAMPLES = 4  # a size with fewer observations is tried again before it is trusted
+# A rung above the capacity whose last observation is older than both of these (seconds,
+# and waves of its curve since) is measured afresh when a trial is due: its old
+# observations are dropped and it is tried `MIN_SAMPLES` times again; both double with
+# each retry of the rung (a rung that really gains nothing costs its trials' latency
+# ever more rarely). Measured on
+# tiny-sd at 128x128, 2 cores: waves of 8 and 16 that first ran while another server
+# loaded the machine took 73-81 ms per image, waves of 4 later 47; the capacity stayed
+# at 4 for the next six minutes of load (no wave above it ran again to correct the
+# curve), serving a closed loop of 32 clients at 19.7 requests/s where waves of 16
+# served 22-23. The wave count keeps a slow model (seconds per wave) from spending
+# most of its waves on trials; the time keeps a fast one from retrying every second.
+RETRY_AFTER_S = 60.0
+RETRY_AFTER_WAVES = 32
 
 
 @dataclass(frozen=True)
@@ -106,14 +124,43 @@ class _Curve:
     # rung -> `served_ms(rung)` since the last served wave (the capacity rule and the
     # load rule ask on every check of a forming wave; a wave changes it once)
     _served_ms: dict[int, float | None] = field(default_factory=dict)
+    num_waves: int = 0  # waves observed so far
+    # size -> (clock time, `num_waves`) of its last observation
+    last_seen: dict[int, tuple[float, int]] = field(default_factory=dict)
+    retries: dict[int, int] = field(default_factory=dict)  # rung -> times measured afresh
 
-    def observe(self, size: int, forward_ms: float, served: bool) -> None:
+    def observe(self, size: int, forward_ms: float, served: bool, now: float) -> None:
         window = self.samples.setdefault(size, deque(maxlen=WINDOW))
         window.append(forward_ms)
         self.ms[size] = sorted(window)[(len(window) - 1) // 4]
+        self.num_waves += 1
+        self.last_seen[size] = (now, self.num_waves)
         if served:
             self.served.setdefault(size, deque(maxlen=WINDOW)).append(forward_ms)
             self._served_ms.clear()
+
+    def is_stale(self, rung: int, now: float) -> bool:
+        """Whether every observation that is evidence for `rung` (sizes from `NEAR_RUNG`
+        x it up to it; at least one) is older than `RETRY_AFTER_S` and
+        `RETRY_AFTER_WAVES` waves, each doubled for every earlier retry of the rung."""
+        seen = [at for size, at in self.last_seen.items() if NEAR_RUNG * rung <= size <= rung]
+        backoff = 2 ** self.retries.get(rung, 0)
+        return bool(seen) and all(
+            now - when >= RETRY_AFTER_S * backoff
+            and self.num_waves - wave >= RETRY_AFTER_WAVES * backoff
+            for when, wave in seen)
+
+    def forget_near(self, rung: int) -> None:
+        """Drop every observation that is evidence for `rung`, so it is measured afresh
+        (at least one size of the curve is kept), and count the retry."""
+        sizes = [size for size in self.ms if NEAR_RUNG * rung <= size <= rung]
+        if len(sizes) >= len(self.ms):
+            return
+        self.retries[rung] = self.retries.get(rung, 0) + 1
+        for size in sizes:
+            for table in (self.ms, self.samples, self.served, self.last_seen):
+                table.pop(size, None)
+        self._served_ms.clear()
 
     def served_ms(self, rung: int) -> float | None:
         """Forward ms of a wave of `rung` as served: the median cost per image of the
@@ -149,11 +196,13 @@ class WaveCostModel:
     """Learned wave cost per shape and step count; thread-safe. See the module
     docstring."""
 
-    def __init__(self, limit: int, default_shape: Shape | None = None) -> None:
+    def __init__(self, limit: int, default_shape: Shape | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit  # no capacity above this (memory, --max-num-seqs-limit)
         self.default_shape = default_shape
+        self.clock = clock
         self._curves: dict[tuple[Shape, int], _Curve] = {}
         self._lock = threading.Lock()
 
@@ -166,7 +215,7 @@ class WaveCostModel:
             return
         with self._lock:
             curve = self._curves.setdefault((shape, steps), _Curve(steps))
-            curve.observe(size, forward_ms, served)
+            curve.observe(size, forward_ms, served, self.clock())
 
     def served_estimate_ms(self, shape: Shape, size: int, steps: int) -> float | None:
         """Forward ms of a wave of `size` at `steps` steps as served waves of about that
@@ -264,7 +313,12 @@ class WaveCostModel:
         machine was busy, cannot pin the capacity), and the doubling after that one
         when it still cut the cost per image, if by less than `MIN_GAIN` (a weak rung
         may hide a strong one). None when the curve already says where gains stop, or
-        before the step count has a curve of its own."""
+        before the step count has a curve of its own.
+
+        A rung whose evidence is stale (`_Curve.is_stale`) is measured afresh: its
+        observations are dropped here, so ask only where a trial would run (a backlog
+        beyond the capacity)."""
+        now = self.clock()
         with self._lock:
             steps = self._steps_of(shape, steps)
             own = None if steps is None else self._curves.get((shape, steps))
@@ -276,6 +330,8 @@ class WaveCostModel:
             for size in (cap * 2, cap * 4):
                 if size > self.limit:
                     return None
+                if own.is_stale(size, now):
+                    own.forget_near(size)
                 if _num_near(own, size) < MIN_SAMPLES:
                     return size
                 if (_anchored(own, guide, size) / size

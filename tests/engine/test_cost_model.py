@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from diffbatch.engine.cost_model import MIN_SAMPLES, Shape, WaveCostModel, capacity_from_curve
+from diffbatch.engine.cost_model import (
+    MIN_SAMPLES,
+    RETRY_AFTER_S,
+    RETRY_AFTER_WAVES,
+    Shape,
+    WaveCostModel,
+    capacity_from_curve,
+)
 
 SHAPE = Shape(64, 64, 1, True)
 
@@ -179,6 +186,79 @@ def test_next_size_to_try_grows_the_curve_while_gains_continue():
     limited.observe(SHAPE, 1, 4, 40.0)
     limited.observe(SHAPE, 2, 4, 40.0)
     assert limited.next_size_to_try(SHAPE) is None  # the limit stops exploring
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_rung_measured_in_a_slow_spell_is_measured_afresh_once_stale():
+    """Waves of 8 and 16 that ran while the machine was busy (tiny-sd 128x128: 73-81
+    ms per image against 47 for the waves of 4 that ran later) must not pin the
+    capacity at 4 for good: once they are `RETRY_AFTER_S` and `RETRY_AFTER_WAVES`
+    waves old, the next doubling is tried again, and what the fresh waves show
+    decides."""
+    clock = Clock()
+    model = WaveCostModel(limit=32, clock=clock)
+    shape = Shape(128, 128, 1, True)
+    for _ in range(MIN_SAMPLES):  # the slow spell
+        model.observe(shape, 8, 4, 8 * 80.0, served=True)
+        model.observe(shape, 16, 4, 16 * 75.0, served=True)
+    for _ in range(RETRY_AFTER_WAVES):  # then waves of 4 on a quiet machine
+        model.observe(shape, 4, 4, 4 * 47.0, served=True)
+    assert model.capacity(shape, 4) == 4
+    assert model.next_size_to_try(shape, 4) is None  # 8 and 16 look measured: no gain
+    clock.now += RETRY_AFTER_S / 2
+    assert model.next_size_to_try(shape, 4) is None  # not stale yet: too recent
+    clock.now += RETRY_AFTER_S
+    assert model.next_size_to_try(shape, 4) == 8  # stale: tried again
+    assert model.num_samples(shape, 8, 4) == 0  # its old waves are forgotten
+    assert model.capacity(shape, 4) == 4  # (forgetting a rung that gained nothing)
+    for _ in range(MIN_SAMPLES):
+        model.observe(shape, 8, 4, 8 * 42.0, served=True)
+    assert model.capacity(shape, 4) == 8
+    assert model.next_size_to_try(shape, 4) == 16  # stale as well: measured afresh
+    for _ in range(MIN_SAMPLES):
+        model.observe(shape, 16, 4, 16 * 38.0, served=True)
+    assert model.capacity(shape, 4) == 16
+
+
+def test_a_rung_that_keeps_gaining_nothing_is_retried_ever_more_rarely():
+    clock = Clock()
+    model = WaveCostModel(limit=32, clock=clock)
+
+    def run_waves(size: int, count: int) -> None:
+        for _ in range(count):
+            model.observe(SHAPE, size, 4, size * 40.0)  # no gain at any size
+
+    run_waves(8, MIN_SAMPLES)
+    run_waves(4, RETRY_AFTER_WAVES)
+    clock.now += RETRY_AFTER_S
+    assert model.next_size_to_try(SHAPE, 4) == 8  # first retry
+    run_waves(8, MIN_SAMPLES)  # confirms: no gain
+    run_waves(4, RETRY_AFTER_WAVES)
+    clock.now += RETRY_AFTER_S
+    assert model.next_size_to_try(SHAPE, 4) is None  # the second waits twice as long
+    run_waves(4, RETRY_AFTER_WAVES)
+    clock.now += RETRY_AFTER_S
+    assert model.next_size_to_try(SHAPE, 4) == 8
+
+
+def test_a_rung_that_ran_within_a_few_waves_is_not_retried():
+    """Time alone does not make a rung stale: a slow model runs few waves a minute, and
+    retrying after every minute would make most of its waves trials."""
+    clock = Clock()
+    model = WaveCostModel(limit=32, clock=clock)
+    for _ in range(MIN_SAMPLES):
+        model.observe(SHAPE, 4, 4, 4 * 40.0)
+        model.observe(SHAPE, 8, 4, 8 * 40.0)  # no gain
+    clock.now += 10 * RETRY_AFTER_S
+    model.observe(SHAPE, 4, 4, 4 * 40.0)
+    assert model.capacity(SHAPE, 4) == 4 and model.next_size_to_try(SHAPE, 4) is None
 
 
 def test_waves_near_a_rung_count_for_it():
