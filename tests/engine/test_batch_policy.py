@@ -271,6 +271,7 @@ def test_a_backlog_beyond_capacity_tries_the_next_doubling():
     p = policy(clock)
     teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a try
     assert p.capacity(key()) == 4
+    p.observe_arrivals(1, busy=True)  # the backlog is still being fed
     # a trial that takes the whole backlog runs at once: it delays nobody behind it
     assert p.capacity(key(), num_waiting=8) == 8
     assert p.capacity(key(), num_waiting=6) == 6  # no bigger than the backlog
@@ -289,7 +290,12 @@ def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
     assert p.capacity(key(), num_waiting=16) == 4
     clock.now += wave_s * 0.9  # not yet two waves deep
     assert p.capacity(key(), num_waiting=12) == 4
-    # ... until it drains to the trial size: the trial runs last
+    # ... and its rest, which no arrival joins any more, drains in waves of the
+    # capacity: a trial of all of it would answer its first half a wave later
+    assert p.capacity(key(), num_waiting=8) == 4
+    # a backlog of the trial size that arrivals still feed runs it at once
+    p.observe_arrivals(1, busy=True)
+    clock.now += wave_s * 0.5
     assert p.capacity(key(), num_waiting=8) == 8
     # a new backlog starts its count afresh
     clock.now += wave_s * 10
