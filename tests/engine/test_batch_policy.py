@@ -21,6 +21,7 @@ from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
 from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+from tests.clock import ManualClock
 
 INFO = PipelineInfo(name="P", default_height=64, default_width=64,
                     default_num_inference_steps=4, default_guidance_scale=5.0, size_multiple=8)
@@ -36,13 +37,6 @@ def tiny_sd_like(size: int) -> float:
     """Wave ms shaped like tiny-sd at 64x64 here: a fixed cost amortised by the wave."""
     return 40.0 + 7.0 * size
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- the wait rule, on numbers ---------------------------------------------------------
@@ -150,7 +144,7 @@ def test_a_curve_that_dips_at_a_bigger_size_does_not_make_waiting_look_free():
                        capacity=8, wait_bound_ms=101.0).target == 8
 
 def test_arrival_rate_from_gaps_between_events():
-    clock = Clock()
+    clock = ManualClock()
     rate = ArrivalRate(clock)
     assert rate.rate_per_s() == 0.0  # one event says nothing about a rate
     rate.observe()
@@ -165,7 +159,7 @@ def test_arrival_rate_from_gaps_between_events():
 def test_a_pause_is_not_averaged_into_the_stream_after_it():
     """A burst after a quiet spell reads as a burst from its second arrival: the
     spell's gap (seconds) is no part of either stream."""
-    clock = Clock()
+    clock = ManualClock()
     rate = ArrivalRate(clock)
     for _ in range(10):  # one request a second
         rate.observe()
@@ -188,7 +182,7 @@ def test_a_closed_loops_silence_while_its_requests_run_is_no_pause():
     ms, then silence while the next wave runs. That silence is the load, not a pause:
     mid-clump, the sustained rate is the loop's 16/s, not the clump's 9 so far."""
     def loop(busy: bool) -> ArrivalRate:
-        clock = Clock()
+        clock = ManualClock()
         rate = ArrivalRate(clock)
         for _ in range(8):
             for _ in range(16):
@@ -206,7 +200,7 @@ def test_a_closed_loops_silence_while_its_requests_run_is_no_pause():
 
 
 def test_a_list_of_prompts_is_one_event_not_a_burst():
-    clock = Clock()
+    clock = ManualClock()
     rate = ArrivalRate(clock)
     rate.observe(32)  # one `generate` call with 32 prompts
     assert rate.rate_per_s() == 0.0
@@ -218,9 +212,9 @@ def test_a_list_of_prompts_is_one_event_not_a_burst():
 # -- the policy --------------------------------------------------------------------------
 
 
-def policy(clock: Clock | None = None, **options) -> BatchPolicy:
+def policy(clock: ManualClock | None = None, **options) -> BatchPolicy:
     config = EngineConfig.from_options(model="fake", **options)
-    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or Clock())
+    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or ManualClock())
 
 
 def teach(p: BatchPolicy, wave_ms=tiny_sd_like, sizes=(1, 2, 4, 8, 16, 32)) -> None:
@@ -267,7 +261,7 @@ def test_auto_capacity_follows_the_learned_curve_per_shape():
 
 
 def test_a_backlog_beyond_capacity_tries_the_next_doubling():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a try
     assert p.capacity(key()) == 4
@@ -280,7 +274,7 @@ def test_a_backlog_beyond_capacity_tries_the_next_doubling():
 
 
 def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p, sizes=(1, 2, 4))  # capacity 4, trial 8
     wave_s = tiny_sd_like(4) / 1000.0
@@ -308,7 +302,7 @@ def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
 
 
 def test_auto_capacity_follows_the_load_below_saturation():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p)  # capacity 32
     for _ in range(160):  # 80 requests/s for 2 s
@@ -335,7 +329,7 @@ def test_the_load_rule_trusts_what_served_waves_took_over_the_calibration():
     enough for the load. Once four served waves of about 16 show what they deliver,
     the capacity holds; waves the engine serves at the calibrated speed keep the
     split."""
-    clock = Clock()
+    clock = ManualClock()
 
     def loaded(served_ms_of_16: float) -> BatchPolicy:
         p = policy(clock)
@@ -364,7 +358,7 @@ def test_the_load_rule_trusts_what_served_waves_took_over_the_calibration():
 
 
 def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p)
     for _ in range(3):  # a burst: an arrival every 0.5 ms
@@ -391,19 +385,19 @@ def test_no_wait_under_a_steady_sustained_load_but_a_burst_waits():
     still waits for its last requests (they are milliseconds away)."""
     per_image_ms = tiny_sd_like(32) / 32  # at the capacity (32) here
 
-    def steady(p: BatchPolicy, clock: Clock, share: float) -> None:
+    def steady(p: BatchPolicy, clock: ManualClock, share: float) -> None:
         gap_s = per_image_ms / 1000.0 / share  # `share` of what the worker can serve
         for _ in range(int(SUSTAINED_WINDOW_S / gap_s)):
             p.observe_arrivals(1)
             clock.now += gap_s
 
-    def burst(p: BatchPolicy, clock: Clock) -> None:
+    def burst(p: BatchPolicy, clock: ManualClock) -> None:
         for _ in range(40):  # an arrival every 0.5 ms
             p.observe_arrivals(1)
             clock.now += 0.0005
 
     def plans(load: float | None, then_burst: bool) -> list:
-        clock = Clock()
+        clock = ManualClock()
         p = policy(clock)
         teach(p)
         if load is not None:
@@ -428,7 +422,7 @@ def test_an_idle_servers_first_request_holds_briefly_for_a_burst_behind_it():
     for a second, and the wave goes on collecting while they keep coming that close,
     up to the capacity and the wait's bound. Where waves have no fixed cost to share,
     it starts at once."""
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p)  # capacity 32, a wave of one 47 ms
     p.observe_arrivals(1)
@@ -463,7 +457,7 @@ def test_a_burst_at_an_idle_server_is_not_split_by_the_load_rule():
     def fixed_cost(size: int) -> float:
         return 150.0 + 15.0 * size  # capacity 32; 24 per second need waves of 16
 
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p, wave_ms=fixed_cost)
     assert p.capacity(key()) == 32
@@ -481,7 +475,7 @@ def test_a_load_counts_as_load_from_its_first_second():
     """A steady stream at 0.6 of the capacity's throughput that began 1.5 s ago, after a
     quiet spell: its waves start at once (measured over the whole 5 s window it would
     read as 0.18 of the throughput, and the rule would wait for more)."""
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p)
     p.observe_arrivals(1)
@@ -494,7 +488,7 @@ def test_a_load_counts_as_load_from_its_first_second():
 
 
 def test_the_sustained_rate_counts_the_window_or_the_streams_age():
-    clock = Clock()
+    clock = ManualClock()
     rate = ArrivalRate(clock)
     rate.observe(10)
     assert rate.sustained_rate_per_s() == 10 / MIN_SUSTAINED_SPAN_S  # spread over a second
@@ -518,7 +512,7 @@ def test_the_sustained_rate_counts_the_window_or_the_streams_age():
 
 
 def test_no_wait_before_anything_is_learned():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     for _ in range(5):
         p.observe_arrivals(1)
@@ -561,7 +555,7 @@ def test_bad_values_name_the_option(options, message):
 
 def test_announced_requests_are_waited_for_briefly():
     """A burst whose bodies are still being read: the first request does not go alone."""
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p)
     p.observe_arrivals(1)
@@ -651,7 +645,7 @@ def test_fixed_step_capacity_is_never_exceeded():
 
 
 def test_arrivals_before_serving_do_not_count():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock)
     teach(p)
     p.serving = False  # the start-up warm-up request arrives

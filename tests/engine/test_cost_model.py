@@ -12,6 +12,7 @@ from diffbatch.engine.cost_model import (
     WaveCostModel,
     capacity_from_curve,
 )
+from tests.clock import ManualClock
 
 SHAPE = Shape(64, 64, 1, True)
 
@@ -188,13 +189,6 @@ def test_next_size_to_try_grows_the_curve_while_gains_continue():
     assert limited.next_size_to_try(SHAPE) is None  # the limit stops exploring
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def test_a_rung_measured_in_a_slow_spell_is_measured_afresh_once_stale():
     """Waves of 8 and 16 that ran while the machine was busy (tiny-sd 128x128: 73-81
@@ -202,7 +196,7 @@ def test_a_rung_measured_in_a_slow_spell_is_measured_afresh_once_stale():
     capacity at 4 for good: once they are `RETRY_AFTER_S` and `RETRY_AFTER_WAVES`
     waves old, the next doubling is tried again, and what the fresh waves show
     decides."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     model = WaveCostModel(limit=32, clock=clock)
     shape = Shape(128, 128, 1, True)
     for _ in range(MIN_SAMPLES):  # the slow spell
@@ -228,7 +222,7 @@ def test_a_rung_measured_in_a_slow_spell_is_measured_afresh_once_stale():
 
 
 def test_a_rung_that_keeps_gaining_nothing_is_retried_ever_more_rarely():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     model = WaveCostModel(limit=32, clock=clock)
 
     def run_waves(size: int, count: int) -> None:
@@ -251,7 +245,7 @@ def test_a_rung_that_keeps_gaining_nothing_is_retried_ever_more_rarely():
 def test_a_rung_that_ran_within_a_few_waves_is_not_retried():
     """Time alone does not make a rung stale: a slow model runs few waves a minute, and
     retrying after every minute would make most of its waves trials."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     model = WaveCostModel(limit=32, clock=clock)
     for _ in range(MIN_SAMPLES):
         model.observe(SHAPE, 4, 4, 4 * 40.0)

@@ -13,14 +13,7 @@ from diffbatch import (
     SamplingParamsKey,
 )
 from diffbatch.sched.grouped import GroupedScheduler
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import ManualClock
 
 
 def make_request(rid: str, size: int = 64, priority: int = 0, arrival: float = 1000.0,
@@ -46,14 +39,14 @@ def run_all(sched) -> list[list[str]]:
 
 
 def test_looks_past_an_incompatible_head():
-    sched = GroupedScheduler(3, clock=Clock())
+    sched = GroupedScheduler(3, clock=ManualClock(1000.0))
     for rid, size in [("A", 64), ("B", 128), ("C", 64), ("D", 64)]:
         sched.add_request(make_request(rid, size))
     assert run_all(sched) == [["A", "C", "D"], ["B"]]
 
 
 def test_a_steady_stream_cannot_starve_a_different_group():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     sched = GroupedScheduler(2, max_head_wait_ms=100, clock=clock)
     sched.add_request(make_request("big", 128, arrival=clock.now, priority=1))
     waves, i = [], 0
@@ -74,7 +67,7 @@ def test_a_steady_stream_cannot_starve_a_different_group():
 
 
 def test_pixel_cap_splits_waves():
-    sched = GroupedScheduler(8, max_wave_pixels=3 * 64 * 64, clock=Clock())
+    sched = GroupedScheduler(8, max_wave_pixels=3 * 64 * 64, clock=ManualClock(1000.0))
     for i in range(7):
         sched.add_request(make_request(f"r{i}"))
     waves = []
@@ -88,7 +81,7 @@ def test_pixel_cap_splits_waves():
 
 
 def test_priorities_order_groups_and_equal_priority_keeps_arrival_order():
-    sched = GroupedScheduler(4, clock=Clock())
+    sched = GroupedScheduler(4, clock=ManualClock(1000.0))
     sched.add_request(make_request("low-64", 64, priority=5))
     sched.add_request(make_request("hi-128", 128, priority=0))
     sched.add_request(make_request("mid-256", 256, priority=1))
@@ -98,7 +91,7 @@ def test_priorities_order_groups_and_equal_priority_keeps_arrival_order():
 
 
 def test_abort_in_grouped_queue():
-    sched = GroupedScheduler(4, clock=Clock())
+    sched = GroupedScheduler(4, clock=ManualClock(1000.0))
     for rid in "abc":
         sched.add_request(make_request(rid))
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
@@ -107,7 +100,7 @@ def test_abort_in_grouped_queue():
 
 
 def test_schedule_stays_cheap_with_ten_thousand_waiting():
-    sched = GroupedScheduler(8, clock=Clock())
+    sched = GroupedScheduler(8, clock=ManualClock(1000.0))
     sizes = [64, 128, 256, 512]
     for i in range(10_000):
         sched.add_request(make_request(f"r{i}", sizes[i % 4]))
@@ -132,7 +125,7 @@ def test_fifo_policy_is_unchanged_by_the_grouped_option():
 
 
 def test_has_full_wave_counts_the_next_group_up_to_capacity_or_pixel_cap():
-    sched = GroupedScheduler(4, max_wave_pixels=2 * 128 * 128, clock=Clock())
+    sched = GroupedScheduler(4, max_wave_pixels=2 * 128 * 128, clock=ManualClock(1000.0))
     sched.add_request(make_request("big0", 128))
     sched.add_request(make_request("s0"))
     assert not sched.has_full_wave()  # the best group (big) holds 1 of the 2 the cap allows

@@ -14,6 +14,7 @@ from PIL import Image
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.image_store import ImageStore, ImageStoreFullError
+from tests.clock import ManualClock
 from tests.entrypoints.openai.conftest import app_client
 from tests.entrypoints.openai.test_input_validation import assert_openai_error
 from tests.fake_pipelines import FakeBatchPipeline
@@ -22,17 +23,10 @@ ROUTE = "/v1/images/generations"
 KEY = {"Authorization": "Bearer k"}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 # -- the store -------------------------------------------------------------------------------
 def test_images_expire_after_their_ttl() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     store = ImageStore(max_bytes=1000, ttl_s=60, clock=clock)
     first = store.put(b"a" * 10, "png")
     clock.now += 30
@@ -49,7 +43,7 @@ def test_images_expire_after_their_ttl() -> None:
 
 
 def test_the_oldest_images_make_room_and_one_too_large_is_refused() -> None:
-    store = ImageStore(max_bytes=25, ttl_s=60, clock=Clock())
+    store = ImageStore(max_bytes=25, ttl_s=60, clock=ManualClock(100.0))
     ids = [store.put(bytes([i]) * 10, "png") for i in range(3)]
     assert [store.get(i) is not None for i in ids] == [False, True, True]
     assert store.num_bytes == 20
@@ -59,7 +53,7 @@ def test_the_oldest_images_make_room_and_one_too_large_is_refused() -> None:
 
 
 def test_the_images_of_one_answer_are_kept_together() -> None:
-    store = ImageStore(max_bytes=25, ttl_s=60, clock=Clock())
+    store = ImageStore(max_bytes=25, ttl_s=60, clock=ManualClock(100.0))
     old = store.put(b"o" * 10, "png")
     ids = store.put_all([b"a" * 10, b"b" * 10], "png")
     assert store.get(old) is None  # older images make room, never one of the answer's
