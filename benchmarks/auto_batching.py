@@ -74,6 +74,7 @@ import math
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -188,14 +189,27 @@ def server_specs(model: str, settings: list[Setting], threads: int | None) -> li
     return specs
 
 
+def wave_log(server: harness.Server, after: int | None = None) -> dict[str, Any]:
+    """`GET /v1/waves` of `server` (the waves after `after`; all it keeps when None)."""
+    query = "" if after is None else f"?after={after}"
+    with urllib.request.urlopen(f"{server.base_url}/v1/waves{query}", timeout=10) as response:
+        return json.load(response)
+
+
 def bench(server: harness.Server, size: int, steps: int, **load: Any) -> dict[str, Any]:
-    """One run of `load` against `server`; the figures this benchmark keeps."""
+    """One run of `load` against `server`; the figures this benchmark keeps, and the
+    waves it ran as `[size, forward ms, admission]` (as many as the server's wave log
+    kept)."""
     config = BenchConfig(base_url=server.base_url, width=size, height=size, steps=steps,
                          disable_tqdm=True, **load)
     cpu = server.cpu_seconds()
+    last_wave = wave_log(server)["last_id"]
     report = run_benchmark(config)
     metrics = report.get("server_metrics") or {}
+    waves = [[w["num_requests"], round(w["forward_ms"], 1), w["admission"]]
+             for w in wave_log(server, last_wave)["data"]]
     return {
+        "waves": waves,
         "throughput_rps": report["request_throughput"],
         "p50_ms": report["p50_e2e_ms"],
         "p99_ms": report["p99_e2e_ms"],
@@ -228,6 +242,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{key}_rounds"] = [r.get(key) for r in runs]
     row["failed"] = sum(r["failed"] for r in runs)
     row["errors"] = [e for r in runs for e in r["errors"]][:3]
+    row["waves_rounds"] = [r.get("waves") for r in runs]
     return row
 
 

@@ -46,6 +46,11 @@ def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert {(r["load"], r["setting"]) for r in result["results"]} == {
         (load, name) for load in loads for name in report["settings"]}
     assert all(r["failed"] == 0 and r["throughput_rps"] > 0 for r in result["results"])
+    # the waves each run ran, from the server's wave log: every request in one of them
+    burst = {r["setting"]: r for r in result["results"] if r["load"] == "burst_3"}
+    for row in burst.values():
+        [waves] = row["waves_rounds"]
+        assert sum(size for size, _forward_ms, _admission in waves) == 3
     # each server's torch threads, as its /metrics said after each run (None before
     # the worker's first heartbeat); auto's calibration ran after that
     assert all(r["worker_torch_threads"] is None or r["worker_torch_threads"] >= 1
