@@ -8,8 +8,8 @@ default) it chooses both per shape, from the learned cost curve
 - capacity per shape comes from `WaveCostModel.capacity` (the wave size beyond
   which a bigger wave stops cutting the cost per image by 5%), bounded by the
   limit; with a backlog bigger than that, the next doubling is tried so the curve
-  keeps learning (`capacity`: at once when the trial wave takes the whole backlog
-  and arrivals still feed it, else only once the backlog has outlasted two waves);
+  keeps learning (`capacity`: once a backlog beyond the trial size has outlasted
+  two waves);
 - below saturation a wave takes no more than the load needs (`wave_size_for_load`,
   rule below);
 - the admission wait follows the rule below.
@@ -344,12 +344,6 @@ class ArrivalRate:
             count = sum(n for at, n in self._recent if at >= start)
             return count / max(now - start, min_span_s)
 
-    def seconds_since_last(self) -> float | None:
-        """Seconds since the last arrival event (None before the first)."""
-        with self._lock:
-            last = self._last
-        return None if last is None else self.clock() - last
-
     def came_after_quiet(self) -> bool:
         """Whether the last arrival event came after `SUSTAINED_WINDOW_S` without any,
         or was the first ever: an idle server's first request, of a stream whose rate
@@ -440,13 +434,16 @@ class BatchPolicy:
         splitting the backlog pays (`wave_size_for_load`; no trial runs then: the load
         does not need more throughput). With a backlog beyond the capacity, a wave of
         the next untried doubling (`WaveCostModel.next_size_to_try`) measures whether it
-        pays, so the curve keeps learning. The trial runs at once when it takes the
-        whole backlog and arrivals still feed that backlog (`_still_fed`): it then
-        delays nobody behind it. A backlog beyond the trial size must first outlast
-        `SUSTAINED_BACKLOG_WAVES` waves of the capacity: under a sustained overload the
-        throughput the trial may find is worth its latency. A burst drains before
-        that, and its rest, which nothing feeds, runs in waves of the capacity (a burst
-        of 64 at capacity 16: four waves of 16).
+        pays, so the curve keeps learning: once a backlog beyond the trial size has
+        outlasted `SUSTAINED_BACKLOG_WAVES` waves of the capacity (a sustained
+        overload, where the throughput the trial may find is worth its latency). A
+        backlog no bigger than the trial runs in waves of the capacity: a trial of all
+        of it would answer its first half a wave later (a burst of 64 at capacity 16 on
+        tiny-sd 128x128 ran as 16, 16 and a trial of 32 that took 1.2-1.8 s, where a
+        third wave of 16 answers half of those 32 requests 0.6-0.9 s sooner, for a
+        wave ~3% cheaper per image; a load the capacity cannot keep up with grows its
+        backlog beyond the trial size, and a closed loop's trial is held for by
+        `_hold_for_returning`).
         """
         capacity = self._learned_capacity(key)
         if key is None or not self.batching or not self.config.auto_capacity:
@@ -471,31 +468,16 @@ class BatchPolicy:
             return size
         trial = (self.cost.next_size_to_try(shape, key.num_denoising_steps)
                  if num_waiting > capacity else None)
-        capacity_ms = wave_ms(capacity)
         with self._lock:
             if trial is None or num_waiting <= trial:
                 self._deep_backlog_since.pop(shape, None)
-                if trial is None:
-                    return capacity
-                # the whole backlog as the trial, where arrivals still feed it
-                return num_waiting if self._still_fed(capacity_ms) else capacity
+                return capacity
             since = self._deep_backlog_since.setdefault(shape, now)
+        capacity_ms = wave_ms(capacity)
         if not math.isfinite(capacity_ms) or (
                 (now - since) * 1000.0 >= SUSTAINED_BACKLOG_WAVES * capacity_ms):
             return trial
         return capacity
-
-    def _still_fed(self, capacity_ms: float) -> bool:
-        """Whether a request arrived within the last wave time of the capacity
-        (`capacity_ms`): a backlog nothing joined for that long is the rest of a burst
-        draining, and a trial wave of all of it would hold back the half that a wave
-        of the capacity answers sooner (a burst of 64 at capacity 16, tiny-sd 128x128:
-        with 16, 16 and a trial of 32 in 1.3 s, half of the last 32 requests were
-        answered 0.65 s later than by a third wave of 16, for a wave ~3% cheaper per
-        image)."""
-        since_s = self.arrivals.seconds_since_last()
-        return since_s is not None and (
-            not math.isfinite(capacity_ms) or since_s * 1000.0 < capacity_ms)
 
     def _wave_ms(self, shape: Shape, steps: int) -> Callable[[int], float]:
         """The learned wave time of `shape` at `steps` by size (inf where nothing is

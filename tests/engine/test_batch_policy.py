@@ -265,12 +265,15 @@ def test_a_backlog_beyond_capacity_tries_the_next_doubling():
     p = policy(clock)
     teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a try
     assert p.capacity(key()) == 4
-    p.observe_arrivals(1, busy=True)  # the backlog is still being fed
-    # a trial that takes the whole backlog runs at once: it delays nobody behind it
-    assert p.capacity(key(), num_waiting=8) == 8
-    assert p.capacity(key(), num_waiting=6) == 6  # no bigger than the backlog
+    wave_s = tiny_sd_like(4) / 1000.0
+    assert p.capacity(key(), num_waiting=20) == 4
+    clock.now += 2 * wave_s  # a backlog beyond the trial size that lasts: try 8
+    assert p.capacity(key(), num_waiting=20) == 8
     p.observe_wave(key(), 8, tiny_sd_like(8))
-    assert p.capacity(key(), num_waiting=16) == 16  # 8 paid too: try 16
+    assert p.capacity(key(), num_waiting=40) == 8  # 8 paid too: 16 next, once the
+    clock.now += 2 * tiny_sd_like(8) / 1000.0  # backlog has lasted two waves of 8
+    assert p.capacity(key(), num_waiting=40) == 16
+    assert p.capacity(key(), num_waiting=16) == 8  # no bigger than the trial: no trial
 
 
 def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
@@ -284,13 +287,12 @@ def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
     assert p.capacity(key(), num_waiting=16) == 4
     clock.now += wave_s * 0.9  # not yet two waves deep
     assert p.capacity(key(), num_waiting=12) == 4
-    # ... and its rest, which no arrival joins any more, drains in waves of the
-    # capacity: a trial of all of it would answer its first half a wave later
+    # ... and so does its rest: a trial of all of it would answer its first half a
+    # wave later
     assert p.capacity(key(), num_waiting=8) == 4
-    # a backlog of the trial size that arrivals still feed runs it at once
-    p.observe_arrivals(1, busy=True)
-    clock.now += wave_s * 0.5
-    assert p.capacity(key(), num_waiting=8) == 8
+    assert p.capacity(key(), num_waiting=6) == 4
+    p.observe_arrivals(1, busy=True)  # whether or not arrivals still join it
+    assert p.capacity(key(), num_waiting=8) == 4
     # a new backlog starts its count afresh
     clock.now += wave_s * 10
     assert p.capacity(key(), num_waiting=30) == 4

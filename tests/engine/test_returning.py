@@ -13,10 +13,11 @@ from diffbatch.engine.returning import (
     UNTOLD_WAVES_FORGET,
     ReturningClients,
 )
-from tests.engine.test_batch_policy import Clock, key, policy, teach, tiny_sd_like
+from tests.clock import ManualClock
+from tests.engine.test_batch_policy import key, policy, teach, tiny_sd_like
 
 
-def closed_loop(clients: ReturningClients, clock: Clock, sizes: list[int],
+def closed_loop(clients: ReturningClients, clock: ManualClock, sizes: list[int],
                 cycle_s: float = 0.8, return_gap_s: float = 0.001,
                 steady_rate: float = 20.0) -> None:
     """Waves of `sizes` answered one after another; each wave's clients come back one
@@ -32,7 +33,7 @@ def closed_loop(clients: ReturningClients, clock: Clock, sizes: list[int],
 def test_a_closed_loops_clients_are_expected_back_after_their_answers():
     """16 clients back 1 ms apart after each wave's answers: once two waves showed it,
     the clients of the newest one are due 16 ms after it, waited for up to 24 ms."""
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [16] * ANSWERS_KEPT)
     assert clients.expected() is None  # nobody answered a moment ago
@@ -55,7 +56,7 @@ def test_a_closed_loops_clients_are_expected_back_after_their_answers():
 def test_the_window_follows_how_long_the_clients_took():
     """Clients 10 ms apart (a slower machine) are waited for longer, up to the cap."""
     for gap_s, window_ms in ((0.010, RETURN_SLACK * 160.0), (0.030, MAX_RETURN_WINDOW_MS)):
-        clock = Clock()
+        clock = ManualClock()
         clients = ReturningClients(clock)
         closed_loop(clients, clock, [16] * ANSWERS_KEPT, return_gap_s=gap_s, cycle_s=2.0,
                     steady_rate=8.0)
@@ -66,7 +67,7 @@ def test_the_window_follows_how_long_the_clients_took():
 
 
 def test_one_closed_loop_wave_is_not_enough():
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [16] * (ANSWERS_KEPT - 1))
     clients.answered(16, 20.0)
@@ -76,7 +77,7 @@ def test_one_closed_loop_wave_is_not_enough():
 def test_an_open_stream_is_never_expected_back():
     """Arrivals every 50 ms whatever the answers (20/s), waves of 8 answered every
     400 ms: a window after an answer holds one arrival at most, as any window does."""
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     for step in range(400):  # 20 s in 5 ms steps
         if step % 80 == 0:
@@ -90,7 +91,7 @@ def test_an_open_stream_is_never_expected_back():
 def test_a_crowd_the_steady_stream_explains_is_no_loop():
     """8 arrivals after each wave of 8, but 5 ms apart, as a steady 200/s brings them
     anyway: no loop to wait for."""
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [8] * 3, return_gap_s=0.005, steady_rate=200.0)
     clients.answered(8, 200.0)
@@ -100,7 +101,7 @@ def test_a_crowd_the_steady_stream_explains_is_no_loop():
 def test_waves_too_small_to_tell_do_not_break_the_loop():
     """Waves of 1 and 15 in turn (16 clients): a wave of one says nothing, the waves
     of 15 show the loop, and after either the rest of the loop is expected back."""
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [15, 1, 15, 1])
     clients.answered(1, 20.0)
@@ -114,7 +115,7 @@ def test_waves_that_tell_nothing_for_long_forget_a_chance_loop():
     """Two waves whose arrivals crowded after their answers, as an open stream's now
     and then do by chance, then waves too small to tell (an open stream's usual): the
     chance is forgotten after `UNTOLD_WAVES_FORGET` of them, not kept for good."""
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [16] * ANSWERS_KEPT)
     for untold in range(UNTOLD_WAVES_FORGET + 1):
@@ -134,7 +135,7 @@ def test_waves_that_tell_nothing_for_long_forget_a_chance_loop():
 
 
 def test_a_loop_that_stops_costs_one_window():
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [16] * ANSWERS_KEPT)
     clients.answered(16, 20.0)  # nobody comes back this time
@@ -149,7 +150,7 @@ def test_answers_before_the_clients_came_back_tell_nothing():
     """A wave answered right behind another (it was queued at the worker), before the
     first one's clients were back: the first one's count was cut short, so it does
     not count against the loop."""
-    clock = Clock()
+    clock = ManualClock()
     clients = ReturningClients(clock)
     closed_loop(clients, clock, [16] * ANSWERS_KEPT)
     clients.answered(16, 20.0)
@@ -167,7 +168,7 @@ def test_answers_before_the_clients_came_back_tell_nothing():
 # -- in the admission wait ---------------------------------------------------------------
 
 
-def serve_loop(p, clock: Clock, clients: int = 16, return_gap_s: float = 0.001,
+def serve_loop(p, clock: ManualClock, clients: int = 16, return_gap_s: float = 0.001,
                cycle_s: float = 0.25, answers_seen: bool = True) -> None:
     """20 waves of a loop of `clients`, `cycle_s` apart, each one's clients back
     `return_gap_s` apart after its answers, then the next wave's answers; the policy
@@ -183,7 +184,7 @@ def serve_loop(p, clock: Clock, clients: int = 16, return_gap_s: float = 0.001,
         p.observe_answers(clients)
 
 
-def first_back(p, clock: Clock):
+def first_back(p, clock: ManualClock):
     """The plan for the loop's first client back, 3 ms after the last answers."""
     clock.now += 0.003
     p.observe_arrivals(1)
@@ -196,7 +197,7 @@ def test_the_admission_wait_holds_for_a_closed_loops_clients():
     the answers, the first client back does not start alone: the wave waits, within
     the window, for the 15 on their way."""
     def plan(answers_seen: bool):
-        clock = Clock()
+        clock = ManualClock()
         p = policy(clock, max_num_seqs=16)
         teach(p)
         serve_loop(p, clock, answers_seen=answers_seen)
@@ -216,7 +217,7 @@ def test_a_young_open_streams_first_waves_are_no_loop():
     requests right after each answer as a loop's clients coming back, twice in a row;
     over the stream's own age they are the stream's 48/s. No clients are expected
     back, and the admission wait holds for none."""
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock, max_num_seqs=16)
     teach(p)
     clock.now += 60.0
@@ -230,7 +231,7 @@ def test_a_young_open_streams_first_waves_are_no_loop():
 
 
 def test_the_returns_hold_never_grows_a_wave_past_the_capacity():
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock, max_num_seqs=8)
     teach(p)
     for _ in range(ANSWERS_KEPT + 1):
@@ -262,7 +263,7 @@ def test_holding_pays_where_one_wave_turns_the_loop_faster():
 def test_no_hold_where_it_does_not_pay():
     """The loop of the test above on a curve without a fixed cost: the clients come
     back, but one wave of them all would not run faster; the first starts at once."""
-    clock = Clock()
+    clock = ManualClock()
     p = policy(clock, max_num_seqs=16)
     teach(p, wave_ms=lambda size: 10.0 * size, sizes=(1, 2, 4, 8, 16) * 4)
     serve_loop(p, clock)
@@ -277,7 +278,7 @@ def test_a_loop_of_twice_the_capacity_tries_the_next_size():
     wave's 8 on their way back, the wave waits for them as a trial of 16; once 16 has
     been measured, the curve decides."""
     def next_wave(answers_seen: bool, sizes=(1, 2, 4, 8), wave_ms=tiny_sd_like):
-        clock = Clock()
+        clock = ManualClock()
         p = policy(clock)
         teach(p, wave_ms=wave_ms, sizes=sizes)
         # waves of 8 every 0.3 s, their clients back 2 ms apart
@@ -305,7 +306,7 @@ def test_a_wave_measured_too_few_times_is_held_for_until_it_is_known():
     loop of 16 at waves of 1 and 15 for good: until 16 is measured `MIN_SAMPLES`
     times the loop holds for it; measured that slow every time, it does not."""
     def plan(num_slow_waves: int):
-        clock = Clock()
+        clock = ManualClock()
         p = policy(clock, max_num_seqs=16)
         teach(p, sizes=(1, 2, 4, 8, 15) * 4)
         for _ in range(num_slow_waves):

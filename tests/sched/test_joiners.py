@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from diffbatch.sched.grouped import GroupedScheduler
 from diffbatch.sched.scheduler import Scheduler
-from tests.sched.test_grouped import Clock, make_request
+from tests.clock import ManualClock
+from tests.sched.test_grouped import make_request
 
 
 def test_fifo_joiners_come_from_the_head_until_another_key_heads_the_queue():
@@ -19,7 +20,7 @@ def test_fifo_joiners_come_from_the_head_until_another_key_heads_the_queue():
 
 
 def test_grouped_joiners_pass_another_key_until_it_waited_max_head_wait_ms():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     sched = GroupedScheduler(8, max_head_wait_ms=100, clock=clock)
     sched.add_request(make_request("big", 128, arrival=clock.now))
     for rid in ("a", "b", "c"):
@@ -33,7 +34,7 @@ def test_grouped_joiners_pass_another_key_until_it_waited_max_head_wait_ms():
 
 
 def test_joiners_of_a_key_nobody_waits_for_are_none():
-    sched = GroupedScheduler(8, clock=Clock())
+    sched = GroupedScheduler(8, clock=ManualClock(1000.0))
     sched.add_request(make_request("a", 64))
     assert sched.schedule_joiners(make_request("x", 256).key, 4).is_empty
     assert sched.num_waiting == 1
