@@ -75,13 +75,13 @@ MIN_SAMPLES = 4  # a size with fewer observations is tried again before it is tr
 # and waves of its curve since) is measured afresh when a trial is due: its old
 # observations are dropped and it is tried `MIN_SAMPLES` times again; both double with
 # each retry of the rung (a rung that really gains nothing costs its trials' latency
-# ever more rarely). Measured on
-# tiny-sd at 128x128, 2 cores: waves of 8 and 16 that first ran while another server
-# loaded the machine took 73-81 ms per image, waves of 4 later 47; the capacity stayed
-# at 4 for the next six minutes of load (no wave above it ran again to correct the
-# curve), serving a closed loop of 32 clients at 19.7 requests/s where waves of 16
-# served 22-23. The wave count keeps a slow model (seconds per wave) from spending
-# most of its waves on trials; the time keeps a fast one from retrying every second.
+# ever more rarely). Measured on tiny-sd at 128x128, 2 cores: waves of 8 and 16 that
+# first ran while another server loaded the machine took 73-81 ms per image, waves of
+# 4 later 47; the capacity stayed at 4 for the next six minutes of load (no wave above
+# it ran again to correct the curve), serving a closed loop of 32 clients at 19.7
+# requests/s where waves of 16 served 22-23. The wave count keeps a slow model
+# (seconds per wave) from spending most of its waves on trials; the time keeps a fast
+# one from retrying every second.
 RETRY_AFTER_S = 60.0
 RETRY_AFTER_WAVES = 32
 
