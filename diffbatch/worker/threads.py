@@ -23,11 +23,11 @@ worker's environment:
   `PASSIVE`. The user's own `OMP_WAIT_POLICY` wins.
 
 The load changes while the worker serves, so a thread count chosen here is followed
-by the worker's `ThreadGovernor`, which measures the other processes' load every
-`GOVERN_INTERVAL_S` between waves (or ticks) and moves torch's thread count to the
-CPUs they leave free: down at once, up after two intervals in a row say so, or at once
-after the worker sat idle on a quiet machine. A thread count the user set is never
-changed.
+by the worker's `ThreadGovernor`, which measures the other processes' load while the
+worker computes (their CPU time during its waves or ticks) and every
+`GOVERN_INTERVAL_S` moves torch's thread count to the CPUs they leave free: down at
+once, up after two intervals in a row say so, or at once after the worker sat idle on
+a quiet machine. A thread count the user set is never changed.
 
 The choice is logged, and the start-up calibration then measures the wave times it
 gives (`diffbatch.engine.calibration`). On CUDA the forward runs on the GPU and
@@ -36,13 +36,17 @@ these settings only affect the CPU work around it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 LOAD_WINDOW_S = 0.2  # how long the executor watches the machine before starting a worker
 GOVERN_INTERVAL_S = 1.0  # how often a serving worker re-measures the machine's load
+# A decision waits until the worker's calls since the last one ran this share of an
+# interval: their load is what it goes by.
+MIN_BUSY_SHARE = 0.25
 # Set in the worker's environment when the executor chose its thread count: the most
 # threads the worker's `ThreadGovernor` may use (absent: the user's count, left alone).
 AUTO_THREADS_ENV = "DIFFBATCH_AUTO_THREADS"
@@ -127,84 +131,106 @@ def _int_or_none(text: str | None) -> int | None:
 class ThreadGovernor:
     """Torch's thread count, following the other processes' load (module docstring).
 
-    `poll()` is called between waves (or ticks): at most once per `interval_s` it
-    measures the load since the last measurement and sets the thread count with
-    `set_threads` when it should change. A measurement over more than two intervals
-    (the worker had nothing to do) can only give threads back, at once, and starts
-    the next interval.
+    The worker runs each call (or tick) inside `running()`. What counts is what other
+    processes take while the worker computes: that is what slows its threads down. Their
+    load while it sits idle says nothing about that, and on a server it is mostly the
+    server's own front end: a closed loop of clients is answered, encodes and sends its
+    next requests while the worker waits for them, one after the other (measured on 2
+    CPUs, tiny-sd 64x64, 16 clients: averaged over each second, the front end and the
+    clients kept 0.6 CPUs busy and the count flapped between 2 and 1 every second or
+    two, though nothing ran beside the waves).
+
+    At most once per `interval_s`, and once the calls since the last decision ran
+    `MIN_BUSY_SHARE` of an interval, the other processes' CPU time during those calls
+    over their length gives the load, and the thread count is set with `set_threads`
+    where it should change: down at once, up after two decisions in a row say so.
+    A gap of more than two intervals between calls (the worker had nothing to do) is
+    measured too, and can only give threads back, at once.
     """
 
     def __init__(self, max_threads: int, current: int, *,
                  set_threads: Callable[[int], None],
-                 load_since: Callable[[], float] | None = None,
+                 others_cpu_s: Callable[[], float] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  interval_s: float = GOVERN_INTERVAL_S,
                  log: Callable[[str], None] | None = None) -> None:
         self.max_threads = max(1, max_threads)
         self.threads = max(1, min(current, self.max_threads))
         self._set = set_threads
-        self._load_since = load_since or LoadMeter().other_load_since_last
+        self._others_cpu_s = others_cpu_s or others_cpu_seconds
         self._clock = clock
         self._interval_s = interval_s
         self._log = log
-        self._last = clock()
-        self._load_since()  # start the first interval now
-        self._ups = 0  # intervals in a row that asked for more threads
+        self._last = clock()  # the last decision
+        self._idle_since = (self._last, self._others_cpu_s())  # the last call's end
+        self._busy_s = 0.0  # time in calls since the last decision
+        self._busy_others_s = 0.0  # other processes' CPU time during them
+        self._ups = 0  # decisions in a row that asked for more threads
 
-    def poll(self) -> None:
-        now = self._clock()
-        elapsed = now - self._last
-        if elapsed < self._interval_s:
-            return
-        self._last = now
-        other = self._load_since()
-        target = threads_for(self.max_threads, other)
-        if elapsed > 2 * self._interval_s:
-            # The worker sat idle. A busy stretch says little about now (a benchmark's
-            # plain loop, say), so it takes no thread away. A quiet one gives back what
-            # the load took: bursts shorter than an interval with quiet between never
-            # make two busy intervals in a row, and a count set low at start-up beside
-            # a busy process stayed low for them (tiny-sd 64x64, bursts of 64: 72
-            # against 98 requests/s). A load that comes back takes them at the next
-            # interval.
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around one call (or tick): decide first, then measure while it runs."""
+        now, others = self._clock(), self._others_cpu_s()
+        self._decide(now, others)
+        try:
+            yield
+        finally:
+            end, end_others = self._clock(), self._others_cpu_s()
+            self._busy_s += end - now
+            self._busy_others_s += end_others - others
+            self._idle_since = (end, end_others)
+
+    def _decide(self, now: float, others: float) -> None:
+        idle_since, idle_others = self._idle_since
+        idle_s = now - idle_since
+        if idle_s > 2 * self._interval_s:
+            # The worker sat idle. A busy stretch says little about the next calls (a
+            # benchmark's plain loop, say), so it takes no thread away. A quiet one
+            # gives back what the load took: bursts shorter than an interval with quiet
+            # between never make two decisions in a row, and a count set low at
+            # start-up beside a busy process stayed low for them (tiny-sd 64x64, bursts
+            # of 64: 72 against 98 requests/s). A load that comes back takes them at
+            # the next decision.
+            target = threads_for(self.max_threads, max(0.0, others - idle_others) / idle_s)
             if target > self.threads:
-                self._change(target, other)
+                self._change(target, (others - idle_others) / idle_s, "while it was idle")
+            self._restart(now)
             self._ups = 0
             return
+        if now - self._last < self._interval_s or \
+                self._busy_s < MIN_BUSY_SHARE * self._interval_s:
+            return
+        other = max(0.0, self._busy_others_s / self._busy_s)
+        self._restart(now)
+        target = threads_for(self.max_threads, other)
         if target > self.threads:
             self._ups += 1
             if self._ups < 2:
                 return
         self._ups = 0
         if target != self.threads:
-            self._change(target, other)
+            self._change(target, other, "while it computed")
 
-    def _change(self, target: int, other: float) -> None:
+    def _restart(self, now: float) -> None:
+        self._last = now
+        self._busy_s = self._busy_others_s = 0.0
+
+    def _change(self, target: int, other: float, when: str) -> None:
         if self._log is not None:
             self._log(f"torch threads {self.threads} -> {target}: other processes kept "
-                      f"{other:.1f} of {self.max_threads} CPUs busy")
+                      f"{other:.1f} of {self.max_threads} CPUs busy {when}")
         self.threads = target
         self._set(target)
 
 
-class LoadMeter:
-    """The CPUs other processes kept busy between two readings (this process's own
-    CPU time left out), from /proc/stat; 0 where it cannot be read."""
-
-    def __init__(self) -> None:
-        self._last: tuple[int, float, float] | None = None
-
-    def other_load_since_last(self) -> float:
-        try:
-            reading = (_busy_ticks(), time.process_time(), time.monotonic())
-            ticks = os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, AttributeError):
-            return 0.0
-        last, self._last = self._last, reading
-        if last is None or reading[2] <= last[2]:
-            return 0.0
-        others = (reading[0] - last[0]) / ticks - (reading[1] - last[1])
-        return max(0.0, others / (reading[2] - last[2]))
+def others_cpu_seconds() -> float:
+    """CPU seconds the machine's other processes have used (all processes' non-idle
+    time from /proc/stat, less this process's own); only differences mean anything.
+    0 where /proc/stat cannot be read (the load then reads as none)."""
+    try:
+        return _busy_ticks() / os.sysconf("SC_CLK_TCK") - time.process_time()
+    except (OSError, ValueError, AttributeError):
+        return 0.0
 
 
 def usable_cpu_count(pinned: frozenset[int] | None = None) -> int:
@@ -257,10 +283,9 @@ def _cgroup_cpu_quota() -> float | None:
 
 def other_cpu_load(window_s: float = LOAD_WINDOW_S) -> float:
     """CPUs kept busy by other processes over the next `window_s` (0 where unknown)."""
-    meter = LoadMeter()
-    meter.other_load_since_last()  # the first reading starts the window
+    before, start = others_cpu_seconds(), time.monotonic()
     time.sleep(window_s)  # a measurement window, not a synchronisation
-    return meter.other_load_since_last()
+    return max(0.0, (others_cpu_seconds() - before) / (time.monotonic() - start))
 
 
 def _busy_ticks() -> int:
@@ -271,5 +296,6 @@ def _busy_ticks() -> int:
     return sum(fields[:8]) - idle
 
 
-__all__ = ["AUTO_THREADS_ENV", "LoadMeter", "ThreadChoice", "ThreadGovernor", "choose_threads",
-           "cpu_contention", "other_cpu_load", "threads_for", "usable_cpu_count"]
+__all__ = ["AUTO_THREADS_ENV", "ThreadChoice", "ThreadGovernor", "choose_threads",
+           "cpu_contention", "other_cpu_load", "others_cpu_seconds", "threads_for",
+           "usable_cpu_count"]

@@ -29,6 +29,7 @@ process is gone).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import logging
@@ -38,6 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -145,7 +147,7 @@ def worker_main(
     governor = _thread_governor(config)
     _serve(runner, conn, config.shm_threshold_bytes,
            heartbeat_interval_s(config.worker_stall_timeout_s), steps,
-           govern=governor.poll if governor is not None else _nothing,
+           govern=governor.running if governor is not None else contextlib.nullcontext,
            threads=_thread_count(governor))
     conn.close()
     logger.info("worker %d exiting", os.getpid())
@@ -173,10 +175,6 @@ def _thread_count(governor: ThreadGovernor | None) -> Callable[[], int]:
 
     fixed = torch.get_num_threads()
     return lambda: fixed
-
-
-def _nothing() -> None:
-    pass
 
 
 def _pin(worker_cpus: str) -> None:
@@ -311,10 +309,11 @@ def _beat(channel: _Channel, interval_s: float, stop: threading.Event,
 
 def _serve(runner: Any, conn: Connection, threshold_bytes: int,
            heartbeat_s: float = 0.0, steps: StepRunner | None = None,
-           govern: Callable[[], None] = _nothing,
+           govern: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
            threads: Callable[[], int] = lambda: 0) -> None:
     """Serve calls until a shutdown call or a closed pipe; see the module docstring.
-    `govern` runs before each call (and each tick): the thread governor's poll."""
+    Each call (and each tick) runs inside `govern()`: the thread governor's
+    `running`."""
     channel = _Channel(conn)
     inbox = Inbox()
     threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
@@ -353,13 +352,13 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
             elif call.method == "shutdown":
                 return
             else:
-                govern()
                 should_stop = functools.partial(should_stop_after_a_step, call.call_id)
                 on_partial_image = functools.partial(_send_partial_image, channel,
                                                      call.call_id,
                                                      threshold_bytes=threshold_bytes)
-                reply = _handle(runner, call, threshold_bytes, should_stop, on_partial_image,
-                                accepted)
+                with govern():
+                    reply = _handle(runner, call, threshold_bytes, should_stop,
+                                    on_partial_image, accepted)
                 inbox.done(call.call_id)
             if not _send_reply(channel, reply):
                 return
@@ -369,7 +368,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
 
 def serve_steps(
     steps: StepRunner, runner: Any, inbox: Inbox, send: Callable[[WorkerReply], bool],
-    threshold_bytes: int | None, govern: Callable[[], None] = _nothing,
+    threshold_bytes: int | None,
+    govern: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> None:
     """Step mode's loop: run ticks back to back while requests run, taking joins and
     cancels between ticks; each request is answered the tick it leaves the batch.
@@ -406,8 +406,8 @@ def serve_steps(
                     outputs={output.request_id: output}, num_forwards=0,
                     ticks=steps.take_ticks()))):
                 return
-        govern()
-        finished = steps.tick()
+        with govern():
+            finished = steps.tick()
         ticks = steps.take_ticks() if finished else []
         for i, (call_id, output) in enumerate(finished):
             result = BatchRunnerOutput(outputs={output.request_id: output},

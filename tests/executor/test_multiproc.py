@@ -780,12 +780,13 @@ def test_a_wave_that_keeps_finishing_steps_is_not_stuck_however_long_it_runs(tmp
 
 def test_the_worker_gives_up_torch_threads_to_busy_processes(monkeypatch) -> None:
     """With no thread setting of the user's, the worker's thread count follows the
-    machine: with every usable CPU kept busy by other processes it falls to one."""
+    machine: with every usable CPU kept busy by other processes while its waves run it
+    falls to one."""
     from diffbatch import Engine
     from diffbatch.worker.threads import usable_cpu_count
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test session's setting
-    engine = Engine(model=MODEL, pipeline_class="tests.fake_pipelines.FakeBatchPipeline",
+    engine = Engine(model=MODEL, pipeline_class="tests.fake_pipelines.BusyPipeline",
                     executor="mp", warmup=False, max_num_seqs=1, request_batch_max_wait_ms=0)
 
     def threads() -> float:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from diffbatch.worker.threads import (
     AUTO_THREADS_ENV,
     MAX_CONTENTION,
-    LoadMeter,
     ThreadGovernor,
     choose_threads,
     cpu_contention,
     other_cpu_load,
+    others_cpu_seconds,
     threads_for,
     usable_cpu_count,
 )
@@ -67,74 +67,105 @@ def test_machine_probes_answer_sane_numbers():
 
 
 class Machine:
-    """A driven clock and the other processes' load the governor will measure."""
+    """A driven clock and the CPU time the other processes use, as the governor reads
+    them; `work` runs one call inside the governor, `wait` passes time between calls."""
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.load = 0.0
+        self.others_s = 0.0
         self.set_to: list[int] = []
 
     def governor(self, max_threads: int = 2, current: int = 2) -> ThreadGovernor:
         return ThreadGovernor(max_threads, current, set_threads=self.set_to.append,
-                              load_since=lambda: self.load, clock=lambda: self.now)
+                              others_cpu_s=lambda: self.others_s, clock=lambda: self.now)
 
-    def after(self, seconds: float, governor: ThreadGovernor) -> int:
+    def pass_time(self, seconds: float, load: float) -> None:
         self.now += seconds
-        governor.poll()
+        self.others_s += load * seconds
+
+    def work(self, governor: ThreadGovernor, seconds: float, load: float = 0.0,
+             gap_s: float = 0.0, gap_load: float = 0.0, calls: int = 1) -> int:
+        """`calls` calls of `seconds` each with `load` beside them, after a gap of
+        `gap_s` with `gap_load`; the thread count after them."""
+        for _ in range(calls):
+            self.pass_time(gap_s, gap_load)
+            with governor.running():
+                self.pass_time(seconds, load)
         return governor.threads
 
 
 def test_the_governor_gives_up_threads_at_once_and_takes_them_back_slowly():
     m = Machine()
     g = m.governor()
-    assert m.after(0.5, g) == 2  # not due yet
-    m.load = 1.0  # a busy process appears
-    assert m.after(0.6, g) == 1 and m.set_to == [1]
-    m.load = 0.1  # it is gone: two intervals in a row must say so
-    assert m.after(1.5, g) == 1
-    m.load = 0.9  # back for a moment: the count of intervals starts again
-    assert m.after(1.5, g) == 1
-    m.load = 0.1
-    assert m.after(1.5, g) == 1
-    assert m.after(1.5, g) == 2 and m.set_to == [1, 2]
-    assert m.after(1.5, g) == 2 and m.set_to == [1, 2]  # no call without a change
+
+    def second(load: float) -> int:
+        """One second of calls with `load` beside them; the count the next call finds."""
+        m.work(g, 0.25, load=load, calls=4)
+        return m.work(g, 0.0)  # a call takes its decision before it runs
+
+    assert second(0.0) == 2
+    assert second(1.0) == 1 and m.set_to == [1]  # a busy process appears: down at once
+    assert second(0.1) == 1  # it is gone: two decisions in a row must say so
+    assert second(0.9) == 1  # back for a moment: counted afresh
+    assert second(0.1) == 1
+    assert second(0.1) == 2 and m.set_to == [1, 2]
+    assert second(0.1) == 2 and m.set_to == [1, 2]  # no change, no call
+
+
+def test_load_between_calls_takes_no_thread_away_and_load_during_them_does():
+    """A closed loop's front end and clients work while the worker waits for their next
+    requests: averaged over a second they keep 0.8 CPUs busy, beside the waves none."""
+    m = Machine()
+    g = m.governor()
+    assert m.work(g, 0.15, load=0.0, gap_s=0.1, gap_load=2.0, calls=40) == 2
+    assert m.set_to == []
+    assert m.work(g, 0.15, load=0.8, gap_s=0.1, gap_load=0.0, calls=10) == 1
+    assert m.set_to == [1]
+
+
+def test_a_decision_waits_for_enough_time_in_calls():
+    m = Machine()
+    g = m.governor()
+    # short calls far apart (but not idle): less than a quarter interval in calls
+    assert m.work(g, 0.01, load=2.0, gap_s=0.5, calls=20) == 2
+    assert m.set_to == []
+    # they add up: enough calls since the last decision decide
+    assert m.work(g, 0.1, load=2.0, gap_s=0.1, calls=8) == 1
 
 
 def test_a_busy_idle_stretch_takes_no_thread_away():
     m = Machine()
     g = m.governor()
-    m.load = 1.5  # busy while the worker had nothing to do
-    assert m.after(30.0, g) == 2 and m.set_to == []
-    assert m.after(1.5, g) == 1  # still busy over the interval that followed
+    m.pass_time(30.0, load=1.5)  # busy while the worker had nothing to do
+    assert m.work(g, 0.2) == 2 and m.set_to == []
+    assert m.work(g, 0.2, load=1.5, calls=6) == 1  # busy beside its calls: down at once
 
 
 def test_a_quiet_idle_stretch_gives_threads_back_at_once():
-    """Bursts shorter than an interval, with quiet between, never make two intervals in
+    """Bursts shorter than an interval, with quiet between, never make two decisions in
     a row: a count set low beside a busy process must come back between them."""
     m = Machine()
     g = m.governor(current=1)  # chosen at start-up beside a busy process
-    m.load = 0.1  # it is gone; bursts of under a second, 6 s apart
-    assert m.after(6.0, g) == 2 and m.set_to == [2]
-    m.load = 1.2  # a busy idle stretch after that: no change
-    assert m.after(6.0, g) == 2 and m.set_to == [2]
-    assert m.after(1.2, g) == 1  # busy over an interval of serving: down at once
+    m.pass_time(6.0, load=0.1)  # it is gone; bursts of under a second, 6 s apart
+    assert m.work(g, 0.2) == 2 and m.set_to == [2]
+    m.pass_time(6.0, load=1.2)  # a busy idle stretch after that: no change
+    assert m.work(g, 0.2) == 2 and m.set_to == [2]
+    assert m.work(g, 0.2, load=1.2, calls=6) == 1  # busy beside its calls: down at once
 
 
 def test_the_governor_never_goes_past_its_bounds():
     m = Machine()
     g = m.governor(max_threads=4, current=4)
-    m.load = 9.0
-    assert m.after(1.5, g) == 1
-    m.load = -3.0
-    m.after(1.5, g)
-    assert m.after(1.5, g) == 4
+    assert m.work(g, 0.3, load=9.0, calls=5) == 1
+    m.work(g, 0.3, load=-3.0, calls=4)  # (a reading's rounding: no load below none)
+    assert m.work(g, 0.3, load=-3.0, calls=4) == 4
     assert [threads_for(4, load) for load in (0.0, 0.4, 0.6, 2.5, 3.6)] == [4, 4, 3, 2, 1]
 
 
-def test_the_load_meter_reads_this_machine():
-    meter = LoadMeter()
-    assert meter.other_load_since_last() == 0.0  # the first reading starts an interval
-    assert meter.other_load_since_last() >= 0.0
+def test_the_machine_reads_its_other_processes_cpu_time():
+    before = others_cpu_seconds()
+    assert isinstance(before, float)
+    assert other_cpu_load(0.05) >= 0.0
 
 
 def test_cpu_contention_is_the_load_per_cpu_between_one_and_its_cap():
