@@ -212,9 +212,11 @@ def test_a_list_of_prompts_is_one_event_not_a_burst():
 # -- the policy --------------------------------------------------------------------------
 
 
-def policy(clock: ManualClock | None = None, **options) -> BatchPolicy:
+def policy(clock: ManualClock | None = None, overlaps: bool | None = None,
+           **options) -> BatchPolicy:
     config = EngineConfig.from_options(model="fake", **options)
-    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or ManualClock())
+    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or ManualClock(),
+                       overlaps=overlaps)
 
 
 def teach(p: BatchPolicy, wave_ms=tiny_sd_like, sizes=(1, 2, 4, 8, 16, 32)) -> None:

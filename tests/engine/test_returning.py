@@ -260,6 +260,53 @@ def test_holding_pays_where_one_wave_turns_the_loop_faster():
     assert not holding_pays(0, 15, 1.0, fixed_part) and not holding_pays(4, 0, 1.0, fixed_part)
 
 
+def test_where_the_front_end_needs_the_waves_cpus_a_late_return_is_still_worth_holding_for():
+    """A first wave overlaps the others' return only where the forward leaves the
+    front end CPUs of its own; where it does not, the two take turns, and one wave of
+    them all saves the fixed cost whenever they come back."""
+    def fixed_part(size: int) -> float:
+        return 40.0 + 7.0 * size
+
+    assert not holding_pays(8, 8, 100.0, fixed_part)  # 100 + 152 > max(96, 100) + 96
+    assert holding_pays(8, 8, 100.0, fixed_part, overlaps=False)  # 252 < 96 + 100 + 96
+    assert not holding_pays(1, 15, 60.0, fixed_part)  # 60 + 152 > 60 + 145
+    assert holding_pays(1, 15, 60.0, fixed_part, overlaps=False)  # 212 < 47 + 60 + 145
+    # no fixed cost, nothing saved either way
+    assert not holding_pays(8, 8, 100.0, lambda size: 10.0 * size, overlaps=False)
+
+
+def test_forwards_overlap_the_front_end_on_an_accelerator_or_where_cpus_are_left_over():
+    from dataclasses import replace
+
+    from diffbatch.config import EngineConfig
+    from diffbatch.engine.batch_policy import forward_overlaps_front_end
+    from diffbatch.worker.threads import usable_cpu_count
+    from tests.engine.test_batch_policy import INFO
+
+    config = EngineConfig.from_options(model="fake")
+    assert forward_overlaps_front_end(config, replace(INFO, device="cuda"))
+    assert not forward_overlaps_front_end(config, INFO)  # the worker takes every CPU
+    if usable_cpu_count() >= 2:
+        one_thread = EngineConfig.from_options(model="fake", torch_num_threads=1)
+        assert forward_overlaps_front_end(one_thread, INFO)
+
+
+def test_a_loop_slow_to_come_back_is_held_for_only_where_the_front_end_shares_the_cpus():
+    """16 clients back 4 ms apart (the last 64 ms after the answers): with the wave
+    overlapping their return, the first back starts alone (one wave of 16 would not
+    turn the loop sooner); with the front end on the wave's CPUs, it waits for them."""
+    def plan(overlaps: bool):
+        clock = ManualClock()
+        p = policy(clock, max_num_seqs=16, overlaps=overlaps)
+        teach(p, sizes=(1, 2, 4, 8, 16) * MIN_SAMPLES)  # every size known
+        serve_loop(p, clock, return_gap_s=0.004)
+        return first_back(p, clock)
+
+    assert plan(overlaps=True).max_wait_ms == 0.0
+    held = plan(overlaps=False)
+    assert held.target == 16 and held.max_wait_ms > 0.0
+
+
 def test_no_hold_where_it_does_not_pay():
     """The loop of the test above on a curve without a fixed cost: the clients come
     back, but one wave of them all would not run faster; the first starts at once."""
