@@ -17,6 +17,10 @@ in odd ones):
       (same load, not measured), rounded. Reported: images/s, CPU s/image. On a
       GPU machine, `--device cuda` moves the plain pipeline there (`pipe.to("cuda")`,
       what a user's GPU script does); the server needs no flag, it takes CUDA itself.
+  (c) with `--baseline-tree PATH`: the served run (a) of another checkout's
+      `diffbatch serve MODEL` (same command, same load), in the same rounds: an A/B
+      of two versions of the defaults, reported as served / baseline per round (not
+      judged).
 Figures (median over `--repeats` rounds of ratios taken within a round):
 served/plain@B = served images/s / plain images/s at b = B, and served/plain@1.
 Bars, per model: served/plain@B >= 0.8 and served/plain@1 >= 2.0; PASS when both
@@ -39,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from peers_servers import harness
@@ -97,9 +102,17 @@ def plain_round(model: str, args: argparse.Namespace, batches: list[int]) -> dic
 
 
 def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    spec = harness.diffbatch_defaults_spec(model, name=model)
-    with harness.running([spec]) as servers:
+    specs = [harness.diffbatch_defaults_spec(model, name=model)]
+    if args.baseline_tree:
+        base = harness.diffbatch_defaults_spec(model, name="baseline")
+        base.source_tree = Path(args.baseline_tree).resolve()
+        specs.append(base)
+    # one at a time: each picks its threads and calibrates on an otherwise idle machine
+    with harness.running(specs, one_at_a_time=True) as servers:
         server = servers[model]
+        baseline_server = servers.get("baseline")
+        if baseline_server is not None:
+            served_round(baseline_server, args, seed=999)
         # Warm-up at the measured load; its mean wave size sets B.
         warm = served_round(server, args, seed=999)
         wave = warm["mean_wave_size"] or 1.0
@@ -109,17 +122,42 @@ def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
               f"{wave:.2f} -> B = {batch_b}; plain loop at b = {batches}", flush=True)
         served: list[dict[str, Any]] = []
         plain: list[dict[str, Any]] = []
+        baseline: list[dict[str, Any]] = []
+        kinds = ["served", "plain"] + (["baseline"] if baseline_server is not None else [])
         for rep in range(args.repeats):
-            for kind in ("served", "plain") if rep % 2 == 0 else ("plain", "served"):
+            for kind in kinds if rep % 2 == 0 else kinds[::-1]:
                 if kind == "served":
                     served.append(served_round(server, args, seed=rep))
+                elif kind == "baseline":
+                    baseline.append(served_round(baseline_server, args, seed=rep))
                 else:
                     plain.append(plain_round(model, args, batches))
             line = ", ".join(f"b={b} {plain[-1]['batches'][str(b)]['images_per_s']:.2f}"
                              for b in batches)
+            base = (f"; baseline {baseline[-1]['images_per_s']:.2f} (wave "
+                    f"{baseline[-1]['mean_wave_size'] or 0:.2f})" if baseline else "")
             print(f"{model} round {rep}: served {served[-1]['images_per_s']:.2f} images/s "
-                  f"(wave {served[-1]['mean_wave_size'] or 0:.2f}); plain {line}", flush=True)
-    return summarize(model, args, warm, batch_b, batches, served, plain)
+                  f"(wave {served[-1]['mean_wave_size'] or 0:.2f}); plain {line}{base}",
+                  flush=True)
+    row = summarize(model, args, warm, batch_b, batches, served, plain)
+    if baseline:
+        row["baseline"] = summarize_baseline(args.baseline_tree, served, baseline)
+    return row
+
+
+def summarize_baseline(tree: str, served: list[dict[str, Any]],
+                       baseline: list[dict[str, Any]]) -> dict[str, Any]:
+    """The other checkout's served rounds, and served / baseline per round."""
+    ratios = [s["images_per_s"] / b["images_per_s"]
+              for s, b in zip(served, baseline, strict=True)]
+    return {
+        "tree": str(tree),
+        "images_per_s": statistics.median(b["images_per_s"] for b in baseline),
+        "images_per_s_rounds": [b["images_per_s"] for b in baseline],
+        "mean_wave_size_rounds": [b["mean_wave_size"] for b in baseline],
+        "served_over_baseline": statistics.median(ratios),
+        "served_over_baseline_rounds": ratios,
+    }
 
 
 def summarize(
@@ -201,6 +239,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         marks = [f"{name} {bar['value']:.2f} {'PASS' if bar['pass'] else 'FAIL'}"
                  for name, bar in bars.items()]
         lines.append(f"{row['model']}: {'PASS' if row['pass'] else 'FAIL'} ({'; '.join(marks)})")
+        if "baseline" in row:
+            base = row["baseline"]
+            lines.append(f"{row['model']}: baseline ({base['tree']}) "
+                         f"{base['images_per_s']:.2f} images/s; served / baseline "
+                         f"{base['served_over_baseline']:.3f} (median of rounds "
+                         f"{', '.join(f'{r:.3f}' for r in base['served_over_baseline_rounds'])})")
     return "\n".join(lines)
 
 
@@ -242,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None,
                         help='where the plain loop runs, e.g. "cuda" on a GPU machine (the '
                              "server picks its device itself: CUDA where there is one)")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="another checkout whose `diffbatch serve` runs the same served "
+                             "rounds as `baseline` (an A/B of two versions; not judged)")
     parser.add_argument("--out", default="benchmarks/results/defaults.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)

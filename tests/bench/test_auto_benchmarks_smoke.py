@@ -16,9 +16,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_defaults_smoke(tmp_path: Path) -> None:
+    # (the baseline: this checkout again, as another one would run)
     report = run_script("defaults.py", tmp_path / "defaults.json", *MINIMAL,
                         "--models", "tiny-sd", "--num-images", "4", "--concurrency", "4",
-                        "--extra-batches", "2", "--repeats", "1")
+                        "--extra-batches", "2", "--repeats", "1",
+                        "--baseline-tree", str(BENCHMARKS.parent))
     [row] = report["results"]
     assert row["model"] == "tiny-sd" and row["batch_B"] >= 1
     assert row["served"]["images_per_s"] > 0 and row["served"]["mean_wave_size"] >= 1
@@ -27,6 +29,10 @@ def test_defaults_smoke(tmp_path: Path) -> None:
     assert set(row["bars"]) == {"served_over_plain_at_B", "served_over_plain_at_1"}
     assert row["pass"] == all(bar["pass"] for bar in row["bars"].values())
     assert report["verdicts"] == {"tiny-sd": "PASS" if row["pass"] else "FAIL"}
+    base = row["baseline"]
+    assert base["images_per_s"] > 0 and len(base["served_over_baseline_rounds"]) == 1
+    assert base["served_over_baseline"] == pytest.approx(
+        row["served"]["images_per_s"] / base["images_per_s"])
 
 
 def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
