@@ -435,6 +435,8 @@ class BatchPolicy:
         self._tick_ms: dict[Shape, deque[float]] = {}  # step mode: recent tick times
         # since when a backlog of the shape has stood beyond its next trial size
         self._deep_backlog_since: dict[Shape, float] = {}
+        # the trial size the last admission wait of the shape held a closed loop for
+        self._trial_holds: dict[Shape, int] = {}
         self._clock = clock
         self._lock = threading.Lock()
         # Waves teach the cost model only once the engine serves: the warm-up wave
@@ -493,9 +495,14 @@ class BatchPolicy:
             with self._lock:
                 self._deep_backlog_since.pop(shape, None)
             return size
-        trial = (self.cost.next_size_to_try(shape, key.num_denoising_steps)
-                 if num_waiting > capacity else None)
+        steps = key.num_denoising_steps
+        trial = self.cost.next_size_to_try(shape, steps) if num_waiting > capacity else None
         with self._lock:
+            held_for = self._trial_holds.get(shape)
+            if trial is not None and held_for == trial:
+                # the admission wait held for a closed loop's clients to run this trial
+                self.cost.begin_trial(shape, trial, steps)
+                return trial
             if trial is None or num_waiting <= trial:
                 self._deep_backlog_since.pop(shape, None)
                 return capacity
@@ -503,6 +510,7 @@ class BatchPolicy:
         capacity_ms = wave_ms(capacity)
         if not math.isfinite(capacity_ms) or (
                 (now - since) * 1000.0 >= SUSTAINED_BACKLOG_WAVES * capacity_ms):
+            self.cost.begin_trial(shape, trial, steps)
             return trial
         return capacity
 
@@ -565,6 +573,7 @@ class BatchPolicy:
             if trial > self.limit or self.step_cost.num_samples(shape, trial) >= MIN_SAMPLES:
                 trial = None
         if trial is not None and trial > capacity:
+            self.step_cost.begin_trial(shape, trial)
             return min(trial, demand)
         return capacity
 
@@ -647,15 +656,19 @@ class BatchPolicy:
           `shapes`, a single wave of 16 slower per image than the 15s beside it kept
           a loop of 16 at waves of 1 and 15 for good).
         """
+        shape, steps = Shape.of(key), key.num_denoising_steps
+        with self._lock:
+            self._trial_holds.pop(shape, None)
         returning = self.returns.expected()
         if returning is None:
             return plan
-        shape, steps = Shape.of(key), key.num_denoising_steps
         demand = num_waiting + max(num_incoming, returning.count)
         hold_ms = min(bound_ms, returning.window_left_ms)
         if self.config.auto_capacity and demand > capacity:
             trial = self.cost.next_size_to_try(shape, steps)
             if trial is not None and num_waiting < trial <= demand:
+                with self._lock:  # (`capacity` then sizes the wave for the trial)
+                    self._trial_holds[shape] = trial
                 return _hold_for(plan, trial, trial, hold_ms)
         target = min(capacity, demand)
         if target <= num_waiting:
@@ -706,8 +719,11 @@ class BatchPolicy:
         """
         if key is None or num_forwards != 1 or not self.serving:
             return
-        self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms,
-                          served=True)
+        shape = Shape.of(key)
+        with self._lock:
+            if self._trial_holds.get(shape, size + 1) <= size:
+                del self._trial_holds[shape]  # the held-for trial ran
+        self.cost.observe(shape, size, key.num_denoising_steps, forward_ms, served=True)
 
     # -- stalls ----------------------------------------------------------------------
     def stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:

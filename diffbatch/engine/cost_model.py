@@ -315,9 +315,9 @@ class WaveCostModel:
         may hide a strong one). None when the curve already says where gains stop, or
         before the step count has a curve of its own.
 
-        A rung whose evidence is stale (`_Curve.is_stale`) is measured afresh: its
-        observations are dropped here, so ask only where a trial would run (a backlog
-        beyond the capacity)."""
+        A rung whose evidence is stale (`_Curve.is_stale`) is worth measuring afresh:
+        it is returned as an untried one is, and `begin_trial` drops its old
+        observations once a trial wave of it is actually chosen."""
         now = self.clock()
         with self._lock:
             steps = self._steps_of(shape, steps)
@@ -330,14 +330,24 @@ class WaveCostModel:
             for size in (cap * 2, cap * 4):
                 if size > self.limit:
                     return None
-                if own.is_stale(size, now):
-                    own.forget_near(size)
-                if _num_near(own, size) < MIN_SAMPLES:
+                if own.is_stale(size, now) or _num_near(own, size) < MIN_SAMPLES:
                     return size
                 if (_anchored(own, guide, size) / size
                         >= _anchored(own, guide, cap) / cap):
                     return None  # no gain at all: gains have stopped
             return None
+
+    def begin_trial(self, shape: Shape, size: int, steps: int | None = None) -> None:
+        """A trial wave of `size` (from `next_size_to_try`) was chosen: a stale rung's
+        old observations are dropped now, so the trial's waves measure it afresh, and
+        the retry is counted (`_Curve.forget_near`). Nothing happens for a rung that is
+        merely untried, or asked about again while its trial runs."""
+        now = self.clock()
+        with self._lock:
+            steps = self._steps_of(shape, steps)
+            own = None if steps is None else self._curves.get((shape, steps))
+            if own is not None and own.is_stale(size, now):
+                own.forget_near(size)
 
     def num_sizes(self, shape: Shape, steps: int | None = None) -> int:
         """How many wave sizes of `shape` have been measured at `steps` steps (None: at

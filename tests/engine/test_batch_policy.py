@@ -17,7 +17,7 @@ from diffbatch.engine.batch_policy import (
     load_capacity,
     wave_size_for_load,
 )
-from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
+from diffbatch.engine.cost_model import MIN_SAMPLES, RETRY_AFTER_S, RETRY_AFTER_WAVES, Shape
 from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -303,6 +303,26 @@ def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
     # asking about the admission wait does not end the backlog's count
     p.plan_wait(key(), 1)
     assert p.capacity(key(), num_waiting=30) == 8
+
+
+def test_a_stale_rung_is_forgotten_only_when_its_trial_wave_is_chosen():
+    """Waves of 8 measured long ago at no gain: a short backlog asks about the next
+    size without running a trial, and that keeps their evidence (and the retry's
+    wait); the sustained backlog's trial drops it, to measure 8 afresh."""
+    clock = ManualClock(1000.0)
+    p = policy(clock)
+    teach(p, sizes=(1, 2, 4))
+    for _ in range(MIN_SAMPLES):
+        p.cost.observe(p.default_shape, 8, 4, 2 * tiny_sd_like(4))  # no gain over 4
+    for _ in range(RETRY_AFTER_WAVES):
+        p.cost.observe(p.default_shape, 4, 4, tiny_sd_like(4))
+    clock.now += RETRY_AFTER_S
+    assert p.capacity(key(), num_waiting=6) == 4  # a backlog no bigger than the trial
+    assert p.cost.num_samples(p.default_shape, 8, 4) == MIN_SAMPLES
+    assert p.capacity(key(), num_waiting=30) == 4
+    clock.now += 3 * tiny_sd_like(4) / 1000.0  # three waves later it still stands
+    assert p.capacity(key(), num_waiting=30) == 8
+    assert p.cost.num_samples(p.default_shape, 8, 4) == 0
 
 
 def test_auto_capacity_follows_the_load_below_saturation():

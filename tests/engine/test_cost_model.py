@@ -209,13 +209,17 @@ def test_a_rung_measured_in_a_slow_spell_is_measured_afresh_once_stale():
     clock.now += RETRY_AFTER_S / 2
     assert model.next_size_to_try(shape, 4) is None  # not stale yet: too recent
     clock.now += RETRY_AFTER_S
-    assert model.next_size_to_try(shape, 4) == 8  # stale: tried again
+    assert model.next_size_to_try(shape, 4) == 8  # stale: worth trying again
+    assert model.num_samples(shape, 8, 4) == MIN_SAMPLES  # (asking forgets nothing)
+    model.begin_trial(shape, 8, 4)  # a trial wave of 8 was chosen
     assert model.num_samples(shape, 8, 4) == 0  # its old waves are forgotten
     assert model.capacity(shape, 4) == 4  # (forgetting a rung that gained nothing)
+    model.begin_trial(shape, 8, 4)  # asked again while the trial runs: nothing more
     for _ in range(MIN_SAMPLES):
         model.observe(shape, 8, 4, 8 * 42.0, served=True)
     assert model.capacity(shape, 4) == 8
     assert model.next_size_to_try(shape, 4) == 16  # stale as well: measured afresh
+    model.begin_trial(shape, 16, 4)
     for _ in range(MIN_SAMPLES):
         model.observe(shape, 16, 4, 16 * 38.0, served=True)
     assert model.capacity(shape, 4) == 16
@@ -232,7 +236,10 @@ def test_a_rung_that_keeps_gaining_nothing_is_retried_ever_more_rarely():
     run_waves(8, MIN_SAMPLES)
     run_waves(4, RETRY_AFTER_WAVES)
     clock.now += RETRY_AFTER_S
-    assert model.next_size_to_try(SHAPE, 4) == 8  # first retry
+    assert model.next_size_to_try(SHAPE, 4) == 8  # stale
+    clock.now += RETRY_AFTER_S  # asked about, never tried: the wait does not double
+    assert model.next_size_to_try(SHAPE, 4) == 8
+    model.begin_trial(SHAPE, 8, 4)  # the first retry
     run_waves(8, MIN_SAMPLES)  # confirms: no gain
     run_waves(4, RETRY_AFTER_WAVES)
     clock.now += RETRY_AFTER_S

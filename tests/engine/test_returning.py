@@ -348,6 +348,35 @@ def test_a_loop_of_twice_the_capacity_tries_the_next_size():
     assert capacity == 8 and plan.max_wait_ms == 0.0
 
 
+def test_the_wave_a_loop_was_held_for_runs_as_the_trial():
+    """The held-for clients are back: the wave takes all 16 (not the capacity's 8 and
+    8 more behind them, which the hold would have waited for in vain). Without the
+    hold, 16 waiting for a moment are no sustained backlog: waves of 8."""
+    def wave_after(answers_seen: bool) -> int:
+        clock = ManualClock()
+        p = policy(clock)
+        teach(p, sizes=(1, 2, 4, 8))
+        serve_loop(p, clock, clients=8, return_gap_s=0.002, cycle_s=0.3,
+                   answers_seen=answers_seen)
+        p.plan_wait(key(), 8)
+        clock.now += 0.016  # the 8 are back
+        return p.capacity(key(), 16)
+
+    assert wave_after(answers_seen=True) == 16
+    assert wave_after(answers_seen=False) == 8
+
+
+def test_a_held_for_trial_ends_with_its_wave():
+    clock = ManualClock()
+    p = policy(clock)
+    teach(p, sizes=(1, 2, 4, 8))
+    serve_loop(p, clock, clients=8, return_gap_s=0.002, cycle_s=0.3)
+    assert p.plan_wait(key(), 8).target == 16
+    assert p.capacity(key(), 16) == 16
+    p.observe_wave(key(), 16, 2 * tiny_sd_like(8))  # no gain over 8 (so far)
+    assert p.capacity(key(), 16) == 8  # one trial wave per hold
+
+
 def test_a_wave_measured_too_few_times_is_held_for_until_it_is_known():
     """One slow wave of 16 (dearer per image than the 15s beside it) must not keep a
     loop of 16 at waves of 1 and 15 for good: until 16 is measured `MIN_SAMPLES`
