@@ -215,6 +215,7 @@ def bench(server: harness.Server, size: int, steps: int, **load: Any) -> dict[st
         "p99_ms": report["p99_e2e_ms"],
         "mean_wave_size": metrics.get("mean_wave_size"),
         "worker_torch_threads": metrics.get("worker_torch_threads"),
+        "capacity": metrics.get("capacity"),  # auto: the learned capacity per curve after it
         "failed": report["failed"],
         "errors": report["errors"],
         "duration_s": report["duration_s"],
@@ -243,6 +244,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["failed"] = sum(r["failed"] for r in runs)
     row["errors"] = [e for r in runs for e in r["errors"]][:3]
     row["waves_rounds"] = [r.get("waves") for r in runs]
+    row["capacity_rounds"] = [r.get("capacity") for r in runs]
     return row
 
 

@@ -66,6 +66,7 @@ _TIMING_HEADERS = {
 _WAVE_SIZE = "diffbatch_wave_size_requests"
 _QUEUE_TIME = "diffbatch_request_queue_time_seconds"
 _TORCH_THREADS = "diffbatch_worker_torch_threads"
+_CAPACITY = "diffbatch_capacity_requests"
 _MAX_ERRORS_KEPT = 5
 
 
@@ -273,11 +274,11 @@ async def scrape_metrics(client: _Client) -> dict[str, Any] | None:
 
 
 def parse_metrics(text: str) -> dict[str, Any]:
-    """Pick the wave-size sum/count, the queue-time histogram and the worker's torch
-    threads out of Prometheus text."""
+    """Pick the wave-size sum/count, the queue-time histogram, the worker's torch
+    threads and the learned capacity per curve ("auto" only) out of Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, Any] = {"queue_buckets": {}}
+    out: dict[str, Any] = {"queue_buckets": {}, "capacity": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in (f"{_WAVE_SIZE}_sum", f"{_WAVE_SIZE}_count",
@@ -286,6 +287,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
                 out[sample.name] = sample.value
             elif sample.name == f"{_QUEUE_TIME}_bucket":
                 out["queue_buckets"][float(sample.labels["le"])] = sample.value
+            elif sample.name == _CAPACITY:
+                out["capacity"][sample.labels.get("shape", "")] = int(sample.value)
     return out
 
 
@@ -331,6 +334,9 @@ def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, fl
         "queue_wait_ms_p95": p95_s * 1e3 if p95_s is not None else None,
         # (the gauge reads 0 until the worker's first heartbeat: not known yet)
         "worker_torch_threads": after.get(_TORCH_THREADS) or None,
+        # curve ("64x64/s4/n1/cfg") -> capacity at the second scrape; None with fixed
+        # settings (no learned curve)
+        "capacity": dict(after.get("capacity") or {}) or None,
     }
 
 
@@ -468,6 +474,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{'Mean wave size (requests):':<40}{fmt(metrics['mean_wave_size'])}")
         lines.append(f"{'Mean queue wait (ms):':<40}{fmt(metrics['queue_wait_ms_mean'])}")
         lines.append(f"{'P95 queue wait (ms, bucketed):':<40}{fmt(metrics['queue_wait_ms_p95'])}")
+        for curve, capacity in (metrics.get("capacity") or {}).items():
+            lines.append(f"{f'Capacity {curve} (requests):':<40}{capacity}")
     for error in report.get("errors") or []:
         lines.append(f"error: {error}")
     lines.append("=" * 60)

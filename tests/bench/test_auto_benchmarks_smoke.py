@@ -63,6 +63,13 @@ def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                for r in result["results"])
     assert all(r["worker_torch_threads"] >= 1 for r in result["results"]
                if r["setting"] == "auto")
+    # auto's learned capacity per curve after each run (/metrics); none for fixed ones
+    for r in result["results"]:
+        for capacity in r["capacity_rounds"]:
+            if r["setting"] == "auto":
+                assert capacity["64x64/s1/n1/cfg"] >= 1, capacity
+            else:
+                assert capacity is None
     for verdict in result["verdicts"].values():
         assert verdict["best_fixed_throughput_setting"] in report["settings"]
         assert verdict["throughput_ratio"] > 0 and verdict["p50_bar_ms"] > 0

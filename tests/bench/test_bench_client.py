@@ -88,3 +88,36 @@ async def test_a_target_that_does_not_answer_is_every_request_failed():
     with pytest.raises(RuntimeError, match="every warm-up request failed"):
         await run_benchmark_async(BenchConfig(base_url=url, num_prompts=3, model="m",
                                               warmup_requests=2, disable_tqdm=True))
+
+
+def test_the_metrics_read_the_learned_capacity_per_curve_and_the_report_shows_it():
+    from diffbatch.bench.serve import format_report, metrics_delta, parse_metrics
+
+    text = "\n".join([
+        "# TYPE diffbatch_wave_size_requests histogram",
+        'diffbatch_wave_size_requests_bucket{le="+Inf"} 3.0',
+        "diffbatch_wave_size_requests_sum 20.0",
+        "diffbatch_wave_size_requests_count 3.0",
+        "# TYPE diffbatch_capacity_requests gauge",
+        'diffbatch_capacity_requests{shape="64x64/s4/n1/cfg"} 16.0',
+        'diffbatch_capacity_requests{shape="128x128/s4/n1/cfg"} 8.0',
+        "",
+    ])
+    before = parse_metrics(text.replace("_sum 20.0", "_sum 4.0").replace("_count 3.0",
+                                                                        "_count 1.0"))
+    delta = metrics_delta(before, parse_metrics(text))
+    assert delta["mean_wave_size"] == 8.0  # (20 - 4) / (3 - 1)
+    assert delta["capacity"] == {"64x64/s4/n1/cfg": 16, "128x128/s4/n1/cfg": 8}
+    fixed = metrics_delta(before, parse_metrics(text.split("# TYPE diffbatch_capacity")[0]))
+    assert fixed["capacity"] is None  # fixed settings learn no curve
+    report = {
+        "config": {"base_url": "http://h", "endpoint": "/v1/images/generations",
+                   "model": "m", "request_rate": 1.0, "burstiness": 1.0,
+                   "max_concurrency": None},
+        "completed": 3, "failed": 0, "duration_s": 1.0, "request_throughput": 3.0,
+        "image_throughput": 3.0, "mean_e2e_ms": 1.0, "p50_e2e_ms": 1.0,
+        "p90_e2e_ms": 1.0, "p99_e2e_ms": 1.0, "server_metrics": delta,
+    }
+    printed = format_report(report)
+    assert "Capacity 64x64/s4/n1/cfg (requests):" in printed
+    assert printed.split("Capacity 128x128/s4/n1/cfg (requests):")[1].split()[0] == "8"
