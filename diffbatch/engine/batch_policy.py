@@ -498,21 +498,20 @@ class BatchPolicy:
         steps = key.num_denoising_steps
         trial = self.cost.next_size_to_try(shape, steps) if num_waiting > capacity else None
         with self._lock:
-            held_for = self._trial_holds.get(shape)
-            if trial is not None and held_for == trial:
-                # the admission wait held for a closed loop's clients to run this trial
-                self.cost.begin_trial(shape, trial, steps)
-                return trial
-            if trial is None or num_waiting <= trial:
-                self._deep_backlog_since.pop(shape, None)
+            # held: the admission wait held for a closed loop's clients to run this trial
+            held = trial is not None and self._trial_holds.get(shape) == trial
+            if not held:
+                if trial is None or num_waiting <= trial:
+                    self._deep_backlog_since.pop(shape, None)
+                    return capacity
+                since = self._deep_backlog_since.setdefault(shape, now)
+        if not held:
+            capacity_ms = wave_ms(capacity)
+            if math.isfinite(capacity_ms) and (
+                    (now - since) * 1000.0 < SUSTAINED_BACKLOG_WAVES * capacity_ms):
                 return capacity
-            since = self._deep_backlog_since.setdefault(shape, now)
-        capacity_ms = wave_ms(capacity)
-        if not math.isfinite(capacity_ms) or (
-                (now - since) * 1000.0 >= SUSTAINED_BACKLOG_WAVES * capacity_ms):
-            self.cost.begin_trial(shape, trial, steps)
-            return trial
-        return capacity
+        self.cost.begin_trial(shape, trial, steps)  # (outside this policy's lock)
+        return trial
 
     def _wave_ms(self, shape: Shape, steps: int) -> Callable[[int], float]:
         """The learned wave time of `shape` at `steps` by size (inf where nothing is
