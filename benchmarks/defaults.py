@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from peers_servers import harness
@@ -104,9 +103,8 @@ def plain_round(model: str, args: argparse.Namespace, batches: list[int]) -> dic
 def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
     specs = [harness.diffbatch_defaults_spec(model, name=model)]
     if args.baseline_tree:
-        base = harness.diffbatch_defaults_spec(model, name="baseline")
-        base.source_tree = Path(args.baseline_tree).resolve()
-        specs.append(base)
+        specs.append(harness.diffbatch_defaults_spec(model, name="baseline",
+                                                     source_tree=args.baseline_tree))
     # one at a time: each picks its threads and calibrates on an otherwise idle machine
     with harness.running(specs, one_at_a_time=True) as servers:
         server = servers[model]

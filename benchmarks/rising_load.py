@@ -26,7 +26,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from auto_batching import AUTO, fixed_setting, server_specs
@@ -45,10 +44,8 @@ def specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
     as `auto_batching.py` starts its servers."""
     servers = server_specs(args.model, [AUTO, *args.fixed], threads=None)
     if args.baseline_tree:
-        base = harness.diffbatch_defaults_spec(args.model, name="baseline",
-                                               log_level="warning")
-        base.source_tree = Path(args.baseline_tree).resolve()
-        servers.insert(1, base)
+        servers.insert(1, harness.diffbatch_defaults_spec(
+            args.model, name="baseline", log_level="warning", source_tree=args.baseline_tree))
     return servers
 
 

@@ -135,19 +135,22 @@ def diffbatch_defaults_spec(
     threads: int | None = None,
     log_level: str | None = None,
     extra_args: Sequence[str] = (),
+    source_tree: str | Path | None = None,
 ) -> ServerSpec:
     """`diffbatch serve MODEL --port P` with no tuning flag: batch size, admission wait
     and (with `threads=None`) torch threads are the server's own choice.
 
     `log_level` adds `--log-level` (e.g. "warning" to match `diffbatch_spec`'s
     servers); None leaves the command exactly as a user would type it.
+    `source_tree`: another checkout to run it from (an A/B of two versions).
     """
     port = free_port()
     cmd = [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", model,
            "--port", str(port)]
     if log_level is not None:
         cmd += ["--log-level", log_level]
-    return ServerSpec(name, [*cmd, *extra_args], port, threads)
+    return ServerSpec(name, [*cmd, *extra_args], port, threads,
+                      source_tree=None if source_tree is None else Path(source_tree).resolve())
 
 
 def peer_spec(
