@@ -87,10 +87,11 @@ sustained rate yet.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -241,18 +242,31 @@ def holding_pays(num_waiting: int, num_returning: int, due_ms: float,
     return due_ms + wave_ms(q + k) < first + wave_ms(k)
 
 
-def forward_overlaps_front_end(config: EngineConfig, info: PipelineInfo) -> bool:
+def forward_overlaps_front_end(config: EngineConfig, info: PipelineInfo,
+                               env: Mapping[str, str] | None = None) -> bool:
     """Whether a wave's forward leaves the front end (HTTP, encoding, this process)
     CPUs of its own: on an accelerator, or where the worker's CPUs or threads
-    (`worker_cpus`, `torch_num_threads`) are fewer than the CPUs this process may use.
-    By default the worker takes them all."""
+    (`worker_cpus`, `torch_num_threads`, else the `OMP_NUM_THREADS` of `env`, the
+    environment the worker inherits: this process' by default) are fewer than the CPUs
+    this process may use. By default the worker takes them all."""
     if info.device != "cpu":
         return True
     usable = usable_cpu_count()
     worker = usable_cpu_count(parse_cpu_list(config.worker_cpus)) \
         if config.worker_cpus else usable
-    threads = min(worker, config.torch_num_threads or worker)
-    return threads < usable
+    env = os.environ if env is None else env
+    threads = config.torch_num_threads or _positive_int(env.get("OMP_NUM_THREADS")) or worker
+    return min(worker, threads) < usable
+
+
+def _positive_int(text: str | None) -> int | None:
+    """`text` as a positive int; None where it is missing or not one (OpenMP ignores
+    such a value too)."""
+    try:
+        value = int(text) if text is not None else 0
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:

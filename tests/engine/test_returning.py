@@ -284,11 +284,18 @@ def test_forwards_overlap_the_front_end_on_an_accelerator_or_where_cpus_are_left
     from tests.engine.test_batch_policy import INFO
 
     config = EngineConfig.from_options(model="fake")
-    assert forward_overlaps_front_end(config, replace(INFO, device="cuda"))
-    assert not forward_overlaps_front_end(config, INFO)  # the worker takes every CPU
+    assert forward_overlaps_front_end(config, replace(INFO, device="cuda"), env={})
+    assert not forward_overlaps_front_end(config, INFO, env={})  # the worker takes every CPU
+    # a thread count that is no number is ignored, as OpenMP ignores it
+    assert not forward_overlaps_front_end(config, INFO, env={"OMP_NUM_THREADS": "all"})
     if usable_cpu_count() >= 2:
         one_thread = EngineConfig.from_options(model="fake", torch_num_threads=1)
-        assert forward_overlaps_front_end(one_thread, INFO)
+        assert forward_overlaps_front_end(one_thread, INFO, env={})
+        # the user's OMP_NUM_THREADS, which the worker inherits, leaves CPUs over too
+        assert forward_overlaps_front_end(config, INFO, env={"OMP_NUM_THREADS": "1"})
+        # ...unless torch_num_threads, which wins over it, takes them all
+        every = EngineConfig.from_options(model="fake", torch_num_threads=usable_cpu_count())
+        assert not forward_overlaps_front_end(every, INFO, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_a_loop_slow_to_come_back_is_held_for_only_where_the_front_end_shares_the_cpus():
