@@ -672,7 +672,9 @@ class BatchPolicy:
         shape, steps = Shape.of(key), key.num_denoising_steps
         with self._lock:
             self._trial_holds.pop(shape, None)
-        returning = self.returns.expected()
+        # (nothing runs while the admission wait plans: the engine holds the waiting
+        # requests; the announced ones are among those coming back, as below)
+        returning = self.returns.expected(in_engine=num_waiting)
         if returning is None:
             return plan
         demand = num_waiting + max(num_incoming, returning.count)
@@ -711,8 +713,9 @@ class BatchPolicy:
             self.arrivals.observe(count, busy=busy)
             self.returns.arrived(count)
 
-    def observe_answers(self, count: int) -> None:
-        """A wave's `count` requests were answered just now (while serving).
+    def observe_answers(self, count: int, in_engine: int | None = None) -> None:
+        """A wave's `count` requests were answered just now (while serving); the engine
+        held `in_engine` requests right before (these included; None: not counted).
 
         The steady stream a loop's returns are told from is the arrivals' rate over
         the stream's own age, however young (down to one return window): spread over
@@ -721,7 +724,7 @@ class BatchPolicy:
         (measured, tiny-sd 64x64)."""
         if self.serving:
             self.returns.answered(count, self.arrivals.sustained_rate_per_s(
-                min_span_s=MAX_RETURN_WINDOW_MS / 1000.0))
+                min_span_s=MAX_RETURN_WINDOW_MS / 1000.0), in_engine)
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:

@@ -533,7 +533,11 @@ class EngineCore:
                                  runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
-            self.policy.observe_answers(len(finished))
+            # (requests in the engine right before these answers: a closed loop's
+            # population shows in them, `diffbatch.engine.returning`)
+            self.policy.observe_answers(len(finished), in_engine=len(finished)
+                                        + self.scheduler.num_waiting + self.scheduler.num_running
+                                        + self._num_recent_incoming())
             self.cond.notify_all()  # for wait_idle
         self._log_wave(wave, started, runner_output, record.admission_reason)
         for request, output in finished:

@@ -21,6 +21,23 @@ lately (the longest of those waves' times), and worth waiting for until
 call (`BatchPolicy.plan_wait`). A loop that stops coming back costs at most one
 window before the next answered wave shows it, and `UNTOLD_WAVES_FORGET` waves in a
 row that tell nothing (an open stream's small waves) forget what came before them.
+
+A loop near saturation often cannot show itself that way: its steady rate is its own
+throughput, and clients that take half a turn to come back are no denser than that
+rate's stream (16 clients answered every ~200 ms and back over ~100 ms read as 80/s
+for 100 ms: 8 expected, `CROWD_FACTOR` asks for 25). Split into two cohorts (waves of
+12 and 4 in turn, each running while the other comes back), none of its waves tells,
+and the split lasts. Such a loop shows itself by its size instead: a fixed number of
+clients, each with at most one request in the engine, never has more requests in the
+engine than it has clients, and has them all there whenever none is on its way back.
+So the engine also records how many requests it held when each wave was answered;
+when over the last `POPULATION_WAVES` answers that number never went above `N` and
+was `N` at least `POPULATION_HITS` times (`N` at least `MIN_POPULATION`), the clients
+are a closed population of `N`, and those not in the engine are expected back, due
+as arrivals after answers came lately (`RETURN_QUANTILE` of their lags). An open
+stream's count at its answers wanders with the queue (Poisson arrivals at 5 per wave
+time reach their maximum of eight answers about once or twice), and one that
+overloads the engine grows it.
 """
 
 from __future__ import annotations
@@ -55,6 +72,11 @@ MIN_RETURN_SHARE = 0.5  # of a wave's requests, back within the window
 CROWD_FACTOR = 3.0
 RETURN_SLACK = 1.5  # the expected clients are waited for this times as long as the
 # loop's clients took to come back lately
+POPULATION_WAVES = 8  # answers whose count of requests in the engine shows a population
+POPULATION_HITS = 4  # of them with the population's every client in the engine
+MIN_POPULATION = 4  # a smaller loop loses little to a split, and pins its count by chance
+LAGS_KEPT = 64  # arrivals after answers whose lags give a population's return time
+RETURN_QUANTILE = 0.9  # of those lags: when a population's clients are all back
 
 
 @dataclass(frozen=True)
@@ -97,17 +119,25 @@ class ReturningClients:
         # (came back?, how long it took) of the last answered waves that could tell
         self._seen: deque[tuple[bool, float]] = deque(maxlen=ANSWERS_KEPT)
         self._untold = 0  # answered waves in a row since the last that could tell
+        # requests in the engine at each of the last answers (the population test)
+        self._in_engine: deque[int] = deque(maxlen=POPULATION_WAVES)
+        # how long after the last answers the arrivals within their windows came
+        self._lags_s: deque[float] = deque(maxlen=LAGS_KEPT)
         self._lock = threading.Lock()
 
-    def answered(self, size: int, steady_rate_per_s: float) -> None:
+    def answered(self, size: int, steady_rate_per_s: float,
+                 in_engine: int | None = None) -> None:
         """A wave of `size` requests was answered now; `steady_rate_per_s`: the arrival
-        rate sustained lately."""
+        rate sustained lately; `in_engine`: the requests the engine held right before
+        the answers (waiting, running and these), None where not counted."""
         if size < 1:
             return
         with self._lock:
             now = self._clock()
             self._settle(now)
             self._last = _Answer(now, size, steady_rate_per_s)
+            if in_engine is not None:
+                self._in_engine.append(in_engine)
 
     def arrived(self, count: int) -> None:
         """`count` requests arrived now."""
@@ -117,14 +147,35 @@ class ReturningClients:
             if last is not None and now - last.at < MAX_RETURN_WINDOW_MS / 1000.0:
                 room = last.size - len(last.lags_s)
                 last.lags_s.extend([now - last.at] * min(count, room))
+                self._lags_s.extend([now - last.at] * min(count, LAGS_KEPT))
 
-    def expected(self) -> Returning | None:
-        """The answered clients still expected back, if any."""
+    def population(self) -> int | None:
+        """The number of clients of a closed loop the engine's counts at its last
+        answers show (module docstring), or None."""
+        with self._lock:
+            return self._population()
+
+    def _population(self) -> int | None:
+        """(Holding the lock.)"""
+        counts = self._in_engine
+        if len(counts) < POPULATION_WAVES:
+            return None
+        size = max(counts)
+        if size < MIN_POPULATION or counts.count(size) < POPULATION_HITS:
+            return None
+        return size
+
+    def expected(self, in_engine: int | None = None) -> Returning | None:
+        """The answered clients still expected back, if any; `in_engine`: the requests
+        the engine holds now (a closed population's others are expected back)."""
         with self._lock:
             last = self._last
-            if (last is None or len(self._seen) < ANSWERS_KEPT
-                    or not all(came_back for came_back, _ in self._seen)):
+            if last is None:
                 return None
+            if not all(came_back for came_back, _ in self._seen):
+                return None  # a wave that could tell showed no loop
+            if len(self._seen) < ANSWERS_KEPT:
+                return self._population_expected(last, in_engine)
             back_s = max(span for _, span in self._seen)
             elapsed_s = self._clock() - last.at
             window_s = min(RETURN_SLACK * back_s, MAX_RETURN_WINDOW_MS / 1000.0)
@@ -133,6 +184,22 @@ class ReturningClients:
                 return None
             return Returning(missing, due_ms=1000.0 * max(back_s - elapsed_s, 0.0),
                              window_left_ms=1000.0 * (window_s - elapsed_s))
+
+    def _population_expected(self, last: _Answer, in_engine: int | None) -> Returning | None:
+        """(Holding the lock.) The clients of a closed population not in the engine, due
+        as the arrivals after answers came lately."""
+        size = self._population()
+        if size is None or in_engine is None or size - in_engine <= 0 \
+                or len(self._lags_s) < MIN_POPULATION:
+            return None
+        lags = sorted(self._lags_s)
+        back_s = lags[min(len(lags) - 1, int(RETURN_QUANTILE * len(lags)))]
+        elapsed_s = self._clock() - last.at
+        window_s = min(RETURN_SLACK * back_s, MAX_RETURN_WINDOW_MS / 1000.0)
+        if elapsed_s >= window_s:
+            return None
+        return Returning(size - in_engine, due_ms=1000.0 * max(back_s - elapsed_s, 0.0),
+                         window_left_ms=1000.0 * (window_s - elapsed_s))
 
     def _settle(self, now: float) -> None:
         """(Holding the lock.) Record whether the last answered wave's clients came

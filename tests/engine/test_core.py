@@ -69,17 +69,25 @@ def test_arrivals_tell_the_policy_whether_the_engine_was_busy(gate, monkeypatch)
 
 def test_answered_waves_tell_the_policy_how_many_they_answered(gate, monkeypatch):
     """Before a wave's outputs go out, the policy hears how many requests it answered
-    (a closed loop's clients come back right after)."""
-    gate.release.set()
-    with Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=4) as engine:
-        answered: list[int] = []
+    (a closed loop's clients come back right after) and how many the engine held then
+    (a closed loop's population): the first wave's answers found the other requests
+    still in the engine."""
+    with Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=2,
+                request_batch_max_wait_ms=0) as engine:
+        answered: list[tuple[int, int | None]] = []
         observe = engine.core.policy.observe_answers
 
-        def spy(count: int) -> None:
-            answered.append(count)
-            observe(count)
+        def spy(count: int, in_engine: int | None = None) -> None:
+            answered.append((count, in_engine))
+            observe(count, in_engine)
 
         monkeypatch.setattr(engine.core.policy, "observe_answers", spy)
-        outputs = engine.generate(["a", "b", "c"])
+        first = submit(engine, "a", "a")  # runs alone, held at the gate
+        assert gate.entered.wait(30)
+        rest = [submit(engine, p, p) for p in ("b", "c")]  # behind it
+        gate.release.set()
+        outputs = [future.result(30) for future in (first, *rest)]
         assert all(output.ok for output in outputs)
-        assert sum(answered) == 3 and all(count > 0 for count in answered)
+        assert answered[0] == (1, 3)  # "a", with "b" and "c" waiting
+        assert sum(count for count, _ in answered) == 3
+        assert all(in_engine >= count for count, in_engine in answered)

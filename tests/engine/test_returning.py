@@ -9,6 +9,8 @@ from diffbatch.engine.cost_model import MIN_SAMPLES
 from diffbatch.engine.returning import (
     ANSWERS_KEPT,
     MAX_RETURN_WINDOW_MS,
+    MIN_POPULATION,
+    POPULATION_WAVES,
     RETURN_SLACK,
     UNTOLD_WAVES_FORGET,
     ReturningClients,
@@ -163,6 +165,86 @@ def test_answers_before_the_clients_came_back_tell_nothing():
     clock.now += 1.0
     clients.answered(16, 20.0)
     assert clients.expected().count == 16
+
+
+def two_cohorts(answer, arrive, clock: ManualClock, turns: int = POPULATION_WAVES,
+                return_gap_s: float = 0.008) -> None:
+    """A loop of 16 clients split into cohorts of 12 and 4 that run in turn: each
+    wave's clients come back `return_gap_s` apart while the other cohort's wave runs
+    (12 over 96 ms during a 50 ms wave of 4 and the wait after it; 4 over 32 ms during
+    a 120 ms wave of 12). `answer(size, in_engine)` and `arrive()` are told; at each
+    answer the other cohort is in the engine, all of it after the wave of 12 (its 4
+    are back), 8 of the 12 after the wave of 4."""
+    back = {12: 4, 4: 8}  # of the other cohort, in the engine at this one's answers
+    for turn in range(turns):
+        size = 12 if turn % 2 == 0 else 4
+        answer(size, size + back[size])
+        for _ in range(size):
+            clock.now += return_gap_s
+            arrive()
+        clock.now += 0.12 if size == 4 else 0.02
+
+
+def test_a_split_loop_shows_its_population_where_no_wave_tells():
+    """Two cohorts of a 16-client loop at its own rate (~80/s): each cohort's return
+    is no denser than that stream, so no wave tells; but the engine never held more
+    than 16 requests at an answer, and held 16 at half of them. After the wave of 12
+    with the other 4 waiting, the 12 are expected, due when the loop's returns came
+    lately (the 90th percentile of their lags)."""
+    clock = ManualClock()
+    clients = ReturningClients(clock)
+    two_cohorts(lambda size, in_engine: clients.answered(size, 80.0, in_engine),
+                lambda: clients.arrived(1), clock)
+    assert clients.population() == 16
+    clients.answered(12, 80.0, 16)
+    expected = clients.expected(in_engine=4)
+    assert expected is not None and expected.count == 12
+    # the last 64 lags: 8, 16, ..., 96 ms after each wave of 12, 8-32 after each of 4
+    assert expected.due_ms == pytest.approx(88.0)
+    assert expected.window_left_ms == pytest.approx(RETURN_SLACK * 88.0)
+    assert clients.expected() is None  # the engine's count not given: nothing to go by
+    assert clients.expected(in_engine=16) is None  # all in: nobody to wait for
+
+
+def test_counts_at_answers_that_wander_or_grow_show_no_population():
+    """An open stream's count at its answers wanders with its queue, an overload's
+    grows, a small loop's is too small to bother: none is a population."""
+    def answers(counts: list[int]) -> ReturningClients:
+        clock = ManualClock()
+        clients = ReturningClients(clock)
+        for count in counts:
+            clients.answered(4, 80.0, count)
+            for _ in range(4):
+                clock.now += 0.01
+                clients.arrived(1)
+            clock.now += 0.1
+        return clients
+
+    for counts in ([5, 7, 4, 6, 8, 5, 6, 7],  # Poisson-like: the maximum reached once
+                   [16, 20, 24, 28, 32, 36, 40, 44],  # a queue that grows
+                   [3, 3, 2, 3, 3, 1, 3, 3]):  # below MIN_POPULATION
+        clients = answers(counts)
+        assert clients.population() is None, counts
+        clients.answered(4, 80.0, counts[-1])
+        assert clients.expected(in_engine=0) is None, counts
+    assert MIN_POPULATION > 3
+    # a pinned count shows the population only once `POPULATION_WAVES` answers did
+    assert answers([16] * (POPULATION_WAVES - 1)).population() is None
+    assert answers([16] * POPULATION_WAVES).population() == 16
+
+
+def test_a_wave_that_showed_no_loop_outweighs_a_population():
+    """A population in the counts, but the last wave that could tell saw its clients
+    not come back: no one is expected."""
+    clock = ManualClock()
+    clients = ReturningClients(clock)
+    two_cohorts(lambda size, in_engine: clients.answered(size, 80.0, in_engine),
+                lambda: clients.arrived(1), clock)
+    clients.answered(12, 0.1, 16)  # a stream of 0.1/s: a wave of 12 can tell
+    clock.now += 1.0  # nobody came back within the window
+    clients.answered(12, 0.1, 16)
+    assert clients.population() == 16
+    assert clients.expected(in_engine=4) is None
 
 
 # -- in the admission wait ---------------------------------------------------------------
@@ -399,3 +481,26 @@ def test_a_wave_measured_too_few_times_is_held_for_until_it_is_known():
 
     assert plan(num_slow_waves=1).target == 16
     assert plan(num_slow_waves=MIN_SAMPLES).max_wait_ms == 0.0
+
+
+def test_the_admission_wait_merges_a_split_loop():
+    """The two cohorts of a 16-client loop at capacity 16 under a sustained load (the
+    wait rule itself starts at once): after the wave of 12, the 4 waiting do not start
+    alone but wait for the 12 on their way back, one wave of 16 (with the engine's
+    counts at its answers; without them the split goes on)."""
+    def plan(counted: bool):
+        clock = ManualClock()
+        p = policy(clock, max_num_seqs=16, overlaps=False)
+        teach(p, sizes=(1, 2, 4, 8, 16) * MIN_SAMPLES)
+        clock.now += 60.0
+        for _ in range(3):  # three seconds of the split loop
+            two_cohorts(lambda size, in_engine: p.observe_answers(
+                size, in_engine if counted else None),
+                lambda: p.observe_arrivals(1, busy=True), clock, turns=24)
+        p.observe_answers(12, 16 if counted else None)
+        clock.now += 0.001
+        return p.plan_wait(key(), 4)
+
+    held = plan(counted=True)
+    assert held.target == 16 and held.max_wait_ms > 0.0
+    assert plan(counted=False).max_wait_ms == 0.0
