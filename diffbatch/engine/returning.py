@@ -32,7 +32,9 @@ clients, each with at most one request in the engine, never has more requests in
 engine than it has clients, and has them all there whenever none is on its way back.
 So the engine also records how many requests it held when each wave was answered;
 when over the last `POPULATION_WAVES` answers that number never went above `N` and
-was `N` at least `POPULATION_HITS` times (`N` at least `MIN_POPULATION`), the clients
+was `N` at least `POPULATION_HITS` times, one of them among the last two (`N` at
+least `MIN_POPULATION`; a loop's cohorts take turns, and a count that no longer comes
+back to `N` is a loop that has gone), the clients
 are a closed population of `N`, and those not in the engine are expected back, due
 as arrivals after answers came lately (`RETURN_QUANTILE` of their lags). An open
 stream's count at its answers wanders with the queue (Poisson arrivals at 5 per wave
@@ -161,8 +163,9 @@ class ReturningClients:
         if len(counts) < POPULATION_WAVES:
             return None
         size = max(counts)
-        if size < MIN_POPULATION or counts.count(size) < POPULATION_HITS:
-            return None
+        if size < MIN_POPULATION or counts.count(size) < POPULATION_HITS \
+                or size not in (counts[-1], counts[-2]):
+            return None  # (not lately: the loop has gone, an open stream follows it)
         return size
 
     def expected(self, in_engine: int | None = None) -> Returning | None:

@@ -231,6 +231,9 @@ def test_counts_at_answers_that_wander_or_grow_show_no_population():
     # a pinned count shows the population only once `POPULATION_WAVES` answers did
     assert answers([16] * (POPULATION_WAVES - 1)).population() is None
     assert answers([16] * POPULATION_WAVES).population() == 16
+    # and only while it comes back: a loop that ended, an open stream after it
+    assert answers([16] * POPULATION_WAVES + [1]).population() == 16
+    assert answers([16] * POPULATION_WAVES + [1, 2]).population() is None
 
 
 def test_a_wave_that_showed_no_loop_outweighs_a_population():
