@@ -533,11 +533,14 @@ class EngineCore:
                                  runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
-            # (requests in the engine right before these answers: a closed loop's
-            # population shows in them, `diffbatch.engine.returning`)
-            self.policy.observe_answers(len(finished), in_engine=len(finished)
-                                        + self.scheduler.num_waiting + self.scheduler.num_running
-                                        + self._num_recent_incoming())
+            try:
+                # (requests in the engine right before these answers: a closed loop's
+                # population shows in them, `diffbatch.engine.returning`)
+                self.policy.observe_answers(
+                    len(finished), in_engine=len(finished) + self.scheduler.num_waiting
+                    + self.scheduler.num_running + self._num_recent_incoming())
+            except Exception:  # finished above: a policy bug must not cost their answers
+                logger.exception("the batch policy failed to observe a wave's answers")
             self.cond.notify_all()  # for wait_idle
         self._log_wave(wave, started, runner_output, record.admission_reason)
         for request, output in finished:

@@ -91,3 +91,17 @@ def test_answered_waves_tell_the_policy_how_many_they_answered(gate, monkeypatch
         assert answered[0] == (1, 3)  # "a", with "b" and "c" waiting
         assert sum(count for count, _ in answered) == 3
         assert all(in_engine >= count for count, in_engine in answered)
+
+
+def test_a_policy_that_fails_on_answers_costs_no_answer(gate, monkeypatch):
+    """The requests of a finished wave are out of the scheduler when the policy hears
+    of them: a bug there still lets them be answered (it once left their callers
+    waiting forever)."""
+    gate.release.set()
+    with Engine(pipeline_class=GatedPipeline, executor="inproc", max_num_seqs=4) as engine:
+        def broken(*args, **kwargs) -> None:
+            raise RuntimeError("policy bug")
+
+        monkeypatch.setattr(engine.core.policy, "observe_answers", broken)
+        outputs = [f.result(30) for f in (submit(engine, p, p) for p in ("a", "b"))]
+        assert all(output.ok for output in outputs)
