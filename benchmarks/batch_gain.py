@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="--worker-cpus of the servers (e.g. 1); the raw rounds are then "
                         "pinned to the same CPUs, so both sides run on the cores they get")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per point")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the raw pipeline and of the server's worker")
+    parser.add_argument("--threads", type=harness.threads_arg, default=1,
+                        help="torch threads of the raw pipeline and of the server's worker, "
+                        "or 'none' (torch's defaults; the worker picks its own)")
     parser.add_argument("--wait-ms", type=float, default=50.0,
                         help="--request-batch-max-wait-ms of the servers")
     parser.add_argument("--executor", choices=["mp", "inproc"], default="mp")

@@ -18,6 +18,12 @@ reported too: they are far less disturbed by a shared machine than timings.
 
     .venv/bin/python benchmarks/peers.py --out benchmarks/results/peers.json
 
+`--defaults --threads none` compares what each server does out of the box instead:
+`diffbatch serve MODEL` with no tuning flag, Ray Serve's `@serve.batch` and LitServe's
+`LitAPI` with their own batching defaults (the installed versions': 10 requests and
+10 ms for Ray Serve 2.x, no batching for LitServe), and no thread settings anywhere
+(torch's defaults in every process; diffbatch's worker picks its own).
+
 Peers need the `[bench]` extra (ray[serve], litserve).
 """
 
@@ -40,10 +46,16 @@ SERVERS = ("diffbatch", "ray", "litserve", "fastapi")
 def server_specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
     specs = []
     for name in args.servers:
-        if name == "diffbatch":
+        if name == "diffbatch" and args.defaults:
+            specs.append(harness.diffbatch_defaults_spec(
+                args.model, name="diffbatch", threads=args.threads, log_level="warning"))
+        elif name == "diffbatch":
             specs.append(harness.diffbatch_spec(
                 args.model, threads=args.threads, max_num_seqs=args.max_batch_size,
                 wait_ms=args.wait_ms))
+        elif args.defaults:
+            specs.append(harness.peer_spec(name, args.model, threads=args.threads,
+                                           max_batch_size=None, wait_ms=None))
         else:
             specs.append(harness.peer_spec(name, args.model, threads=args.threads,
                                            max_batch_size=args.max_batch_size,
@@ -159,11 +171,15 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_request_args(parser)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every server")
+    parser.add_argument("--threads", type=harness.threads_arg, default=1,
+                        help="torch threads of every server, or 'none' (torch's defaults)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--defaults", action="store_true",
+                        help="every server with its own batching defaults (diffbatch: auto); "
+                        "--max-batch-size and --wait-ms are then unused")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--wait-ms", type=float, default=20.0,
                         help="batch wait of every batching server")
@@ -178,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/peers.json")
     parser.add_argument("--no-plot", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     harness.set_thread_env(args.threads)
     report = harness.report_header("peers", args)
     start = time.perf_counter()

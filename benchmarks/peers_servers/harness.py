@@ -18,6 +18,7 @@ the thread choices of torch and diffbatch themselves, as under a user's shell.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -49,9 +50,25 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
 
 
-def set_thread_env(threads: int) -> None:
-    """Thread settings for this process; call before torch is imported."""
+def set_thread_env(threads: int | None) -> None:
+    """Thread settings for this process (`threads=None`: none, torch's defaults); call
+    before torch is imported."""
     os.environ.update(server_env_overrides(threads))
+
+
+def threads_arg(text: str) -> int | None:
+    """A `--threads` value: a positive count, or "none" for no thread settings at all
+    (torch's defaults in every process; diffbatch's worker chooses its own)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive thread count or 'none', got {text!r}")
+    return value
 
 
 def server_env_overrides(threads: int | None) -> dict[str, str]:
@@ -154,18 +171,24 @@ def diffbatch_defaults_spec(
 
 
 def peer_spec(
-    kind: str, model: str, *, threads: int, max_batch_size: int = 8, wait_ms: float = 20.0
+    kind: str, model: str, *, threads: int | None, max_batch_size: int | None = 8,
+    wait_ms: float | None = 20.0,
 ) -> ServerSpec:
-    """One of the peer servers ("fastapi", "ray" or "litserve")."""
+    """One of the peer servers ("fastapi", "ray" or "litserve"). None for `threads`,
+    `max_batch_size` or `wait_ms`: not set, the library's own default (torch's threads;
+    Ray Serve's `@serve.batch` and LitServe's `LitAPI` batching defaults)."""
     if kind not in PEER_MODULES:
         raise ValueError(f"peer must be one of {sorted(PEER_MODULES)}, got {kind!r}")
     port = free_port()
-    cmd = [sys.executable, "-m", PEER_MODULES[kind], "--model", model, "--port", str(port),
-           "--threads", str(threads)]
-    if kind == "ray":
-        cmd += ["--max-batch-size", str(max_batch_size), "--batch-wait-ms", str(wait_ms)]
-    elif kind == "litserve":
-        cmd += ["--max-batch-size", str(max_batch_size), "--batch-timeout-ms", str(wait_ms)]
+    cmd = [sys.executable, "-m", PEER_MODULES[kind], "--model", model, "--port", str(port)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    flags = {"ray": ("--max-batch-size", "--batch-wait-ms"),
+             "litserve": ("--max-batch-size", "--batch-timeout-ms")}.get(kind)
+    if flags is not None:
+        for flag, value in zip(flags, (max_batch_size, wait_ms), strict=True):
+            if value is not None:
+                cmd += [flag, str(value)]
     return ServerSpec(kind, cmd, port, threads)
 
 

@@ -74,15 +74,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8002)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--batch-timeout-ms", type=float, default=20.0)
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="default: LitAPI's own")
+    parser.add_argument("--batch-timeout-ms", type=float, default=None,
+                        help="default: LitAPI's own")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
-    api = ImageLitAPI(
-        args.model, args.threads, max_batch_size=args.max_batch_size,
-        batch_timeout=args.batch_timeout_ms / 1000.0, api_path=IMAGES_ROUTE,
-    )
+    batching: dict[str, Any] = {}  # what is not given stays LitAPI's default
+    if args.max_batch_size is not None:
+        batching["max_batch_size"] = args.max_batch_size
+    if args.batch_timeout_ms is not None:
+        batching["batch_timeout"] = args.batch_timeout_ms / 1000.0
+    api = ImageLitAPI(args.model, args.threads, api_path=IMAGES_ROUTE, **batching)
     server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, timeout=600)
     server.run(host=args.host, port=args.port, num_api_servers=1, log_level=args.log_level,
                generate_client_file=False)

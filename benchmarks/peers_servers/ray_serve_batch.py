@@ -49,14 +49,17 @@ class ImageDeployment:
     """One replica holding the pipeline; requests meet in `generate_batch`."""
 
     def __init__(
-        self, model: str, threads: int | None, max_batch_size: int, batch_wait_s: float
+        self, model: str, threads: int | None, max_batch_size: int | None,
+        batch_wait_s: float | None,
     ) -> None:
         self.pipe = load_pipeline(model, threads)
         warm_up(self.pipe)
-        self.generate_batch.set_max_batch_size(max_batch_size)
-        self.generate_batch.set_batch_wait_timeout_s(batch_wait_s)
+        if max_batch_size is not None:  # else `@serve.batch`'s default
+            self.generate_batch.set_max_batch_size(max_batch_size)
+        if batch_wait_s is not None:
+            self.generate_batch.set_batch_wait_timeout_s(batch_wait_s)
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
+    @serve.batch
     async def generate_batch(self, jobs: list[ImageJob]) -> list[dict[str, Any]]:
         return await asyncio.to_thread(generate, self.pipe, jobs)
 
@@ -78,8 +81,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny-sd")
     parser.add_argument("--port", type=int, default=8003)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--batch-wait-ms", type=float, default=20.0)
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="default: @serve.batch's own")
+    parser.add_argument("--batch-wait-ms", type=float, default=None,
+                        help="default: @serve.batch's own")
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster")
     args = parser.parse_args(argv)
     stop = threading.Event()
@@ -90,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(
-            ImageDeployment.bind(args.model, args.threads, args.max_batch_size,
-                                 args.batch_wait_ms / 1000.0),
+            ImageDeployment.bind(
+                args.model, args.threads, args.max_batch_size,
+                None if args.batch_wait_ms is None else args.batch_wait_ms / 1000.0),
             name="diffbatch-peer", route_prefix="/",
         )
         print(f"ray serve peer ready on 127.0.0.1:{args.port}", flush=True)

@@ -221,3 +221,33 @@ def test_auto_replicas_pairs_round_means_and_names_its_servers() -> None:
     assert fixed["throughput_rps_paired_to_auto"] == pytest.approx(1.0)
     assert fixed["throughput_rps_range"] == [50, 70]
     assert summary["auto"]["p50_ms_paired_to_auto"] == 1.0
+
+
+def test_threads_arg_takes_a_count_or_none() -> None:
+    assert harness.threads_arg("2") == 2
+    assert harness.threads_arg("None") is None
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive thread count"):
+            harness.threads_arg(bad)
+
+
+def test_peers_with_their_defaults_get_no_batching_or_thread_flags() -> None:
+    """`peers.py --defaults --threads none`: each peer as its library configures it;
+    without --defaults, the batching flags every server shares."""
+    import peers
+
+    def command(name: str, *flags: str) -> list[str]:
+        parser_args = peers.parse_args([*flags, "--servers", name])
+        return peers.server_specs(parser_args)[0].cmd
+
+    for peer in ("ray", "litserve"):
+        cmd = command(peer, "--defaults", "--threads", "none")
+        assert not {"--threads", "--max-batch-size", "--batch-wait-ms",
+                    "--batch-timeout-ms"} & set(cmd), cmd
+        cmd = command(peer, "--max-batch-size", "4", "--wait-ms", "5")
+        assert cmd[cmd.index("--max-batch-size") + 1] == "4"
+        assert cmd[cmd.index("--threads") + 1] == "1"
+    cmd = command("diffbatch", "--defaults", "--threads", "none")
+    assert not set(TUNING_FLAGS) & set(cmd), cmd
+    assert peers.server_specs(peers.parse_args(["--defaults", "--threads", "none",
+                                                "--servers", "diffbatch"]))[0].threads is None
