@@ -153,6 +153,20 @@ def test_a_quiet_idle_stretch_gives_threads_back_at_once():
     assert m.work(g, 0.2, load=1.2, calls=6) == 1  # busy beside its calls: down at once
 
 
+def test_short_bursts_between_other_work_take_their_threads_back():
+    """Started beside a busy process (1 thread), then bursts of calls 1.2 s long with
+    little beside them, taking turns with 3 s of other work (a served benchmark
+    alternating with a plain loop): each burst makes one decision, and two of them in a
+    row give the thread back, the busy gaps between them notwithstanding."""
+    m = Machine()
+    g = m.governor(current=1)
+    threads = []
+    for _ in range(3):
+        m.pass_time(3.0, load=2.0)  # the other work, while the worker waits
+        threads.append(m.work(g, 0.1, load=0.1, calls=12))
+    assert threads == [1, 2, 2] and m.set_to == [2]
+
+
 def test_the_governor_never_goes_past_its_bounds():
     m = Machine()
     g = m.governor(max_threads=4, current=4)
