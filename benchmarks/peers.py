@@ -90,6 +90,13 @@ def loads(args: argparse.Namespace, capacity: float) -> dict[str, dict[str, Any]
     }
 
 
+def _median(values: Any) -> float:
+    """The median of the values that exist (a run whose every request failed has no
+    latency); nan when none does."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else math.nan
+
+
 def summarize(samples: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Median of each figure over the repeats, per (load, server)."""
     rows = []
@@ -98,8 +105,8 @@ def summarize(samples: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict
         rows.append({
             "load": load, "server": name,
             "throughput_rps": statistics.median(r["request_throughput"] for r in reports),
-            "p50_ms": statistics.median(r["p50_e2e_ms"] for r in reports),
-            "p99_ms": statistics.median(r["p99_e2e_ms"] for r in reports),
+            "p50_ms": _median(r["p50_e2e_ms"] for r in reports),
+            "p99_ms": _median(r["p99_e2e_ms"] for r in reports),
             "server_cpu_s_per_request":
                 statistics.median(r["server_cpu_s_per_request"] for r in reports),
             "failed": sum(r["failed"] for r in reports),

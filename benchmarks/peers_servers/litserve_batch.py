@@ -54,7 +54,11 @@ class ImageLitAPI(ls.LitAPI):
     def batch(self, inputs: list[ImageJob]) -> list[ImageJob]:
         return list(inputs)
 
-    def predict(self, jobs: list[ImageJob]) -> list[dict[str, Any]]:
+    def predict(self, jobs):
+        # A batch of jobs; with `max_batch_size=1` (LitAPI's default) LitServe does not
+        # batch and hands over one job.
+        if isinstance(jobs, ImageJob):
+            return generate(self.pipe, [jobs])[0]
         return generate(self.pipe, jobs)
 
     def unbatch(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
