@@ -144,7 +144,8 @@ class ThreadGovernor:
     `MIN_BUSY_SHARE` of an interval, the other processes' CPU time during those calls
     over their length gives the load, and the thread count is set with `set_threads`
     where it should change: down at once, up after two decisions in a row say so
-    (however long the gaps between them). A gap of more than two intervals between
+    (however long the gaps between them; after one where the count is still the
+    start-up's). A gap of more than two intervals between
     calls (the worker had nothing to do) is measured too, and can only give threads
     back, at once.
     """
@@ -166,7 +167,10 @@ class ThreadGovernor:
         self._idle_since = (self._last, self._others_cpu_s())  # the last call's end
         self._busy_s = 0.0  # time in calls since the last decision
         self._busy_others_s = 0.0  # other processes' CPU time during them
-        self._ups = 0  # decisions in a row that asked for more threads
+        # decisions in a row that asked for more threads; a count below the most at
+        # start-up counts as one (it is one reading of the machine, often while other
+        # servers load beside it), so the first decision that asks gives it back
+        self._ups = 1 if self.threads < self.max_threads else 0
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

@@ -154,17 +154,35 @@ def test_a_quiet_idle_stretch_gives_threads_back_at_once():
 
 
 def test_short_bursts_between_other_work_take_their_threads_back():
-    """Started beside a busy process (1 thread), then bursts of calls 1.2 s long with
+    """Down to 1 thread beside a busy process, then bursts of calls 1.2 s long with
     little beside them, taking turns with 3 s of other work (a served benchmark
     alternating with a plain loop): each burst makes one decision, and two of them in a
     row give the thread back, the busy gaps between them notwithstanding."""
     m = Machine()
-    g = m.governor(current=1)
+    g = m.governor()
+    assert m.work(g, 0.1, load=1.5, calls=12) == 1
     threads = []
     for _ in range(3):
         m.pass_time(3.0, load=2.0)  # the other work, while the worker waits
         threads.append(m.work(g, 0.1, load=0.1, calls=12))
-    assert threads == [1, 2, 2] and m.set_to == [2]
+    assert threads == [1, 2, 2] and m.set_to == [1, 2]
+
+
+def test_a_count_set_low_at_start_up_comes_back_at_the_first_decision():
+    """The start-up count is one reading of the machine (other servers loading beside
+    it, say): the first decision that finds CPUs free gives them back."""
+    m = Machine()
+    g = m.governor(current=1)
+
+    def second(load: float) -> int:
+        """One second of calls with `load` beside them; the count the next call finds."""
+        m.work(g, 0.25, load=load, calls=4)
+        return m.work(g, 0.0)
+
+    assert second(0.1) == 2 and m.set_to == [2]
+    assert second(1.5) == 1  # the governor's own down: two decisions to undo
+    assert second(0.1) == 1
+    assert second(0.1) == 2 and m.set_to == [2, 1, 2]
 
 
 def test_the_governor_never_goes_past_its_bounds():
