@@ -99,7 +99,7 @@ from diffbatch.cpus import parse_cpu_list
 from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
 from diffbatch.engine.cost_model import MIN_GAIN, MIN_SAMPLES, Shape, WaveCostModel
 from diffbatch.engine.returning import MAX_RETURN_WINDOW_MS, ReturningClients
-from diffbatch.worker.threads import usable_cpu_count
+from diffbatch.worker.threads import omp_num_threads, usable_cpu_count
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -255,18 +255,8 @@ def forward_overlaps_front_end(config: EngineConfig, info: PipelineInfo,
     worker = usable_cpu_count(parse_cpu_list(config.worker_cpus)) \
         if config.worker_cpus else usable
     env = os.environ if env is None else env
-    threads = config.torch_num_threads or _positive_int(env.get("OMP_NUM_THREADS")) or worker
+    threads = config.torch_num_threads or omp_num_threads(env) or worker
     return min(worker, threads) < usable
-
-
-def _positive_int(text: str | None) -> int | None:
-    """`text` as a positive int; None where it is missing or not one (OpenMP ignores
-    such a value too)."""
-    try:
-        value = int(text) if text is not None else 0
-    except ValueError:
-        return None
-    return value if value > 0 else None
 
 
 def load_capacity(rate_per_s: float, wave_ms: Callable[[int], float], capacity: int) -> int:

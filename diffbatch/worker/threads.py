@@ -107,7 +107,7 @@ def choose_threads(
         threads, auto_max = free, usable
         reasons.append(f"{free} torch threads: {usable} usable CPUs, other processes keep "
                        f"{other_load:.1f} busy (followed while serving)")
-    fixed = threads if threads is not None else _int_or_none(env.get("OMP_NUM_THREADS"))
+    fixed = threads if threads is not None else omp_num_threads(env)
     if "OMP_WAIT_POLICY" in env:
         policy = None
         reasons.append(f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']} (yours)")
@@ -121,11 +121,14 @@ def choose_threads(
     return ThreadChoice(threads, policy, "; ".join(reasons), auto_max)
 
 
-def _int_or_none(text: str | None) -> int | None:
+def omp_num_threads(env: Mapping[str, str]) -> int | None:
+    """The thread count `env`'s `OMP_NUM_THREADS` sets: a positive number, else None
+    (unset, or a value OpenMP ignores too)."""
     try:
-        return int(text) if text is not None else None
-    except ValueError:
+        value = int(env["OMP_NUM_THREADS"])
+    except (KeyError, ValueError):
         return None
+    return value if value > 0 else None
 
 
 class ThreadGovernor:
@@ -145,9 +148,8 @@ class ThreadGovernor:
     over their length gives the load, and the thread count is set with `set_threads`
     where it should change: down at once, up after two decisions in a row say so
     (however long the gaps between them; after one where the count is still the
-    start-up's). A gap of more than two intervals between
-    calls (the worker had nothing to do) is measured too, and can only give threads
-    back, at once.
+    start-up's). A gap of more than two intervals between calls (the worker had
+    nothing to do) is measured too, and can only give threads back, at once.
     """
 
     def __init__(self, max_threads: int, current: int, *,
