@@ -37,9 +37,9 @@ least `MIN_POPULATION`; a loop's cohorts take turns, and a count that no longer 
 back to `N` is a loop that has gone), the clients
 are a closed population of `N`, and those not in the engine are expected back, due
 as arrivals after answers came lately (`RETURN_QUANTILE` of their lags). An open
-stream's count at its answers wanders with the queue (Poisson arrivals at 5 per wave
-time reach their maximum of eight answers about once or twice), and one that
-overloads the engine grows it.
+stream's count at its answers wanders with the queue (by the spread of Poisson
+counts, arrivals at 5 per wave time reach their maximum of eight answers once or
+twice; an estimate, not a measurement), and one that overloads the engine grows it.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ POPULATION_WAVES = 8  # answers whose count of requests in the engine shows a po
 POPULATION_HITS = 4  # of them with the population's every client in the engine
 MIN_POPULATION = 4  # a smaller loop loses little to a split, and pins its count by chance
 LAGS_KEPT = 64  # arrivals after answers whose lags give a population's return time
+MIN_LAGS = 4  # a population's return time goes by at least this many of them
 RETURN_QUANTILE = 0.9  # of those lags: when a population's clients are all back
 
 
@@ -180,28 +181,27 @@ class ReturningClients:
             if len(self._seen) < ANSWERS_KEPT:
                 return self._population_expected(last, in_engine)
             back_s = max(span for _, span in self._seen)
-            elapsed_s = self._clock() - last.at
-            window_s = min(RETURN_SLACK * back_s, MAX_RETURN_WINDOW_MS / 1000.0)
-            missing = last.size - len(last.lags_s)
-            if missing <= 0 or elapsed_s >= window_s:
-                return None
-            return Returning(missing, due_ms=1000.0 * max(back_s - elapsed_s, 0.0),
-                             window_left_ms=1000.0 * (window_s - elapsed_s))
+            return self._due(last, last.size - len(last.lags_s), back_s)
 
     def _population_expected(self, last: _Answer, in_engine: int | None) -> Returning | None:
         """(Holding the lock.) The clients of a closed population not in the engine, due
         as the arrivals after answers came lately."""
         size = self._population()
-        if size is None or in_engine is None or size - in_engine <= 0 \
-                or len(self._lags_s) < MIN_POPULATION:
+        if size is None or in_engine is None or len(self._lags_s) < MIN_LAGS:
             return None
         lags = sorted(self._lags_s)
         back_s = lags[min(len(lags) - 1, int(RETURN_QUANTILE * len(lags)))]
+        return self._due(last, size - in_engine, back_s)
+
+    def _due(self, last: _Answer, count: int, back_s: float) -> Returning | None:
+        """(Holding the lock.) `count` clients expected back `back_s` after `last`'s
+        answers, waited for until `RETURN_SLACK` times that; None when there are none
+        or that window has closed."""
         elapsed_s = self._clock() - last.at
         window_s = min(RETURN_SLACK * back_s, MAX_RETURN_WINDOW_MS / 1000.0)
-        if elapsed_s >= window_s:
+        if count <= 0 or elapsed_s >= window_s:
             return None
-        return Returning(size - in_engine, due_ms=1000.0 * max(back_s - elapsed_s, 0.0),
+        return Returning(count, due_ms=1000.0 * max(back_s - elapsed_s, 0.0),
                          window_left_ms=1000.0 * (window_s - elapsed_s))
 
     def _settle(self, now: float) -> None:
