@@ -44,22 +44,19 @@ SERVERS = ("diffbatch", "ray", "litserve", "fastapi")
 
 
 def server_specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
+    # --defaults: nothing set, each server's own batching (None: the library's default)
+    batch, wait = (None, None) if args.defaults else (args.max_batch_size, args.wait_ms)
     specs = []
     for name in args.servers:
-        if name == "diffbatch" and args.defaults:
+        if name != "diffbatch":
+            specs.append(harness.peer_spec(name, args.model, threads=args.threads,
+                                           max_batch_size=batch, wait_ms=wait))
+        elif args.defaults:
             specs.append(harness.diffbatch_defaults_spec(
                 args.model, name="diffbatch", threads=args.threads, log_level="warning"))
-        elif name == "diffbatch":
-            specs.append(harness.diffbatch_spec(
-                args.model, threads=args.threads, max_num_seqs=args.max_batch_size,
-                wait_ms=args.wait_ms))
-        elif args.defaults:
-            specs.append(harness.peer_spec(name, args.model, threads=args.threads,
-                                           max_batch_size=None, wait_ms=None))
         else:
-            specs.append(harness.peer_spec(name, args.model, threads=args.threads,
-                                           max_batch_size=args.max_batch_size,
-                                           wait_ms=args.wait_ms))
+            specs.append(harness.diffbatch_spec(args.model, threads=args.threads,
+                                                max_num_seqs=batch, wait_ms=wait))
     return specs
 
 
