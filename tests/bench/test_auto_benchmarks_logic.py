@@ -251,3 +251,21 @@ def test_peers_with_their_defaults_get_no_batching_or_thread_flags() -> None:
     assert not set(TUNING_FLAGS) & set(cmd), cmd
     assert peers.server_specs(peers.parse_args(["--defaults", "--threads", "none",
                                                 "--servers", "diffbatch"]))[0].threads is None
+
+
+def test_peers_summary_keeps_a_load_whose_every_request_failed() -> None:
+    """A server that failed every request of a load (no latency to take a median of)
+    is reported with nan latencies and its failures, not a crash of the whole run."""
+    import math
+
+    import peers
+
+    def report(p50: float | None, failed: int) -> dict:
+        return {"request_throughput": 0.0 if p50 is None else 5.0, "p50_e2e_ms": p50,
+                "p99_e2e_ms": p50, "server_cpu_s_per_request": 0.1, "failed": failed}
+
+    rows = peers.summarize({("burst", "broken"): [report(None, 3), report(None, 3)],
+                            ("burst", "fine"): [report(10.0, 0), report(30.0, 0)]})
+    broken, fine = rows
+    assert math.isnan(broken["p50_ms"]) and broken["failed"] == 6
+    assert fine["p50_ms"] == 20.0
