@@ -54,29 +54,20 @@ class _LearnedBatching(Collector):
             "and step count (WxH/sSTEPS/nN[/cfg]).",
             labels=["shape", "wave_size"],
         )
-        served = GaugeMetricFamily(
-            "diffbatch_served_cost_per_image_ms",
-            "Median forward time per image (ms) of the served waves of `wave_size` requests "
-            "(no calibration wave), per shape and step count: what the load rule sizes waves "
-            "by.",
-            labels=["shape", "wave_size"],
-        )
         capacity = GaugeMetricFamily(
             "diffbatch_capacity_requests", "Current wave capacity per shape and step count.",
             labels=["shape"])
         wait = GaugeMetricFamily(
             "diffbatch_admission_wait_ms",
-            "Last planned admission wait per shape and step count (ms).",
+            "Longest admission wait per shape and step count (ms): the auto wait's bound "
+            "(one request's wave time, at most 1 s) or the fixed wait.",
             labels=["shape"])
         for shape, entry in sorted(self.read().items()):
             for size, ms in entry["per_image_ms"].items():
                 cost.add_metric([shape, str(size)], ms)
-            for size, ms in entry.get("served_per_image_ms", {}).items():
-                served.add_metric([shape, str(size)], ms)
             capacity.add_metric([shape], entry["capacity"])
             wait.add_metric([shape], entry["wait_ms"])
         yield cost
-        yield served
         yield capacity
         yield wait
 

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from diffbatch import Engine, SamplingParams
-from diffbatch.engine.cost_model import capacity_from_curve
+from diffbatch.engine.cost_model import knee
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +43,12 @@ def test_defaults_are_auto_and_calibrated(engine):
     assert engine.policy.cost.estimate_ms(shape, 1, 4) is not None  # calibration ran
     # The capacity is what the capacity rule makes of the calibrated curve. On a quiet
     # machine tiny-sd at 64x64 gains from waves, but a calibration that ran while the
-    # cores were busy can measure no gain (seen in CI: capacity 1); the burst below
-    # then still runs waves larger than one, by trying the next size under a backlog.
+    # cores were busy can measure no gain (capacity 1); the burst below still runs
+    # waves larger than one: what waits when a wave ends goes in the next one.
     [(calibrated, steps)] = engine.policy.cost.curves()  # one step count, its own curve
     assert calibrated == shape
     curve = engine.policy.cost.per_image_ms()[shape.label(steps)]
-    assert engine.policy.cost.capacity(shape, steps) == capacity_from_curve(
+    assert engine.policy.cost.capacity(shape, steps) == knee(
         {size: ms * size for size, ms in curve.items()}, engine.policy.limit)
     text = engine.metrics.registry.get_sample_value(
         "diffbatch_capacity_requests", {"shape": shape.label(steps)})
@@ -63,13 +63,13 @@ def test_a_burst_forms_waves_larger_than_one(engine):
     outs = asyncio.run(burst())
     assert all(out.ok for out in outs)
     assert max(out.batch_size for out in outs) > 1
-    # what the served waves took, per size, on /metrics (a wave of more than one too)
-    served = engine.policy.cost.served_per_image_ms()
-    assert any(size > 1 for table in served.values() for size in table)
-    for label, table in served.items():
+    # the learned curve per size, on /metrics (a wave of more than one too)
+    learned = engine.policy.cost.per_image_ms()
+    assert any(size > 1 for table in learned.values() for size in table)
+    for label, table in learned.items():
         for size, ms in table.items():
             assert engine.metrics.registry.get_sample_value(
-                "diffbatch_served_cost_per_image_ms",
+                "diffbatch_learned_cost_per_image_ms",
                 {"shape": label, "wave_size": str(size)}) == pytest.approx(ms)
 
 

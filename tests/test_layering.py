@@ -19,6 +19,7 @@ FORBIDDEN = [
     ("bench", "diffbatch.entrypoints"),  # the benchmark client is not the server
     ("sched", "diffbatch.engine"),
     ("sched", "diffbatch.executor"),
+    ("engine", "diffbatch.worker"),  # the engine guesses nothing about the worker's CPUs
     ("", "scripts"),  # training data and the judge are not runtime code
     ("", "tests"),  # neither are test helpers
 ]

@@ -11,11 +11,7 @@ numbers come from the engine's `BatchPolicy` for the next wave: a fixed
   planned target);
 - `stable`: the waiting count has not grown for a stable window (for a fixed wait
   `min(50 ms, max_wait / 5)`; the plan's own otherwise; only growth resets the
-  window, an abort does not),
-  and no request announced in the last `MAX_NOTICE_HOLD_MS` is still on its way (see
-  `ArrivalNotice` in the engine: the HTTP layer announces a request while it still
-  reads and validates its body, so a burst is not cut short by its own parsing time;
-  a body that takes longer than that is a slow client, and holds nobody's wave);
+  window, an abort does not);
 - `deadline`: `start + max_wait` passed;
 - `stopped`: the engine is stopping.
 
@@ -30,10 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_STABLE_WINDOW_MS = 50.0
-# How long an announced request may hold the wait after it was announced. Reading and
-# parsing a body of at most 1 MiB takes well under this on loopback or a LAN; a client
-# still sending after it is slow (or malicious), and must not stall every wave.
-MAX_NOTICE_HOLD_MS = 100.0
 
 
 @dataclass
@@ -66,7 +58,6 @@ class AdmissionWait:
         is_stopped: Callable[[], bool],
         wait_s: Callable[[float], object],
         clock: Callable[[], float] = time.monotonic,
-        incoming_hold_until: Callable[[], float] = lambda: 0.0,
     ) -> str:
         """Wait until one of the exit conditions holds; return its name.
 
@@ -76,10 +67,6 @@ class AdmissionWait:
             wait_s: blocks up to the given seconds or until notified, e.g. the bound
                 `Condition.wait` of the engine's condition (called with its lock held).
             clock: monotonic seconds.
-            incoming_hold_until: the `clock` time until which announced requests not
-                yet added hold the wait (the newest one's announcement plus
-                `MAX_NOTICE_HOLD_MS`; 0 when none is on its way): until then the queue
-                is not stable (the deadline still bounds the wait).
         """
         start = clock()
         deadline = start + self.max_wait_ms / 1000.0
@@ -99,8 +86,5 @@ class AdmissionWait:
                 return "deadline"
             window_end = last_growth + window_s
             if now >= window_end:
-                hold_until = incoming_hold_until()
-                if hold_until <= now:
-                    return "stable"
-                window_end = hold_until  # or woken early by the arrival or its retraction
+                return "stable"
             wait_s(min(deadline, window_end) - now)

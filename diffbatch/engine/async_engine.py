@@ -34,7 +34,7 @@ from typing import Any
 from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
-from diffbatch.engine.core import ArrivalNotice, EngineCore
+from diffbatch.engine.core import EngineCore
 from diffbatch.engine.partial_images import PartialImageRouter
 from diffbatch.engine.request_checks import check_against_model, check_task, resolve_lora
 from diffbatch.engine.step_core import StepEngineCore
@@ -270,7 +270,7 @@ class Engine:
         return request
 
     def _add(
-        self, requests: list[DiffusionRequest], notice: ArrivalNotice | None = None
+        self, requests: list[DiffusionRequest]
     ) -> list[concurrent.futures.Future[DiffusionOutput]]:
         """Register one future per request and queue them all at once."""
         futures: list[concurrent.futures.Future[DiffusionOutput]] = []
@@ -300,7 +300,7 @@ class Engine:
                 self._futures[request.request_id] = future
                 futures.append(future)
         try:
-            self.core.add_requests(requests, notice)
+            self.core.add_requests(requests)
         except Exception:
             with self._lock:
                 for request in requests:
@@ -310,11 +310,10 @@ class Engine:
 
     def _submit(
         self, prompt: str, params: SamplingParams | None, request_id: str | None, priority: int,
-        notice: ArrivalNotice | None = None,
     ) -> tuple[DiffusionRequest, concurrent.futures.Future[DiffusionOutput]]:
         with self._counting_rejections(1):
             request = self._prepare(prompt, params, request_id, priority)
-            return request, self._add([request], notice)[0]
+            return request, self._add([request])[0]
 
     def _deliver(self, request: DiffusionRequest, output: DiffusionOutput) -> None:
         """Resolve the request's future exactly once (later calls are no-ops)."""
@@ -424,20 +423,14 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
-        arrival_notice: ArrivalNotice | None = None,
     ) -> DiffusionOutput:
         """Submit one request and await its output; cancelling the await aborts it.
-
-        `arrival_notice` is the `expect_request()` notice this request was announced
-        with, if any; adding the request closes it.
 
         Raises at once for invalid input (`InvalidRequestError`), a full queue
         (`QueueFullError`) or a closed engine; otherwise returns the output, with
         `error` set if the request failed.
         """
-        request, future = self._submit(
-            prompt, sampling_params, request_id, priority, arrival_notice
-        )
+        request, future = self._submit(prompt, sampling_params, request_id, priority)
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -451,7 +444,6 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
-        arrival_notice: ArrivalNotice | None = None,
     ) -> AsyncIterator[PartialImage | DiffusionOutput]:
         """Submit one request; yield its partial images as its wave makes them, then its
         output, last. Leaving the iteration early (or cancelling it) aborts the request.
@@ -475,7 +467,7 @@ class Engine:
             self.partial_images.open(request.request_id,
                                      request.sampling_params.output_type, put)
             try:
-                future = self._add([request], arrival_notice)[0]
+                future = self._add([request])[0]
             except BaseException:
                 self.partial_images.close(request.request_id)
                 raise
@@ -491,15 +483,6 @@ class Engine:
             self.partial_images.close(request.request_id)
             if not future.done():
                 self.abort(request.request_id)
-
-    def expect_request(self) -> ArrivalNotice:
-        """Announce a request that is on its way, for the admission wait.
-
-        A front-end that still has to read and validate a request (an HTTP body)
-        enters this before and passes it to `generate_async`; while it is open, the
-        admission wait does not end a wave as "stable". Always use it in a `with`.
-        """
-        return ArrivalNotice(self.core)
 
     def abort(self, request_id: str | Sequence[str]) -> bool:
         """Abort waiting or running requests; their callers get an aborted output.
@@ -673,4 +656,4 @@ def _release_dropped(core: EngineCore, executor: Executor,
     core.join(SHUTDOWN_GRACE_S)
 
 
-__all__ = ["ArrivalNotice", "Engine", "RequestStatus", "resolve_request_batch_support"]
+__all__ = ["Engine", "RequestStatus", "resolve_request_batch_support"]

@@ -61,7 +61,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from diffbatch.engine.admission import MAX_NOTICE_HOLD_MS, AdmissionWait
+from diffbatch.engine.admission import AdmissionWait
 from diffbatch.errors import DiffbatchError, EngineClosedError, WorkerDiedError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
@@ -99,27 +99,6 @@ class _Rerun:
 
     wave: SchedulerOutput
     crashed_before: bool  # its requests were already in a wave the worker died under
-
-
-class ArrivalNotice:
-    """A request announced to the engine before it is added, e.g. while HTTP parses it.
-
-    Entering announces it; the engine closes it when the request is added, and
-    leaving the `with` block closes it in any case (rejected, failed, disconnected).
-    For `MAX_NOTICE_HOLD_MS` after it opened, the admission wait does not call the
-    queue stable; a body slower than that (a slow client) no longer holds anyone.
-    """
-
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self.open = False  # guarded by core.cond
-
-    def __enter__(self) -> ArrivalNotice:
-        self.core.announce(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.core.retract(self)
 
 
 class EngineCore:
@@ -160,8 +139,6 @@ class EngineCore:
         self._reruns: deque[_Rerun] = deque()  # waves to dispatch again, oldest first
         # `drain`: what a wave the worker dies under fails with once shutting down
         self._drain_error: Exception | None = None
-        self.num_incoming = 0  # announced requests not yet added (see ArrivalNotice)
-        self._open_notices: dict[int, float] = {}  # id(notice) -> opened, oldest first
         executor.set_ready_listener(self._notify)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -220,56 +197,12 @@ class EngineCore:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     # -- requests --------------------------------------------------------------------
-    def announce(self, notice: ArrivalNotice) -> None:
-        """Count a request that is on its way (its caller still parses it)."""
-        with self.cond:
-            notice.open = True
-            self.num_incoming += 1
-            self._open_notices[id(notice)] = time.monotonic()
-            self.cond.notify_all()
-
-    def retract(self, notice: ArrivalNotice | None) -> None:
-        """Close an announcement (the request arrived, failed or went away); idempotent."""
-        if notice is None:
-            return
-        with self.cond:
-            if notice.open:
-                notice.open = False
-                self.num_incoming -= 1
-                del self._open_notices[id(notice)]
-                self.cond.notify_all()
-
-    def _num_recent_incoming(self) -> int:
-        """(Holding `cond`.) Open notices younger than `MAX_NOTICE_HOLD_MS` (a slow
-        upload older than that is not part of the burst)."""
-        since = time.monotonic() - MAX_NOTICE_HOLD_MS / 1000.0
-        count = 0
-        for opened in reversed(self._open_notices.values()):  # newest first
-            if opened < since:
-                break
-            count += 1
-        return count
-
-    def _incoming_hold_until(self) -> float:
-        """(Holding `cond`.) Until when announced requests may hold the admission wait:
-        the newest open notice's opening plus `MAX_NOTICE_HOLD_MS` (0.0: none open)."""
-        if not self._open_notices:
-            return 0.0
-        return next(reversed(self._open_notices.values())) + MAX_NOTICE_HOLD_MS / 1000.0
-
-    def add_requests(
-        self, requests: list[DiffusionRequest], notice: ArrivalNotice | None = None
-    ) -> None:
-        """Queue requests together, so the loop sees them all at its next schedule.
-
-        `notice`, when given, is closed in the same critical section, so an announced
-        request is never counted twice nor missing from the admission wait's view.
-        """
+    def add_requests(self, requests: list[DiffusionRequest]) -> None:
+        """Queue requests together, so the loop sees them all at its next schedule."""
         with self.cond:
             if self._stopped:
                 raise EngineClosedError("engine is closed")
-            self.retract(notice)  # re-entrant: cond is an RLock-backed Condition
-            self.policy.observe_arrivals(len(requests), busy=not self._idle())
+            self.policy.observe_arrivals(len(requests))
             added = []
             try:
                 for request in requests:
@@ -448,7 +381,7 @@ class EngineCore:
         elif self.scheduler.num_running == 0:
             num_waiting = self.scheduler.num_waiting
             key = self.scheduler.next_key()
-            plan = self.policy.plan_wait(key, num_waiting, self._num_recent_incoming())
+            plan = self.policy.plan_wait(key, num_waiting)
             target = plan.target
             limit = None if key is None else self.scheduler.wave_size_limit(key)
             if limit is not None:  # e.g. max_wave_pixels: no wave would take more
@@ -460,10 +393,10 @@ class EngineCore:
                     lambda: self.scheduler.num_waiting,
                     lambda: self._stopped,
                     self.cond.wait,
-                    incoming_hold_until=self._incoming_hold_until,
                 )
                 if self._stopped:
                     return None
+        self.policy.observe_backlog(self.scheduler.next_key(), self.scheduler.num_waiting)
         wave = self.scheduler.schedule()
         return None if wave.is_empty else wave
 
@@ -533,14 +466,6 @@ class EngineCore:
                                  runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)
-            try:
-                # (requests in the engine right before these answers: a closed loop's
-                # population shows in them, `diffbatch.engine.returning`)
-                self.policy.observe_answers(
-                    len(finished), in_engine=len(finished) + self.scheduler.num_waiting
-                    + self.scheduler.num_running + self._num_recent_incoming())
-            except Exception:  # finished above: a policy bug must not cost their answers
-                logger.exception("the batch policy failed to observe a wave's answers")
             self.cond.notify_all()  # for wait_idle
         self._log_wave(wave, started, runner_output, record.admission_reason)
         for request, output in finished:
@@ -579,11 +504,14 @@ class EngineCore:
     ) -> None:
         queue_wait_ms = max((wave_start - r.arrival_time) * 1000.0 for r in wave.requests)
         forward_ms = runner_output.forward_time_ms
+        closed = wave.close_reason
+        if closed in ("capacity", "pixel_cap"):  # the wave is as big as its bound allowed
+            closed = f"{closed} (a wave of this key may hold {wave.num_requests})"
         logger.info(
             "wave %d: %d request(s) key=%s closed=%s admission=%s max_queue_wait=%.1fms "
             "forward=%.1fms",
             wave.wave_id, wave.num_requests, wave.key.short() if wave.key else "-",
-            wave.close_reason, admission_reason or "none", queue_wait_ms, forward_ms,
+            closed, admission_reason or "none", queue_wait_ms, forward_ms,
         )
         if not self.serving:
             return

@@ -93,12 +93,7 @@ from diffbatch.ipc.messages import (
     recv_message,
 )
 from diffbatch.outputs import BatchRunnerOutput
-from diffbatch.worker.threads import (
-    choose_threads,
-    cpu_contention,
-    other_cpu_load,
-    usable_cpu_count,
-)
+from diffbatch.worker.threads import choose_threads, cpu_contention, usable_cpu_count
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -126,8 +121,8 @@ def _worker_env(config: EngineConfig) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     pinned = parse_cpu_list(config.worker_cpus) if config.worker_cpus else None
     usable = usable_cpu_count(pinned)
-    choice = choose_threads(usable_cpus=usable, other_load=other_cpu_load(),
-                            env=env, torch_num_threads=config.torch_num_threads)
+    choice = choose_threads(usable_cpus=usable, env=env,
+                            torch_num_threads=config.torch_num_threads)
     choice.apply(env)
     logger.info("worker threads: %s", choice.reason)
     if config.torch_num_threads is not None and config.torch_num_threads > usable:

@@ -29,7 +29,6 @@ process is gone).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
 import logging
@@ -39,7 +38,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +64,6 @@ from diffbatch.outputs import BatchRunnerOutput, PartialImage
 from diffbatch.worker import lifeline
 from diffbatch.worker.malloc import tune_malloc
 from diffbatch.worker.step_runner import StepRunner
-from diffbatch.worker.threads import AUTO_THREADS_ENV, ThreadGovernor
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -144,33 +141,16 @@ def worker_main(
                 time.monotonic() - start, "" if tuned else " (malloc thresholds left as they were)")
     if not _send_quietly(conn, WorkerReady(os.getpid(), info=info)):
         return
-    governor = _thread_governor(config)
     _serve(runner, conn, config.shm_threshold_bytes,
            heartbeat_interval_s(config.worker_stall_timeout_s), steps,
-           govern=governor.running if governor is not None else contextlib.nullcontext,
-           threads=_thread_count(governor))
+           threads=_thread_count())
     conn.close()
     logger.info("worker %d exiting", os.getpid())
 
 
-def _thread_governor(config: EngineConfig) -> ThreadGovernor | None:
-    """A `ThreadGovernor` when the executor chose the thread count (it says so in
-    `AUTO_THREADS_ENV`); None when the user set it (it stays)."""
-    max_threads = os.environ.get(AUTO_THREADS_ENV)
-    if config.torch_num_threads is not None or not (max_threads or "").isdigit():
-        return None
-    import torch
-
-    return ThreadGovernor(int(max_threads or 1), torch.get_num_threads(),
-                          set_threads=torch.set_num_threads,
-                          log=lambda text: logger.info("worker %d: %s", os.getpid(), text))
-
-
-def _thread_count(governor: ThreadGovernor | None) -> Callable[[], int]:
+def _thread_count() -> Callable[[], int]:
     """What the heartbeat reports as torch's thread count (read in the main thread at
     start: OpenMP's count is per thread, the heartbeat's own would say nothing)."""
-    if governor is not None:
-        return lambda: governor.threads
     import torch
 
     fixed = torch.get_num_threads()
@@ -309,11 +289,8 @@ def _beat(channel: _Channel, interval_s: float, stop: threading.Event,
 
 def _serve(runner: Any, conn: Connection, threshold_bytes: int,
            heartbeat_s: float = 0.0, steps: StepRunner | None = None,
-           govern: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
            threads: Callable[[], int] = lambda: 0) -> None:
-    """Serve calls until a shutdown call or a closed pipe; see the module docstring.
-    Each call (and each tick) runs inside `govern()`: the thread governor's
-    `running`."""
+    """Serve calls until a shutdown call or a closed pipe; see the module docstring."""
     channel = _Channel(conn)
     inbox = Inbox()
     threading.Thread(target=_receive, args=(conn, inbox), daemon=True,
@@ -341,7 +318,7 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
             steps.report_joins_to(
                 lambda call_ids: _send_quietly(channel, WorkerJoined(call_ids)))
             serve_steps(steps, runner, inbox,
-                        lambda reply: _send_reply(channel, reply), threshold_bytes, govern)
+                        lambda reply: _send_reply(channel, reply), threshold_bytes)
             return
         while True:
             call = inbox.get()
@@ -356,9 +333,8 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
                 on_partial_image = functools.partial(_send_partial_image, channel,
                                                      call.call_id,
                                                      threshold_bytes=threshold_bytes)
-                with govern():
-                    reply = _handle(runner, call, threshold_bytes, should_stop,
-                                    on_partial_image, accepted)
+                reply = _handle(runner, call, threshold_bytes, should_stop,
+                                on_partial_image, accepted)
                 inbox.done(call.call_id)
             if not _send_reply(channel, reply):
                 return
@@ -369,7 +345,6 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
 def serve_steps(
     steps: StepRunner, runner: Any, inbox: Inbox, send: Callable[[WorkerReply], bool],
     threshold_bytes: int | None,
-    govern: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> None:
     """Step mode's loop: run ticks back to back while requests run, taking joins and
     cancels between ticks; each request is answered the tick it leaves the batch.
@@ -406,8 +381,7 @@ def serve_steps(
                     outputs={output.request_id: output}, num_forwards=0,
                     ticks=steps.take_ticks()))):
                 return
-        with govern():
-            finished = steps.tick()
+        finished = steps.tick()
         ticks = steps.take_ticks() if finished else []
         for i, (call_id, output) in enumerate(finished):
             result = BatchRunnerOutput(outputs={output.request_id: output},

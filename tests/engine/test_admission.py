@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from diffbatch import ConfigError, EngineConfig
-from diffbatch.engine.admission import MAX_NOTICE_HOLD_MS, AdmissionWait
+from diffbatch.engine.admission import AdmissionWait
 
 
 class Sim:
@@ -123,32 +123,3 @@ def test_negative_wait_is_a_config_error():
         EngineConfig(request_batch_max_wait_ms=-1)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
-
-
-def test_not_stable_while_an_announced_request_is_on_its_way():
-    # window 20 ms; one request is announced at 0 ms (HTTP still parsing it) and lands at
-    # 35 ms, within the notice's hold (100 ms from its announcement).
-    sim = Sim(arrivals_ms=[35], waiting=1)
-    hold_until = lambda: 0.0 if sim.waiting >= 2 else MAX_NOTICE_HOLD_MS / 1000.0  # noqa: E731
-    wait = AdmissionWait(max_wait_ms=100, capacity=8)
-    reason = wait.wait(lambda: sim.waiting, sim.stopped, sim.wait_s, sim.clock, hold_until)
-    assert reason == "stable" and sim.now == pytest.approx(0.055)  # 35 ms + the window
-    assert all(t > 0 for t in sim.waits)
-
-
-def test_an_announced_request_that_never_arrives_is_bounded_by_the_deadline():
-    sim = Sim(waiting=1)
-    wait = AdmissionWait(max_wait_ms=100, capacity=8)
-    reason = wait.wait(lambda: sim.waiting, sim.stopped, sim.wait_s, sim.clock, lambda: 1.0)
-    assert reason == "deadline" and sim.now == pytest.approx(0.100)
-
-
-def test_a_slow_upload_holds_the_wait_only_for_the_notice_hold():
-    # A client announced at 0 ms is still sending its body when the 2 s wait would end:
-    # the queue is called stable once its hold (100 ms) has passed, not at the deadline.
-    sim = Sim(waiting=1)
-    wait = AdmissionWait(max_wait_ms=2000, capacity=8)
-    hold_until = MAX_NOTICE_HOLD_MS / 1000.0
-    reason = wait.wait(lambda: sim.waiting, sim.stopped, sim.wait_s, sim.clock,
-                       lambda: hold_until)
-    assert reason == "stable" and sim.now == pytest.approx(hold_until)

@@ -1,4 +1,4 @@
-"""The batch policy: fixed or auto capacity, and the auto admission-wait rule."""
+"""The batch policy: fixed or auto capacity, the probe of the next size, and the wait."""
 
 from __future__ import annotations
 
@@ -6,18 +6,14 @@ import pytest
 
 from diffbatch.config import EngineConfig
 from diffbatch.engine.batch_policy import (
-    FIRST_REQUEST_HOLD_SHARE,
-    INCOMING_WAIT_MS,
-    MIN_SUSTAINED_SPAN_S,
-    SUSTAINED_WINDOW_S,
-    ArrivalRate,
+    LOAD_WINDOW_S,
+    MAX_WAIT_MS,
+    PERSIST_WAVES,
     BatchPolicy,
     WaitPlan,
     choose_wait,
-    load_capacity,
-    wave_size_for_load,
 )
-from diffbatch.engine.cost_model import MIN_SAMPLES, RETRY_AFTER_S, RETRY_AFTER_WAVES, Shape
+from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
 from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -34,9 +30,8 @@ def key(size: int = 64, steps: int = 4) -> SamplingParamsKey:
 
 
 def tiny_sd_like(size: int) -> float:
-    """Wave ms shaped like tiny-sd at 64x64 here: a fixed cost amortised by the wave."""
+    """Wave ms shaped like tiny-sd at 64x64: a fixed cost amortised by the wave."""
     return 40.0 + 7.0 * size
-
 
 
 # -- the wait rule, on numbers ---------------------------------------------------------
@@ -70,64 +65,6 @@ def test_no_wait_when_batching_does_not_pay_or_the_wave_is_full():
     assert choose_wait(8, 2000.0, tiny_sd_like, 8, 47.0).max_wait_ms == 0.0
 
 
-# -- the wave size a load needs, on numbers ------------------------------------------
-# tiny_sd_like's throughput by wave size: 1 -> 21/s, 2 -> 37, 4 -> 59, 8 -> 83,
-# 16 -> 105, 32 -> 121 requests/s; its capacity (5% rule) is 32.
-
-
-@pytest.mark.parametrize(("rate_per_s", "size"), [
-    (0.0, 1), (5.0, 1), (10.0, 2), (40.0, 8), (80.0, 16), (100.0, 32), (1000.0, 32)])
-def test_the_load_needs_the_size_that_answers_soonest_at_its_rate(rate_per_s, size):
-    assert load_capacity(rate_per_s, tiny_sd_like, capacity=32) == size
-
-
-def test_a_small_wave_near_full_utilization_loses_to_a_cheaper_bigger_one():
-    """Shaped like tiny-sd at 128x128 here (served ms per image 1: 130, 2: 88, 4: 67,
-    8: 52, 16: 48): at 11/s waves of 4 keep up (74% busy) but queue; waves of 8 (57%
-    busy) answer sooner. At 6/s waves of 2 already leave slack."""
-    served = {1: 130.0, 2: 176.0, 4: 268.0, 8: 416.0, 16: 768.0}
-    assert load_capacity(11.0, served.__getitem__, capacity=16) == 8
-    assert load_capacity(6.0, served.__getitem__, capacity=16) == 2
-    # a size nothing is known of yet (inf) is no candidate
-    known = {1: 130.0, 2: 176.0, 4: 268.0, 8: float("inf"), 16: 768.0}
-    assert load_capacity(11.0, known.__getitem__, capacity=16) == 4
-    # no size below the capacity keeps up with room to spare: the capacity
-    assert load_capacity(40.0, served.__getitem__, capacity=16) == 16
-
-
-def test_a_size_without_headroom_is_not_picked_even_if_it_would_answer_sooner():
-    """Nearly flat per-image cost (tiny-sd 64x64 served: 8 at 17 ms, 16 at 16 ms per
-    image) under a closed loop whose rate is the server's own 50/s: waves of 8 are 85%
-    busy. Taken, they would lower the throughput the rate is measured from."""
-    served = {1: 45.0, 2: 60.0, 4: 88.0, 8: 136.0, 16: 256.0}
-    assert load_capacity(50.0, served.__getitem__, capacity=16) == 16
-    assert wave_size_for_load(14, 50.0, served.__getitem__, capacity=16) == 16
-
-
-def test_a_backlog_below_saturation_runs_in_waves_the_load_needs():
-    # 80/s needs waves of 16: a backlog of 32 runs as 16 + 16, the first half sooner
-    assert wave_size_for_load(32, 80.0, tiny_sd_like, capacity=32) == 16
-    assert wave_size_for_load(20, 80.0, tiny_sd_like, capacity=32) == 16
-    # a backlog the load's waves did not keep up with runs at the capacity
-    assert wave_size_for_load(33, 80.0, tiny_sd_like, capacity=32) == 32
-    # an overload needs the capacity's throughput
-    assert wave_size_for_load(32, 100.0, tiny_sd_like, capacity=32) == 32
-    # a backlog no bigger than the load's size is one wave
-    assert wave_size_for_load(16, 80.0, tiny_sd_like, capacity=32) == 32
-
-
-def test_a_split_that_does_not_lower_the_latencies_is_not_made():
-    """A pair at low load (the load needs waves of one) still runs together: two waves
-    of one answer the second request later than one wave of two answers both."""
-    assert wave_size_for_load(2, 5.0, tiny_sd_like, capacity=32) == 32
-    # 6 at a load that needs 4: 4 + 2 sums to 516 ms of latency, one wave of 6 to 492
-    assert wave_size_for_load(6, 30.0, tiny_sd_like, capacity=32) == 32
-
-
-# -- the arrival rate, on a driven clock -------------------------------------------------
-
-
-
 def test_a_curve_that_dips_at_a_bigger_size_does_not_make_waiting_look_free():
     """Learned times are noisy: a size seen once may read faster than a smaller one.
     Waiting for it must still cost at least the wave that could start now."""
@@ -143,80 +80,13 @@ def test_a_curve_that_dips_at_a_bigger_size_does_not_make_waiting_look_free():
     assert choose_wait(6, rate_per_s=2000.0, wave_ms=lambda size: 100.0 + size,
                        capacity=8, wait_bound_ms=101.0).target == 8
 
-def test_arrival_rate_from_gaps_between_events():
-    clock = ManualClock()
-    rate = ArrivalRate(clock)
-    assert rate.rate_per_s() == 0.0  # one event says nothing about a rate
-    rate.observe()
-    for _ in range(20):
-        clock.now += 0.01
-        rate.observe()
-    assert rate.rate_per_s() == pytest.approx(100.0)
-    clock.now += 1.0  # a quiet second: the stream slowed down
-    assert rate.rate_per_s() == pytest.approx(1.0)
-
-
-def test_a_pause_is_not_averaged_into_the_stream_after_it():
-    """A burst after a quiet spell reads as a burst from its second arrival: the
-    spell's gap (seconds) is no part of either stream."""
-    clock = ManualClock()
-    rate = ArrivalRate(clock)
-    for _ in range(10):  # one request a second
-        rate.observe()
-        clock.now += 1.0
-    clock.now += 20.0  # a quiet spell
-    rate.observe()
-    assert rate.rate_per_s() == 0.0  # nothing to go on yet (not the spell's 1/30 s)
-    for _ in range(2):  # then an arrival every 0.5 ms
-        clock.now += 0.0005
-        rate.observe()
-    assert rate.rate_per_s() == pytest.approx(2000.0)
-    # an ordinary long gap (a few times the mean) is averaged in as before
-    clock.now += 0.002
-    rate.observe()
-    assert rate.rate_per_s() == pytest.approx(1.0 / (0.0005 + 0.2 * 0.0015))
-
-
-def test_a_closed_loops_silence_while_its_requests_run_is_no_pause():
-    """32 clients, waves of 16 a second: each wave's end brings 16 arrivals within a few
-    ms, then silence while the next wave runs. That silence is the load, not a pause:
-    mid-clump, the sustained rate is the loop's 16/s, not the clump's 9 so far."""
-    def loop(busy: bool) -> ArrivalRate:
-        clock = ManualClock()
-        rate = ArrivalRate(clock)
-        for _ in range(8):
-            for _ in range(16):
-                rate.observe(busy=busy)
-                clock.now += 0.001
-            clock.now += 1.0 - 0.016
-        for _ in range(9):  # the next clump, half in
-            rate.observe(busy=busy)
-            clock.now += 0.001
-        return rate
-
-    assert loop(busy=True).sustained_rate_per_s() == pytest.approx(16.0, rel=0.1)
-    # the same clumps reaching an idle engine: each is a new stream (a burst)
-    assert loop(busy=False).sustained_rate_per_s() == pytest.approx(9.0)
-
-
-def test_a_list_of_prompts_is_one_event_not_a_burst():
-    clock = ManualClock()
-    rate = ArrivalRate(clock)
-    rate.observe(32)  # one `generate` call with 32 prompts
-    assert rate.rate_per_s() == 0.0
-    clock.now += 2.0
-    rate.observe(4)  # 4 requests 2 s later: 2 requests per second
-    assert rate.rate_per_s() == pytest.approx(2.0)
-
 
 # -- the policy --------------------------------------------------------------------------
 
 
-def policy(clock: ManualClock | None = None, overlaps: bool | None = None,
-           **options) -> BatchPolicy:
+def policy(clock: ManualClock | None = None, **options) -> BatchPolicy:
     config = EngineConfig.from_options(model="fake", **options)
-    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or ManualClock(),
-                       overlaps=overlaps)
+    return BatchPolicy(config, INFO, supports_request_batch=True, clock=clock or ManualClock())
 
 
 def teach(p: BatchPolicy, wave_ms=tiny_sd_like, sizes=(1, 2, 4, 8, 16, 32)) -> None:
@@ -262,286 +132,130 @@ def test_auto_capacity_follows_the_learned_curve_per_shape():
     assert policy(max_num_seqs_limit=8).limit == 8
 
 
-def test_a_backlog_beyond_capacity_tries_the_next_doubling():
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a try
-    assert p.capacity(key()) == 4
-    wave_s = tiny_sd_like(4) / 1000.0
-    assert p.capacity(key(), num_waiting=20) == 4
-    clock.now += 2 * wave_s  # a backlog beyond the trial size that lasts: try 8
-    assert p.capacity(key(), num_waiting=20) == 8
-    p.observe_wave(key(), 8, tiny_sd_like(8))
-    assert p.capacity(key(), num_waiting=40) == 8  # 8 paid too: 16 next, once the
-    clock.now += 2 * tiny_sd_like(8) / 1000.0  # backlog has lasted two waves of 8
-    assert p.capacity(key(), num_waiting=40) == 16
-    assert p.capacity(key(), num_waiting=16) == 8  # no bigger than the trial: no trial
-
-
-def test_a_trial_leaves_requests_behind_only_under_a_sustained_backlog():
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p, sizes=(1, 2, 4))  # capacity 4, trial 8
-    wave_s = tiny_sd_like(4) / 1000.0
-    # a burst: the backlog beyond the trial runs in waves of the capacity ...
-    assert p.capacity(key(), num_waiting=20) == 4
-    clock.now += wave_s
-    assert p.capacity(key(), num_waiting=16) == 4
-    clock.now += wave_s * 0.9  # not yet two waves deep
-    assert p.capacity(key(), num_waiting=12) == 4
-    # ... and so does its rest: a trial of all of it would answer its first half a
-    # wave later
-    assert p.capacity(key(), num_waiting=8) == 4
-    assert p.capacity(key(), num_waiting=6) == 4
-    p.observe_arrivals(1, busy=True)  # whether or not arrivals still join it
-    assert p.capacity(key(), num_waiting=8) == 4
-    # a new backlog starts its count afresh
-    clock.now += wave_s * 10
-    assert p.capacity(key(), num_waiting=30) == 4
-    clock.now += wave_s * 2  # two waves later it still stands: sustained
-    assert p.capacity(key(), num_waiting=30) == 8
-    # asking about the admission wait does not end the backlog's count
-    p.plan_wait(key(), 1)
-    assert p.capacity(key(), num_waiting=30) == 8
-
-
-def test_a_stale_rung_is_forgotten_only_when_its_trial_wave_is_chosen():
-    """Waves of 8 measured long ago at no gain: a short backlog asks about the next
-    size without running a trial, and that keeps their evidence (and the retry's
-    wait); the sustained backlog's trial drops it, to measure 8 afresh."""
-    clock = ManualClock(1000.0)
-    p = policy(clock)
+def test_capacity_asked_twice_answers_the_same_and_changes_nothing():
+    """The scheduler asks on every check of a forming wave: a query, whatever the
+    backlog it is told of."""
+    p = policy()
     teach(p, sizes=(1, 2, 4))
+    before = (dict(p._backlog_waves), p.cost.curves(), p.cost.num_samples(p.default_shape, 8, 4))
+    answers = [p.capacity(key(), num_waiting=100) for _ in range(2 * PERSIST_WAVES)]
+    assert set(answers) == {4}
+    assert (dict(p._backlog_waves), p.cost.curves(),
+            p.cost.num_samples(p.default_shape, 8, 4)) == before
+    assert p.plan_wait(key(), 1) == p.plan_wait(key(), 1)
+
+
+def test_the_next_size_is_probed_only_while_a_backlog_persists():
+    p = policy()
+    teach(p, sizes=(1, 2, 4))  # every doubling paid so far: 8 is worth a probe
+    assert p.capacity(key()) == 4
+    for _ in range(PERSIST_WAVES - 1):
+        p.observe_backlog(key(), 20)
+        assert p.capacity(key(), 20) == 4  # not yet: a burst that drains is no reason
+    p.observe_backlog(key(), 6)  # the backlog fell below the probe size: start over
+    for _ in range(PERSIST_WAVES):
+        assert p.capacity(key(), 20) == 4
+        p.observe_backlog(key(), 20)
+    assert p.capacity(key(), 20) == 8  # persisted: waves of 8 are measured
     for _ in range(MIN_SAMPLES):
-        p.cost.observe(p.default_shape, 8, 4, 2 * tiny_sd_like(4))  # no gain over 4
-    for _ in range(RETRY_AFTER_WAVES):
-        p.cost.observe(p.default_shape, 4, 4, tiny_sd_like(4))
-    clock.now += RETRY_AFTER_S
-    assert p.capacity(key(), num_waiting=6) == 4  # a backlog no bigger than the trial
-    assert p.cost.num_samples(p.default_shape, 8, 4) == MIN_SAMPLES
-    assert p.capacity(key(), num_waiting=30) == 4
-    clock.now += 3 * tiny_sd_like(4) / 1000.0  # three waves later it still stands
-    assert p.capacity(key(), num_waiting=30) == 8
-    assert p.cost.num_samples(p.default_shape, 8, 4) == 0
+        p.observe_wave(key(), 8, tiny_sd_like(8))
+    assert p.capacity(key()) == 8  # 8 paid: the knee moved
+    assert p.capacity(key(), 12) == 8  # (a probe of 16 only where 16 wait)
+    p.observe_backlog(key(), 40)  # (the row goes on: the next doubling is probed)
+    assert p.capacity(key(), 40) == 16
+    p.observe_backlog(key(), 3)
+    assert p.capacity(key(), 40) == 8
 
 
-def test_auto_capacity_follows_the_load_below_saturation():
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p)  # capacity 32
-    for _ in range(160):  # 80 requests/s for 2 s
-        p.observe_arrivals(1)
-        clock.now += 1 / 80
-    assert p.capacity(key(), num_waiting=24) == 16
-    assert p.capacity(key(), num_waiting=40) == 32  # waves of 16 fell behind
-    for _ in range(320):  # then 160/s for 2 s: an overload
-        p.observe_arrivals(1)
-        clock.now += 1 / 160
-    assert p.capacity(key(), num_waiting=24) == 32
-    # fixed settings are what they say, whatever the load
-    fixed = policy(clock, max_num_seqs=32)
-    teach(fixed)
-    for _ in range(160):  # the same 80/s that gave the auto policy waves of 16
-        fixed.observe_arrivals(1)
-        clock.now += 1 / 80
-    assert fixed.capacity(key(), num_waiting=24) == 32
+def test_a_probe_that_does_not_pay_leaves_the_knee_where_it_was():
+    p = policy(max_num_seqs_limit=8)
+    teach(p, wave_ms=lambda size: 40.0 + 7.0 * size if size <= 4 else 100.0 * size,
+          sizes=(1, 2, 4))
+    for _ in range(PERSIST_WAVES):
+        p.observe_backlog(key(), 20)
+    assert p.capacity(key(), 20) == 8
+    for _ in range(MIN_SAMPLES):
+        p.observe_wave(key(), 8, 800.0)
+    p.observe_backlog(key(), 20)
+    assert p.capacity(key(), 20) == 4  # measured enough: no further probe of 8
 
 
-def test_the_load_rule_trusts_what_served_waves_took_over_the_calibration():
-    """A saturated server's arrival rate is its own throughput: waves of 16 that the
-    calibration overrates, served at 80/s by a closed loop, would keep reading as
-    enough for the load. Once four served waves of about 16 show what they deliver,
-    the capacity holds; waves the engine serves at the calibrated speed keep the
-    split."""
-    clock = ManualClock()
-
-    def loaded(served_ms_of_16: float) -> BatchPolicy:
-        p = policy(clock)
-        teach(p)  # calibrated: capacity 32, waves of 16 serve 105/s
-        for size in (16, 14, 12, 15):  # about 16 (sizes from 3/4 of it count)
-            p.observe_wave(key(), size, served_ms_of_16 * size / 16)
-        for _ in range(160):  # 80 requests/s for 2 s
-            p.observe_arrivals(1)
-            clock.now += 1 / 80
-        return p
-
-    # served waves of 16 took 300 ms (53/s): they do not cover 1.25 x 80/s
-    assert loaded(300.0).capacity(key(), num_waiting=24) == 32
-    # served at the calibrated 152 ms (105/s): the load needs no more than 16
-    assert loaded(tiny_sd_like(16)).capacity(key(), num_waiting=24) == 16
-    # until four served waves of about 16 ran, the curve decides (the split is served,
-    # and measured)
-    p = policy(clock)
-    teach(p)
-    for size in (16, 12, 8, 20):  # 8 and 20 are not about 16
-        p.observe_wave(key(), size, 300.0 * size / 16)
-    for _ in range(160):
-        p.observe_arrivals(1)
-        clock.now += 1 / 80
-    assert p.capacity(key(), num_waiting=24) == 16
+# -- the wait rule, on a driven clock ------------------------------------------------
 
 
-def test_auto_wait_waits_for_a_burst_and_not_at_low_load():
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p)
-    for _ in range(3):  # a burst: an arrival every 0.5 ms
-        p.observe_arrivals(1)
-        clock.now += 0.0005
-    burst = p.plan_wait(key(), 3)
-    assert burst.target > 3 and 0 < burst.max_wait_ms <= tiny_sd_like(1)
-    clock.now += 2.0  # then one 2 s later: a light load, no burst
-    p.observe_arrivals(1)
-    alone = p.plan_wait(key(), 1)
-    assert alone.max_wait_ms == 0.0 and alone.target == 1
-    for _ in range(2):  # ... unless a burst follows: its third arrival waits for more
-        clock.now += 0.0005
-        p.observe_arrivals(1)
-    again = p.plan_wait(key(), 3)
-    assert again.target > 3 and 0 < again.max_wait_ms <= tiny_sd_like(1)
-
-
-
-def test_no_wait_under_a_steady_sustained_load_but_a_burst_waits():
-    """A steady stream at half the capacity's throughput or more, sustained over the
-    window: the worker would idle in a wait while the queue refills anyway, so start
-    at once, even with requests at the door. A burst, alone or on top of that load,
-    still waits for its last requests (they are milliseconds away)."""
-    per_image_ms = tiny_sd_like(32) / 32  # at the capacity (32) here
-
-    def steady(p: BatchPolicy, clock: ManualClock, share: float) -> None:
-        gap_s = per_image_ms / 1000.0 / share  # `share` of what the worker can serve
-        for _ in range(int(SUSTAINED_WINDOW_S / gap_s)):
-            p.observe_arrivals(1)
-            clock.now += gap_s
-
-    def burst(p: BatchPolicy, clock: ManualClock) -> None:
-        for _ in range(40):  # an arrival every 0.5 ms
-            p.observe_arrivals(1)
-            clock.now += 0.0005
-
-    def plans(load: float | None, then_burst: bool) -> list:
-        clock = ManualClock()
-        p = policy(clock)
-        teach(p)
-        if load is not None:
-            steady(p, clock, load)
-        if then_burst:
-            burst(p, clock)
-        # q requests waiting where the steady stream's own rule would wait for more
-        return [p.plan_wait(key(), 3), p.plan_wait(key(), 3, num_incoming=5)]
-
-    assert [plan.max_wait_ms for plan in plans(0.6, then_burst=False)] == [0.0, 0.0]
-    for load in (None, 0.6):
-        assert all(plan.target > 3 and plan.max_wait_ms > 0.0
-                   for plan in plans(load, then_burst=True))
-    # below half the capacity's throughput the rule itself decides (here: the requests
-    # at the door are waited for)
-    assert plans(0.3, then_burst=False)[1].max_wait_ms > 0.0
-
-
-def test_an_idle_servers_first_request_holds_briefly_for_a_burst_behind_it():
-    """After `SUSTAINED_WINDOW_S` without arrivals, nothing says whether a request is
-    alone or the first of a burst: it waits a fifth of its wave time (at most 20 ms)
-    for a second, and the wave goes on collecting while they keep coming that close,
-    up to the capacity and the wait's bound. Where waves have no fixed cost to share,
-    it starts at once."""
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p)  # capacity 32, a wave of one 47 ms
-    p.observe_arrivals(1)
-    first = p.plan_wait(key(), 1)
-    assert first.target == 32
-    assert first.stable_window_ms == pytest.approx(FIRST_REQUEST_HOLD_SHARE * tiny_sd_like(1))
-    assert first.max_wait_ms == pytest.approx(tiny_sd_like(1))
-    # the same request 2 s after the last one (a light load, not an idle server)
-    clock.now += 2.0
-    p.observe_arrivals(1)
-    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)
-    # idle again: the hold returns; a slow model's window stays at 20 ms
-    clock.now += SUSTAINED_WINDOW_S
-    p.observe_arrivals(1)
-    assert p.plan_wait(key(), 1).stable_window_ms > 0.0
-    slow = policy(clock)
-    teach(slow, wave_ms=lambda size: 900.0 + 100.0 * size)
-    slow.observe_arrivals(1)
-    assert slow.plan_wait(key(), 1).stable_window_ms == INCOMING_WAIT_MS
-    # a cost per request without a fixed part: one wave of all saves nothing
-    flat = policy(clock, max_num_seqs=16)
-    teach(flat, wave_ms=lambda size: 10.0 * size, sizes=(1, 2, 4, 8, 16) * 4)
-    flat.observe_arrivals(1)
-    assert flat.plan_wait(key(), 1) == WaitPlan.start_now(1)
-
-
-def test_a_burst_at_an_idle_server_is_not_split_by_the_load_rule():
-    """A young stream has no sustained rate: its first requests spread over a second
-    read as a light load, under which the load rule would split them into small
-    waves. Within its first second the capacity holds; a stream that has lasted the
-    second at that rate is split."""
-    def fixed_cost(size: int) -> float:
-        return 150.0 + 15.0 * size  # capacity 32; 24 per second need waves of 16
-
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p, wave_ms=fixed_cost)
-    assert p.capacity(key()) == 32
-    for _ in range(24):  # 24 requests 1 ms apart at an idle server
-        p.observe_arrivals(1)
-        clock.now += 0.001
-    assert p.capacity(key(), num_waiting=24) == 32
-    for _ in range(48):  # ... then 20 per second for 2.4 s
-        clock.now += 0.05
-        p.observe_arrivals(1)
-    assert p.capacity(key(), num_waiting=24) == 16
-
-
-def test_a_load_counts_as_load_from_its_first_second():
-    """A steady stream at 0.6 of the capacity's throughput that began 1.5 s ago, after a
-    quiet spell: its waves start at once (measured over the whole 5 s window it would
-    read as 0.18 of the throughput, and the rule would wait for more)."""
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p)
-    p.observe_arrivals(1)
-    clock.now += 60.0  # quiet
-    gap_s = tiny_sd_like(32) / 32 / 1000.0 / 0.6
-    for _ in range(int(1.5 / gap_s)):
+def arrive(p: BatchPolicy, clock: ManualClock, count: int, gap_s: float) -> None:
+    for _ in range(count):
         p.observe_arrivals(1)
         clock.now += gap_s
-    assert p.plan_wait(key(), 3, num_incoming=5).max_wait_ms == 0.0
 
 
-def test_the_sustained_rate_counts_the_window_or_the_streams_age():
-    clock = ManualClock()
-    rate = ArrivalRate(clock)
-    rate.observe(10)
-    assert rate.sustained_rate_per_s() == 10 / MIN_SUSTAINED_SPAN_S  # spread over a second
-    clock.now += SUSTAINED_WINDOW_S / 2
-    rate.observe(5)
-    assert rate.sustained_rate_per_s() == 15 / (SUSTAINED_WINDOW_S / 2)  # over its age
-    clock.now += SUSTAINED_WINDOW_S * 0.75  # the first 10 are older than the window
-    assert rate.sustained_rate_per_s() == 5 / SUSTAINED_WINDOW_S
-    # a load after a pause (30 s: far beyond the last gaps) is measured from its own
-    # start, not diluted by the quiet window before it
-    clock.now += 30.0
-    for _ in range(40):  # 20 per second for 2 s
-        rate.observe()
-        clock.now += 0.05
-    assert rate.sustained_rate_per_s() == pytest.approx(40 / 2.0)
-    clock.now += 30.0
-    for _ in range(3):  # a new stream of 3 within 0.1 s: spread over a second
-        rate.observe()
-        clock.now += 0.05
-    assert rate.sustained_rate_per_s() == pytest.approx(3 / MIN_SUSTAINED_SPAN_S)
+def test_waits_on_a_burst_at_an_idle_worker():
+    clock = ManualClock(100.0)
+    p = policy(clock)
+    teach(p)
+    arrive(p, clock, 3, 0.001)  # 3 requests 1 ms apart, the worker idle for long
+    plan = p.plan_wait(key(), 3)
+    assert plan.target > 3 and 0 < plan.max_wait_ms <= tiny_sd_like(1)
+
+
+def test_never_waits_under_a_sustained_load():
+    """The worker busy half the time or more: the queue refills while each wave runs,
+    so a burst of arrivals right now does not make it wait."""
+    clock = ManualClock(100.0)
+    p = policy(clock)
+    teach(p)
+    for _ in range(int(LOAD_WINDOW_S / 0.1)):  # waves of 60 ms every 100 ms
+        clock.now += 0.1
+        p.observe_wave(key(), 3, 60.0)
+    arrive(p, clock, 3, 0.001)
+    assert p.plan_wait(key(), 3) == WaitPlan.start_now(3)
+    clock.now += LOAD_WINDOW_S  # the load is over: the next burst waits again
+    arrive(p, clock, 3, 0.001)
+    assert p.plan_wait(key(), 3).max_wait_ms > 0
+
+
+@pytest.mark.parametrize("gap_s", [0.0001, 0.001, 0.005, 0.02, 0.1, 0.5])
+def test_never_waits_past_its_bound(gap_s):
+    clock = ManualClock(100.0)
+    p = policy(clock)
+    slow = lambda size: 5000.0 + 7.0 * size  # noqa: E731 - a single wave takes 5 s
+    teach(p, wave_ms=slow)
+    arrive(p, clock, 3, gap_s)
+    plan = p.plan_wait(key(), 3)
+    assert plan.max_wait_ms <= MAX_WAIT_MS
+    assert plan.stable_window_ms <= plan.max_wait_ms
+    teach(p)
+    assert p.plan_wait(key(), 3).max_wait_ms <= p.wait_bound_ms(key()) == tiny_sd_like(1)
+
+
+def test_a_lone_request_at_low_load_starts_at_once():
+    clock = ManualClock(100.0)
+    p = policy(clock)
+    teach(p)
+    arrive(p, clock, 1, 0.0)
+    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)  # nothing says more are coming
+    arrive(p, clock, 3, 0.4)  # requests 400 ms apart: waiting never pays
+    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)
 
 
 def test_no_wait_before_anything_is_learned():
     clock = ManualClock()
     p = policy(clock)
-    for _ in range(5):
-        p.observe_arrivals(1)
-        clock.now += 0.0005
+    p.serving = True
+    arrive(p, clock, 5, 0.0005)
     assert p.plan_wait(key(), 2).max_wait_ms == 0.0
+
+
+def test_arrivals_before_serving_do_not_count():
+    clock = ManualClock(100.0)
+    p = policy(clock)
+    teach(p)
+    p.serving = False  # the start-up warm-up request arrives
+    p.observe_arrivals(1)
+    p.serving = True
+    clock.now += 0.001
+    p.observe_arrivals(1)
+    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)
 
 
 def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
@@ -555,7 +269,6 @@ def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
     assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
     snapshot = p.snapshot()["64x64/s4/n1/cfg"]
     assert snapshot["per_image_ms"] == {4: 25.0} and snapshot["capacity"] == 4
-    assert snapshot["served_per_image_ms"] == {4: 25.0}
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -575,20 +288,6 @@ def test_bad_values_name_the_option(options, message):
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_options(**options)
     assert message in info.value.message
-
-
-def test_announced_requests_are_waited_for_briefly():
-    """A burst whose bodies are still being read: the first request does not go alone."""
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p)
-    p.observe_arrivals(1)
-    clock.now += 3.0  # quiet until now: the rate alone says "start at once"
-    p.observe_arrivals(1)
-    assert p.plan_wait(key(), 1).max_wait_ms == 0.0
-    plan = p.plan_wait(key(), 1, num_incoming=7)
-    assert plan.target == 8 and 0 < plan.max_wait_ms <= 20.0
-    assert p.plan_wait(key(), 1, num_incoming=100).target == p.capacity(key())
 
 
 def test_step_mode_stall_bound_follows_the_longest_recent_tick_and_the_curve():
@@ -666,22 +365,3 @@ def test_fixed_step_capacity_is_never_exceeded():
         for _ in range(MIN_SAMPLES):
             p.observe_tick(step_key, tick(size, 10.0))
     assert p.step_capacity(step_key, demand=50) == 3
-
-
-def test_arrivals_before_serving_do_not_count():
-    clock = ManualClock()
-    p = policy(clock)
-    teach(p)
-    p.serving = False  # the start-up warm-up request arrives
-    p.observe_arrivals(1)
-    p.serving = True
-    clock.now += 0.05  # the first real request, right after start-up
-    p.observe_arrivals(2)
-    assert p.arrivals.rate_per_s() == 0.0  # one event: no rate yet
-    # planned as an idle server's first request (a brief hold for a burst behind it),
-    # not as the tail of a burst of arrivals 50 ms apart
-    fresh = policy(clock)
-    teach(fresh)
-    fresh.observe_arrivals(2)
-    assert p.plan_wait(key(), 2) == fresh.plan_wait(key(), 2)
-    assert p.plan_wait(key(), 2).stable_window_ms == FIRST_REQUEST_HOLD_SHARE * tiny_sd_like(1)

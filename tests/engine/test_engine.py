@@ -338,21 +338,6 @@ def test_default_model_is_named_in_the_config():
         assert engine.config.model == DEFAULT_MODEL
 
 
-async def test_arrival_notice_is_counted_until_its_request_is_added_or_it_closes():
-    with Engine(pipeline_class=FAKE, executor="inproc", max_num_seqs=4,
-                request_batch_max_wait_ms=20) as engine:
-        with engine.expect_request() as notice:
-            assert engine.core.num_incoming == 1
-            out = await engine.generate_async("a cat", arrival_notice=notice)
-            assert out.ok and engine.core.num_incoming == 0 and not notice.open
-        assert engine.core.num_incoming == 0  # closing twice is harmless
-        with engine.expect_request():
-            assert engine.core.num_incoming == 1
-            with pytest.raises(InvalidRequestError):
-                await engine.generate_async("", arrival_notice=None)
-        assert engine.core.num_incoming == 0  # rejected request: the block closed it
-
-
 def test_sizes_above_the_models_own_limit_are_refused_naming_the_largest():
     """As OpenAI answers an unsupported size: 400 on `size`, naming a size that works."""
     with Engine(pipeline_class="tests.fake_pipelines.SmallModelPipeline",

@@ -32,7 +32,6 @@ from starlette.concurrency import run_in_threadpool
 from diffbatch.engine.wave_log import DEFAULT_CAPACITY as MAX_WAVES
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, MEDIA_TYPES
-from diffbatch.entrypoints.openai.middleware import ARRIVAL_NOTICE_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
     HealthResponse,
@@ -136,15 +135,14 @@ async def _generate(request: ImageGenerationRequest, params: SamplingParams,
     # echoed and logged, never used as an engine id, or one client could make another's
     # request fail as "already active" by sending the same id.
     request_id = f"img-{uuid.uuid4().hex}"
-    notice = getattr(raw_request.state, ARRIVAL_NOTICE_STATE, None)
     client_request_id = raw_request.headers.get("x-request-id")
     serving = _serving(raw_request)
     result: ImageResult | ImageStream | Response
     if request.stream:
-        result = await serving.stream(request, params, request_id, notice, client_request_id,
+        result = await serving.stream(request, params, request_id, client_request_id,
                                       kind=kind)
     else:
-        result = await serving.generate(request, params, request_id, notice,
+        result = await serving.generate(request, params, request_id,
                                         client_request_id=client_request_id,
                                         base_url=str(raw_request.base_url))
     if isinstance(result, ImageStream):

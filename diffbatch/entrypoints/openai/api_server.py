@@ -53,7 +53,6 @@ from diffbatch.entrypoints.openai.image_store import (
 )
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore
 from diffbatch.entrypoints.openai.middleware import (
-    ArrivalNoticeMiddleware,
     HeadAsGetMiddleware,
     HTTPMetrics,
     HTTPMetricsMiddleware,
@@ -226,8 +225,6 @@ def build_app(
                        json_routes=frozenset({IMAGES_ROUTE}),
                        upload_routes=frozenset({EDITS_ROUTE}), max_upload_bytes=max_upload_bytes,
                        open_prefixes=_OPEN_PREFIXES, body_timeout_s=body_timeout_s)
-    # Outside the guard: the notice opens before the body is read.
-    app.add_middleware(ArrivalNoticeMiddleware, engine=engine, routes=_IMAGE_ROUTES)
     # Inside the metrics: a refusal over the connection limit is counted as any answer.
     app.add_middleware(OverLimitMiddleware)
     app.add_middleware(

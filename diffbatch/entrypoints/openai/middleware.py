@@ -53,7 +53,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.requests import ClientDisconnect
@@ -74,7 +74,6 @@ PROTECTED_PREFIX = "/v1"
 BUSY_RETRY_AFTER_S = 1  # seconds a client told "server busy" should wait before retrying
 OVER_LIMIT_DRAIN_BYTES = 64 << 20  # the most of a refused request's body read and dropped
 OVER_LIMIT_DRAIN_S = 5.0  # and the longest it is read for
-ARRIVAL_NOTICE_STATE = "arrival_notice"  # scope["state"] key of the request's ArrivalNotice
 
 
 def _content_type(content_type: str) -> tuple[str, str]:
@@ -92,30 +91,6 @@ def _is_json(content_type: str | None) -> bool:
 
 def _is_multipart_form(content_type: str | None) -> bool:
     return bool(content_type) and _content_type(content_type or "") == ("multipart", "form-data")
-
-
-class ArrivalNoticeMiddleware:
-    """Announce each image request to the engine while the server still reads it.
-
-    The notice (`Engine.expect_request`) is open from the first ASGI event of a
-    `POST` to an image route until the request reaches the engine (or fails): the
-    admission wait then does not close a wave while a burst is still being parsed.
-    The route hands the notice to `generate_async` through `scope["state"]`.
-    """
-
-    def __init__(self, app: ASGIApp, *, engine: Any, routes: frozenset[str]) -> None:
-        self.app = app
-        self.engine = engine
-        self.routes = routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" \
-                or scope["path"] not in self.routes:
-            await self.app(scope, receive, send)
-            return
-        with self.engine.expect_request() as notice:
-            scope.setdefault("state", {})[ARRIVAL_NOTICE_STATE] = notice
-            await self.app(scope, receive, send)
 
 
 class RequestGuardMiddleware:

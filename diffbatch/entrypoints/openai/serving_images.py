@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
 
     from diffbatch.engine.async_engine import Engine
-    from diffbatch.engine.core import ArrivalNotice
     from diffbatch.entrypoints.openai.middleware import HTTPMetrics
 
 logger = logging.getLogger(__name__)
@@ -370,8 +369,7 @@ class OpenAIServingImages:
 
     async def generate(
         self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
-        arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
-        base_url: str = "",
+        client_request_id: str | None = None, base_url: str = "",
     ) -> ImageResult | JSONResponse:
         """Stages 3-5 for a prepared request; a failed engine request becomes its error
         response.
@@ -393,7 +391,7 @@ class OpenAIServingImages:
                 with _sides_named_size():
                     output = await self.engine.generate_async(
                         request.prompt, params, request_id=request_id,
-                        priority=request.priority, arrival_notice=arrival_notice,
+                        priority=request.priority,
                     )
         except TimeoutError:
             raise RequestTimeoutError(
@@ -448,8 +446,7 @@ class OpenAIServingImages:
 
     async def stream(
         self, request: ImageGenerationRequest, params: SamplingParams, request_id: str,
-        arrival_notice: ArrivalNotice | None = None, client_request_id: str | None = None,
-        *, kind: EventKind = "image_generation",
+        client_request_id: str | None = None, *, kind: EventKind = "image_generation",
     ) -> ImageStream | JSONResponse:
         """Stages 3-5 of a streamed request (`serving_stream.py`): the stream of `kind`
         events once its first event is there, or the JSON error of a request that failed
@@ -460,7 +457,6 @@ class OpenAIServingImages:
         """
         items = self.engine.generate_stream(
             request.prompt, params, request_id=request_id, priority=request.priority,
-            arrival_notice=arrival_notice,
         )
         stream = StreamedImages(
             items, request, kind=kind, size=f"{params.width}x{params.height}",

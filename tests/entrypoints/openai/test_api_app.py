@@ -215,25 +215,6 @@ async def test_closed_engine_answers_503() -> None:
         assert_openai_error(await client.post(ROUTE, json={"prompt": "p"}), 503)
 
 
-async def test_image_requests_are_announced_to_the_engine_until_they_arrive(client, engine,
-                                                                          monkeypatch) -> None:
-    seen: list[int] = []
-    original = engine.generate_async
-
-    async def spy(*args, **kwargs):
-        notice = kwargs.get("arrival_notice")
-        seen.append(engine.core.num_incoming if notice is not None and notice.open else -1)
-        return await original(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "generate_async", spy)
-    response = await client.post(ROUTE, json={"prompt": "a cat", "seed": 1})
-    assert response.status_code == 200, response.text
-    assert seen == [1]  # the notice was open while the request was on its way
-    bad = await client.post(ROUTE, json={"prompt": "", "seed": 1})
-    assert bad.status_code == 400
-    assert engine.core.num_incoming == 0  # added or refused: every notice is closed
-
-
 def _smooth_image(side: int = 128) -> Image.Image:
     """A blurred noise image: compressible, but not trivially (unlike a flat one)."""
     noise = Image.frombytes("RGB", (side, side), random.Random(0).randbytes(side * side * 3))

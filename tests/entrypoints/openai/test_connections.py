@@ -275,8 +275,8 @@ def test_a_client_gone_mid_upload_counts_as_a_disconnect() -> None:
 
 
 def test_a_slow_upload_does_not_hold_other_requests_waves() -> None:
-    """A client still sending its body holds the admission wait only briefly: the next
-    request's wave closes as stable, not after the whole 2 s wait."""
+    """A client still sending its body holds nobody's wave: the next request's wave
+    closes as stable, not after the whole 2 s wait."""
     from diffbatch import Engine
     from diffbatch.entrypoints.openai.api_server import build_app
     from tests.entrypoints.openai.conftest import serve_in_thread
@@ -290,7 +290,6 @@ def test_a_slow_upload_does_not_hold_other_requests_waves() -> None:
         ) as slow:
             slow.sendall(f"POST {ROUTE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                          "\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"a".encode())
-            wait_until(lambda: engine.core.num_incoming == 1, what="the slow request's notice")
             response = httpx.post(f"{url}{ROUTE}", json={"prompt": "quick"}, timeout=60)
             assert response.status_code == 200, response.text
             registry = engine.metrics.registry
@@ -300,4 +299,3 @@ def test_a_slow_upload_does_not_hold_other_requests_waves() -> None:
                 for sample in metric.samples if sample.name == "diffbatch_waves_total"
             }
             assert by_admission == {"stable": 1.0}
-            assert engine.core.num_incoming == 1  # still uploading, and no longer waited for
