@@ -37,7 +37,8 @@ from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import EngineCore
 from diffbatch.engine.partial_images import PartialImageRouter
 from diffbatch.engine.request_checks import check_against_model, check_task, resolve_lora
-from diffbatch.engine.step_core import StepEngineCore
+from diffbatch.engine.step_core import StepDispatch
+from diffbatch.engine.wave_dispatch import WaveDispatch
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (
     ConfigError,
@@ -161,10 +162,11 @@ class Engine:
             worker_health=self.executor.health_stats,
         )
         self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
-        core_class = StepEngineCore if config.step_execution else EngineCore
-        self.core = core_class(config, self.executor, policy=self.policy,
+        self.core = EngineCore(config, self.executor, policy=self.policy,
                                deliver=_weakly(self._deliver), metrics=self.metrics,
-                               wave_log=self.wave_log)
+                               wave_log=self.wave_log,
+                               dispatch=StepDispatch() if config.step_execution
+                               else WaveDispatch())
         self.core.start()
         self._finalizer = weakref.finalize(self, _release_dropped, self.core, self.executor,
                                            self._futures, self._lock)

@@ -3,21 +3,16 @@
 `EngineCore.step()` is the whole loop body. It blocks until one of two things can
 happen, then does it:
 
-- dispatch: run the admission wait (only when nothing is in flight; its target and
-  deadline come from the `BatchPolicy`, fixed or learned), `schedule()` a wave (each
-  key's capacity from the same policy) and hand it to the executor (`submit_batch`:
-  one fused forward; a pipeline that cannot batch gets waves of one);
-- finish: the oldest wave in flight is done: feed its forward time to the policy's
-  cost model, `update_from_output()`, and hand every finished request to the
-  `deliver` callback.
+- finish: a record in flight is done: its `Dispatch` finishes its requests and the
+  outputs go to the `deliver` callback;
+- dispatch: a wave may go (a re-run first): its `Dispatch` hands it to the executor.
 
-Up to `max_concurrent_waves` of the executor's waves are in flight (the config's
-`max_waves_in_flight`). While one runs, the next is dispatched only when it is full
-(`scheduler.has_full_wave()`: waiting could not make it bigger), so it waits at the
-worker and starts the moment the running one ends, without a round trip through
-this loop; a wave that could still grow waits here as before, so queuing ahead
-never shrinks a wave. Everything that touches the scheduler holds `self.cond`'s
-lock; executor calls run without it, so requests can arrive and abort meanwhile.
+What a dispatch is belongs to the execution mode, behind one seam
+(`diffbatch.engine.dispatch.Dispatch`): `WaveDispatch` (request mode: admission wait,
+one fused forward per wave) or `StepDispatch` (step mode: requests join and leave a
+batch running in the worker). Everything that touches the scheduler holds
+`self.cond`'s lock; executor calls run without it, so requests can arrive and abort
+meanwhile.
 
 Outputs are delivered on a thread of their own, so the loop is free for the next
 wave while the last wave's outputs are converted and handed to their callers.
@@ -28,25 +23,26 @@ Those start-up waves are not served traffic (a cold first forward, a request
 nobody sent), so the core records waves in the metrics and the wave log, and lets
 them teach the batch policy, only after `start_serving()`, which the engine calls
 once start-up (warm-up, then calibration, which drives the executor directly) is
-over. One switch, in one place: whatever the core records, it records from the same
-moment on.
+over.
 
 Failures of the worker, not of the pipeline:
 
 - while the executor restarts a dead worker (`executor.is_restarting`), nothing is
   dispatched: the queue waits for the replacement (its ready listener wakes the loop);
-- each wave is handed over with its stall bound (`BatchPolicy.stall_bound_s`: a
-  multiple of its learned expected time); an executor that watches a worker treats
-  a wave running past it like a silent heartbeat: the worker is killed and replaced;
-- a wave whose worker died under it (`WorkerDiedError`, `started`) is re-run on the
-  replacement split in halves, as bisect isolation does, so only a request that
-  kills the worker again on its own fails (naming the crash); a wave that was only
-  queued behind it, or refused while the replacement started, is re-run as it was.
-  Re-runs go before anything new, their requests stay RUNNING meanwhile;
+- each wave is handed over with its stall bound (`BatchPolicy.stall_bound_s`); an
+  executor that watches a worker treats a wave running past it like a silent
+  heartbeat: the worker is killed and replaced;
+- a wave the worker died under is re-run or failed as its dispatch says
+  (`Dispatch.after_death`); re-runs go before anything new, their requests stay
+  RUNNING meanwhile;
 - a wave none of whose requests is wanted any more (all aborted: disconnect,
   timeout, stop) is cancelled in the executor, which stops it at its next denoising
-  step or drops it before it starts; `num_running` counts its requests until it
-  has stopped, since the worker is still busy with them.
+  step or drops it before it starts.
+
+The public surface a dispatch uses: `config`, `executor`, `policy`, `scheduler`,
+`cond`, `in_flight`, `metrics`, `wave_log`, `serving`, `stopped`,
+`max_waves_in_flight`, `last_admission_reason`, `result_of`, `rerun`, `emit`,
+`unwanted_waves` and `wake`.
 """
 
 from __future__ import annotations
@@ -54,14 +50,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from diffbatch.engine.admission import AdmissionWait
+from diffbatch.engine.dispatch import Dispatch, InFlightWave
+from diffbatch.engine.wave_dispatch import WaveDispatch
 from diffbatch.errors import DiffbatchError, EngineClosedError, WorkerDiedError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
@@ -79,18 +75,6 @@ logger = logging.getLogger(__name__)
 
 Deliver = Callable[[DiffusionRequest, DiffusionOutput], None]
 INTERNAL_ERROR = RequestError("internal engine error")
-
-
-@dataclass
-class InFlightWave:
-    """A wave handed to the executor whose outputs are not back yet."""
-
-    wave: SchedulerOutput
-    future: Future[BatchRunnerOutput]
-    dispatched: float  # time.monotonic() when it was handed to the executor
-    admission_reason: str  # why its admission wait ended ("" = no wait)
-    crashed_before: bool = False  # its requests were in a wave the worker died under
-    cancelled: bool = False  # the executor was told nobody waits for it
 
 
 @dataclass
@@ -113,6 +97,7 @@ class EngineCore:
         deliver: Deliver,
         metrics: EngineMetrics | None = None,
         wave_log: WaveLog | None = None,
+        dispatch: Dispatch | None = None,
     ) -> None:
         self.config = config
         self.executor = executor
@@ -139,6 +124,8 @@ class EngineCore:
         self._reruns: deque[_Rerun] = deque()  # waves to dispatch again, oldest first
         # `drain`: what a wave the worker dies under fails with once shutting down
         self._drain_error: Exception | None = None
+        self.dispatch = dispatch or WaveDispatch()  # what a dispatch is: the mode's
+        self.dispatch.bind(self)
         executor.set_ready_listener(self._notify)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -167,9 +154,9 @@ class EngineCore:
             open_ids = self.scheduler.request_ids()
             open_requests = self.scheduler.finish_requests(open_ids, RequestStatus.FINISHED_ERROR)
             self._reruns.clear()
-            unwanted = self._unwanted_waves()
+            unwanted = self.unwanted_waves()
             self.cond.notify_all()
-        self._cancel(unwanted)
+        self.dispatch.cancel(unwanted)
         return open_requests
 
     def threads(self) -> list[threading.Thread]:
@@ -220,9 +207,9 @@ class EngineCore:
         call finished. A wave in flight none of whose requests is left is cancelled."""
         with self.cond:
             aborted = self.scheduler.finish_requests(request_ids, status)
-            unwanted = self._unwanted_waves()
+            unwanted = self.unwanted_waves()
             self.cond.notify_all()
-        self._cancel(unwanted)
+        self.dispatch.cancel(unwanted)
         return aborted
 
     def drain(self, error: Exception) -> None:
@@ -249,9 +236,9 @@ class EngineCore:
                   for request in record.wave.requests]
         with self.cond:
             finished += self.scheduler.finish_requests(queued, status)
-            unwanted = self._unwanted_waves()
+            unwanted = self.unwanted_waves()
             self.cond.notify_all()
-        self._cancel(unwanted)
+        self.dispatch.cancel(unwanted)
         return finished
 
     def open_request_ids(self) -> list[str]:
@@ -268,7 +255,7 @@ class EngineCore:
         return (not self.in_flight and not self._reruns
                 and self.scheduler.num_waiting == 0 and self.scheduler.num_running == 0)
 
-    def _unwanted_waves(self) -> list[InFlightWave]:
+    def unwanted_waves(self) -> list[InFlightWave]:
         """(Holding `cond`.) Waves in flight none of whose requests is open any more, not
         cancelled yet; marks them cancelled (the caller tells the executor)."""
         unwanted = [w for w in self.in_flight if not w.cancelled and not w.future.done()
@@ -277,33 +264,32 @@ class EngineCore:
             record.cancelled = True
         return unwanted
 
-    def _cancel(self, records: list[InFlightWave]) -> None:
-        """(Without `cond`.) Tell the executor nobody waits for these waves."""
-        for record in records:
-            logger.info("wave %d: none of its %d request(s) is wanted any more; stopping it",
-                        record.wave.wave_id, record.wave.num_requests)
-            if self.metrics is not None and self.serving:
-                self.metrics.waves_cancelled.inc()
-            self.executor.cancel(record.future)
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop()` was called."""
+        return self._stopped
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        """Requests queued here and those handed to the executor that it has not
+        started (what `--max-queue-size` bounds)."""
+        with self.cond:
+            waiting = self.scheduler.num_waiting
+        return waiting + len(self.dispatch.handed_ahead())
 
     @property
     def num_running(self) -> int:
-        """Requests the executor works on: running ones, and aborted ones whose wave has
-        not stopped yet (the worker is still busy with them)."""
-        with self.cond:
-            stopping = sum(1 for w in self.in_flight if not w.future.done()
-                           for r in w.wave.requests if r.is_finished)
-            return self.scheduler.num_running + stopping
+        """Requests the executor works on (`Dispatch.num_running`)."""
+        return self.dispatch.num_running()
 
     def num_waiting_by_key(self) -> dict[str, int]:
         """Waiting requests per key, keys in short form (for metrics)."""
         with self.cond:
-            counts = self.scheduler.num_waiting_by_key()
-        return {key.short(): n for key, n in counts.items()}
+            counts = {key.short(): n for key, n in self.scheduler.num_waiting_by_key().items()}
+        for request in self.dispatch.handed_ahead():
+            assert request.key is not None
+            counts[request.key.short()] = counts.get(request.key.short(), 0) + 1
+        return counts
 
     # -- the loop --------------------------------------------------------------------
     def _run(self) -> None:
@@ -330,24 +316,24 @@ class EngineCore:
         if action is None:
             return False
         if isinstance(action, InFlightWave):
-            self._finish(action)
+            self.dispatch.finish(action)
         elif isinstance(action, _Rerun):
-            self._dispatch(action.wave, crashed_before=action.crashed_before)
+            self.dispatch.dispatch(action.wave, crashed_before=action.crashed_before)
         else:
-            self._dispatch(action)
+            self.dispatch.dispatch(action)
         return True
 
     def _next_action(self) -> InFlightWave | _Rerun | SchedulerOutput | None:
-        """Block (holding `cond`) until the oldest wave is done or a wave can go."""
+        """Block (holding `cond`) until a record in flight is done or a wave can go."""
         while True:
-            if self.in_flight and self.in_flight[0].future.done():
-                return self.in_flight.popleft()
+            done = self.dispatch.next_done()
+            if done is not None:
+                return done
             if self._stopped:
                 if not self.in_flight:
                     return None
-            elif len(self.in_flight) < self.max_waves_in_flight \
-                    and not self.executor.is_restarting:
-                wave = self._next_rerun() or self._schedule()
+            elif self.dispatch.can_dispatch() and not self.executor.is_restarting:
+                wave = self._next_rerun() or self.dispatch.schedule()
                 if wave is not None:
                     return wave
             self.cond.wait()
@@ -366,56 +352,19 @@ class EngineCore:
                 return _Rerun(replace(rerun.wave, requests=live), rerun.crashed_before)
         return None
 
-    def _schedule(self) -> SchedulerOutput | None:
-        """(Holding `cond`.) The next wave to dispatch now, if any.
-
-        Idle: wait for the burst to coalesce (maybe), then take what is there. Busy:
-        only a wave that waiting could not grow goes ahead of the running one.
-        """
-        if self.scheduler.num_waiting == 0:
-            return None
-        self.last_admission_reason = ""
-        if self.in_flight:
-            if not self.scheduler.has_full_wave():
-                return None
-        elif self.scheduler.num_running == 0:
-            num_waiting = self.scheduler.num_waiting
-            key = self.scheduler.next_key()
-            plan = self.policy.plan_wait(key, num_waiting)
-            target = plan.target
-            limit = None if key is None else self.scheduler.wave_size_limit(key)
-            if limit is not None:  # e.g. max_wave_pixels: no wave would take more
-                target = min(target, limit)
-            admission = AdmissionWait(plan.max_wait_ms, target, plan.stable_window_ms)
-            if admission.should_wait(supports_request_batch=self.policy.batching,
-                                     num_running=0):
-                self.last_admission_reason = admission.wait(
-                    lambda: self.scheduler.num_waiting,
-                    lambda: self._stopped,
-                    self.cond.wait,
-                )
-                if self._stopped:
-                    return None
-        self.policy.observe_backlog(self.scheduler.next_key(), self.scheduler.num_waiting)
-        wave = self.scheduler.schedule()
-        return None if wave.is_empty else wave
-
-    def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
-        """Hand the wave to the executor (outside the lock) and track it."""
-        dispatched = time.monotonic()
-        stall_after_s = self.policy.stall_bound_s(wave.key, wave.num_requests)
-        future = self.executor.submit_batch(wave, stall_after_s=stall_after_s)
-        record = InFlightWave(wave, future, dispatched, self.last_admission_reason,
-                              crashed_before=crashed_before)
-        with self.cond:
-            self.in_flight.append(record)
-            unwanted = self._unwanted_waves()  # aborted while it was being handed over
-        self._cancel(unwanted)
-        future.add_done_callback(self._wake)  # runs at once if the call already ran
-
-    def _wake(self, _future: Future[BatchRunnerOutput]) -> None:
+    def wake(self, _future: Future[BatchRunnerOutput] | None = None) -> None:
+        """Wake the loop (e.g. a future in flight is done)."""
         with self.cond:
             self.cond.notify_all()
+
+    def rerun(self, wave: SchedulerOutput, crashed_before: bool) -> None:
+        """(Holding `cond`.) Queue `wave` to run again before anything new;
+        `crashed_before`: its requests were in a wave the worker died under."""
+        self._reruns.append(_Rerun(wave, crashed_before))
+
+    def emit(self, request: DiffusionRequest, output: DiffusionOutput) -> None:
+        """Hand a finished request's output to the delivery thread."""
+        self._outbox.put((request, output))
 
     def _executor_error(self, wave: SchedulerOutput, exc: Exception) -> RequestError:
         """The error outputs carry when the executor itself failed (not the pipeline)."""
@@ -428,7 +377,7 @@ class EngineCore:
         logger.error("wave %d failed in the executor", wave.wave_id, exc_info=exc)
         return INTERNAL_ERROR
 
-    def _result_of(self, record: InFlightWave) -> BatchRunnerOutput | None:
+    def result_of(self, record: InFlightWave) -> BatchRunnerOutput | None:
         """A done wave's runner output: its own, or failed outputs when the executor
         failed; None when a worker death queued it to run again."""
         wave = record.wave
@@ -440,91 +389,9 @@ class EngineCore:
                                exc.message)
                 return BatchRunnerOutput.failed(
                     wave.req_ids, RequestError.from_exception(self._drain_error))
-            return self._after_death(record, exc)
+            return self.dispatch.after_death(record, exc)
         except Exception as exc:
             return BatchRunnerOutput.failed(wave.req_ids, self._executor_error(wave, exc))
 
-    def _after_death(self, record: InFlightWave, exc: WorkerDiedError) -> BatchRunnerOutput | None:
-        """The worker died under (or before) the wave: re-run it (None), or fail it."""
-        if self._rerun_after_death(record, exc):
-            return None
-        return BatchRunnerOutput.failed(record.wave.req_ids, RequestError(
-            "the worker process died while running this request, and again when it "
-            f"was re-run on its own on a replacement ({exc.message})"))
 
-    def _finish(self, record: InFlightWave) -> None:
-        """Finish a done wave's requests and deliver their outputs."""
-        wave = record.wave
-        runner_output = self._result_of(record)
-        if runner_output is None:
-            return
-        # A wave queued at the worker started when the one before it ended, not when it
-        # was dispatched: take the later of the two.
-        started = max(record.dispatched,
-                      time.monotonic() - runner_output.forward_time_ms / 1000.0)
-        self.policy.observe_wave(wave.key, wave.num_requests, runner_output.forward_time_ms,
-                                 runner_output.num_forwards)
-        with self.cond:
-            finished = self.scheduler.update_from_output(wave, runner_output)
-            self.cond.notify_all()  # for wait_idle
-        self._log_wave(wave, started, runner_output, record.admission_reason)
-        for request, output in finished:
-            output.queue_time_ms = (started - request.arrival_time) * 1000.0
-            self._outbox.put((request, output))
-
-    def _rerun_after_death(self, record: InFlightWave, exc: WorkerDiedError) -> bool:
-        """Queue the wave's open requests to run again on the replacement worker; False
-        if its one request already killed a worker before (it fails instead)."""
-        wave = record.wave
-        with self.cond:
-            live = [r for r in wave.requests if not r.is_finished]
-            if not exc.started:  # it never ran: again as it was
-                if live:
-                    self._reruns.append(_Rerun(replace(wave, requests=live),
-                                               record.crashed_before))
-                self.cond.notify_all()
-                return True
-            if record.crashed_before and len(live) == 1:
-                return False
-            mid = len(live) // 2  # as `ModelRunner._isolate` splits
-            halves = [part for part in (live[:mid], live[mid:]) if part]
-            for part in halves:
-                self._reruns.append(_Rerun(replace(wave, requests=part, close_reason="rerun"),
-                                           crashed_before=True))
-            self.cond.notify_all()
-        logger.warning("wave %d: %s; re-running its %d open request(s) in %d wave(s) on the "
-                       "replacement", wave.wave_id, exc.message, len(live), len(halves))
-        if self.metrics is not None and self.serving and live:
-            self.metrics.waves_rerun.inc(len(halves))
-        return True
-
-    def _log_wave(
-        self, wave: SchedulerOutput, wave_start: float, runner_output: BatchRunnerOutput,
-        admission_reason: str,
-    ) -> None:
-        queue_wait_ms = max((wave_start - r.arrival_time) * 1000.0 for r in wave.requests)
-        forward_ms = runner_output.forward_time_ms
-        closed = wave.close_reason
-        if closed in ("capacity", "pixel_cap"):  # the wave is as big as its bound allowed
-            closed = f"{closed} (a wave of this key may hold {wave.num_requests})"
-        logger.info(
-            "wave %d: %d request(s) key=%s closed=%s admission=%s max_queue_wait=%.1fms "
-            "forward=%.1fms",
-            wave.wave_id, wave.num_requests, wave.key.short() if wave.key else "-",
-            closed, admission_reason or "none", queue_wait_ms, forward_ms,
-        )
-        if not self.serving:
-            return
-        if self.metrics is not None:
-            self.metrics.observe_wave(wave.num_requests, wave.close_reason,
-                                      admission_reason, forward_ms / 1000.0)
-        if self.wave_log is not None:
-            statuses = [r.status for r in wave.requests]  # final: update_from_output ran
-            self.wave_log.record(
-                wave_id=wave.wave_id, num_requests=wave.num_requests,
-                key=wave.key.short() if wave.key else "-", close_reason=wave.close_reason,
-                admission=admission_reason, max_queue_wait_ms=queue_wait_ms,
-                forward_ms=forward_ms,
-                num_errors=statuses.count(RequestStatus.FINISHED_ERROR),
-                num_aborted=statuses.count(RequestStatus.FINISHED_ABORTED),
-            )
+__all__ = ["EngineCore", "InFlightWave"]

@@ -1,9 +1,10 @@
-"""The engine loop of step mode: requests join and leave a running batch in the worker.
+"""Step mode's dispatch: requests join and leave a running batch in the worker.
 
-`StepEngineCore` keeps `EngineCore`'s lock, request table, delivery thread, aborts
-and shutdown, and changes what a dispatch is. The worker owns the running batch and
-runs its ticks back to back (`diffbatch.worker.step_runner`); this loop is never in
-the per-step path. It only decides who may join:
+`StepDispatch` is the `Dispatch` of step mode: `EngineCore` keeps its lock, request
+table, delivery thread, aborts and shutdown, and this decides what a dispatch is.
+The worker owns the running batch and runs its ticks back to back
+(`diffbatch.worker.step_runner`); the engine loop is never in the per-step path.
+This only decides who may join:
 
 - the batch's key is the key of the requests in flight (all share one); with none
   in flight, the scheduler's next key starts a new batch;
@@ -37,11 +38,11 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from diffbatch.engine.core import EngineCore, InFlightWave, _Rerun
-from diffbatch.errors import WorkerDiedError
+from diffbatch.engine.dispatch import Dispatch, InFlightWave
 from diffbatch.outputs import BatchRunnerOutput, RequestError
 
 if TYPE_CHECKING:
+    from diffbatch.errors import WorkerDiedError
     from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import SamplingParamsKey
     from diffbatch.sched.output import SchedulerOutput
@@ -51,136 +52,116 @@ logger = logging.getLogger(__name__)
 PREFETCH_FACTOR = 2  # requests in flight per slot of the running batch (see above)
 
 
-class StepEngineCore(EngineCore):
-    """`EngineCore` for step mode; see the module docstring."""
+class StepDispatch(Dispatch):
+    """Step mode; see the module docstring."""
 
-    def _next_action(self) -> InFlightWave | _Rerun | SchedulerOutput | None:
-        """Block (holding `cond`) until a request left the batch or joiners can go."""
-        while True:
-            for record in self.in_flight:
-                if record.future.done():
-                    self.in_flight.remove(record)
-                    return record
-            if self._stopped:
-                if not self.in_flight:
-                    return None
-            elif not self.executor.is_restarting:
-                wave = self._next_rerun() or self._schedule()
-                if wave is not None:
-                    return wave
-            self.cond.wait()
+    def next_done(self) -> InFlightWave | None:
+        """A request that left the batch (any of those in flight)."""
+        for record in self.core.in_flight:
+            if record.future.done():
+                self.core.in_flight.remove(record)
+                return record
+        return None
 
-    @property
+    def can_dispatch(self) -> bool:
+        return True  # (`schedule` bounds the requests in flight)
+
     def num_running(self) -> int:
         """Requests in the worker's running batch (cancelled ones still leaving it
-        included); those handed ahead into its queue are waiting (`num_waiting`)."""
-        with self.cond:
-            records = [record for record in self.in_flight if not record.future.done()]
+        included); those handed ahead into its queue are waiting (`handed_ahead`)."""
+        core = self.core
+        with core.cond:
+            records = [record for record in core.in_flight if not record.future.done()]
         return sum(len(record.wave.requests) for record in records
-                   if self.executor.has_started(record.future))
+                   if core.executor.has_started(record.future))
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued here and those handed ahead to the worker that have not
-        joined its running batch yet (what `--max-queue-size` bounds)."""
-        with self.cond:
-            waiting = self.scheduler.num_waiting
-        return waiting + len(self._handed_ahead())
-
-    def num_waiting_by_key(self) -> dict[str, int]:
-        counts = super().num_waiting_by_key()
-        for request in self._handed_ahead():
-            assert request.key is not None
-            short = request.key.short()
-            counts[short] = counts.get(short, 0) + 1
-        return counts
-
-    def _handed_ahead(self) -> list[DiffusionRequest]:
-        """(Without `cond`.) The open requests in the worker's queue, not in its batch."""
-        with self.cond:
-            records = [record for record in self.in_flight if not record.future.done()]
-        return [request for record in records if not self.executor.has_started(record.future)
+    def handed_ahead(self) -> list[DiffusionRequest]:
+        """The open requests in the worker's queue, not in its batch."""
+        core = self.core
+        with core.cond:
+            records = [record for record in core.in_flight if not record.future.done()]
+        return [request for record in records if not core.executor.has_started(record.future)
                 for request in record.wave.requests if not request.is_finished]
 
     def _running_key(self) -> SamplingParamsKey | None:
         """(Holding `cond`.) The key of the batch in the worker, None when it is empty."""
-        for record in self.in_flight:
+        for record in self.core.in_flight:
             if not record.future.done():
                 return record.wave.key
         return None
 
-    def _schedule(self) -> SchedulerOutput | None:
-        """(Holding `cond`.) Joiners for the running batch, or the first of a new one."""
-        if self.scheduler.num_waiting == 0:
+    def schedule(self) -> SchedulerOutput | None:
+        """Joiners for the running batch, or the first of a new one."""
+        core, scheduler = self.core, self.core.scheduler
+        if scheduler.num_waiting == 0:
             return None
-        self.last_admission_reason = ""
+        core.last_admission_reason = ""
         key = self._running_key()
-        capacity = self.policy.step_capacity(key or self.scheduler.next_key(),
-                                             self._demand())
-        room = PREFETCH_FACTOR * capacity - len(self.in_flight)
+        capacity = core.policy.step_capacity(key or scheduler.next_key(), self._demand())
+        room = PREFETCH_FACTOR * capacity - len(core.in_flight)
         if room <= 0:
             return None
-        if key is None:  # a new batch: the scheduler's next wave starts it
-            wave = self.scheduler.schedule()
-        else:
-            wave = self.scheduler.schedule_joiners(key, room)
+        # (no running batch: the scheduler's next wave starts a new one)
+        wave = scheduler.schedule() if key is None else scheduler.schedule_joiners(key, room)
         return None if wave.is_empty else wave
 
     def _demand(self) -> int:
         """(Holding `cond`.) Requests in flight and waiting: what the running batch
         could hold if its capacity allowed."""
-        return sum(not record.future.done() for record in self.in_flight) \
-            + self.scheduler.num_waiting
+        return sum(not record.future.done() for record in self.core.in_flight) \
+            + self.core.scheduler.num_waiting
 
-    def _dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
+    def dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
         """Send the joiners to the worker; each becomes its own entry in flight."""
+        core = self.core
         dispatched = time.monotonic()
-        with self.cond:
-            capacity = self.policy.step_capacity(wave.key, self._demand() + len(wave.requests))
-        futures = self.executor.submit_join(
-            wave, capacity, stall_after_s=self.policy.step_stall_bound_s(wave.key, capacity))
+        with core.cond:
+            capacity = core.policy.step_capacity(wave.key, self._demand() + len(wave.requests))
+        futures = core.executor.submit_join(
+            wave, capacity, stall_after_s=core.policy.step_stall_bound_s(wave.key, capacity))
         records = [InFlightWave(replace(wave, requests=[request]), future, dispatched, "join")
                    for request, future in zip(wave.requests, futures, strict=True)]
-        with self.cond:
-            self.in_flight.extend(records)
-            unwanted = self._unwanted_waves()  # aborted while being handed over
-        self._cancel(unwanted)
+        with core.cond:
+            core.in_flight.extend(records)
+            unwanted = core.unwanted_waves()  # aborted while being handed over
+        self.cancel(unwanted)
         for record in records:
-            record.future.add_done_callback(self._wake)
+            record.future.add_done_callback(core.wake)
 
-    def _cancel(self, records: list[InFlightWave]) -> None:
-        """(Without `cond`.) Take requests nobody waits for out of the running batch: a
-        leave (the step metrics count it when the worker confirms), not a stopped wave."""
+    def cancel(self, records: list[InFlightWave]) -> None:
+        """Take requests nobody waits for out of the running batch: a leave (the step
+        metrics count it when the worker confirms), not a stopped wave."""
         for record in records:
             logger.debug("request %s: not wanted any more; leaving the running batch",
                          record.wave.req_ids[0])
-            self.executor.cancel(record.future)
+            self.core.executor.cancel(record.future)
 
-    def _finish(self, record: InFlightWave) -> None:
+    def finish(self, record: InFlightWave) -> None:
         """A request left the batch: finish it and deliver its output."""
-        wave = record.wave
-        runner_output = self._result_of(record)
+        core, wave = self.core, record.wave
+        runner_output = core.result_of(record)
         if runner_output is None:
             return
         self._observe_ticks(wave.key, runner_output)
-        with self.cond:
-            finished = self.scheduler.update_from_output(wave, runner_output)
-            self.cond.notify_all()
+        with core.cond:
+            finished = core.scheduler.update_from_output(wave, runner_output)
+            core.cond.notify_all()
         now = time.monotonic()
         for request, output in finished:
             started = max(record.dispatched, now - output.execute_time_ms / 1000.0)
             output.queue_time_ms = (started - request.arrival_time) * 1000.0
-            self._outbox.put((request, output))
+            core.emit(request, output)
 
-    def _after_death(self, record: InFlightWave, exc: WorkerDiedError) -> BatchRunnerOutput | None:
+    def after_death(self, record: InFlightWave,
+                    exc: WorkerDiedError) -> BatchRunnerOutput | None:
         """A request the worker held fails (any of the batch may have caused the crash);
         one refused while a replacement started is queued again (None)."""
-        wave = record.wave
+        core, wave = self.core, record.wave
         if not exc.started:
-            with self.cond:
+            with core.cond:
                 if any(not r.is_finished for r in wave.requests):
-                    self._reruns.append(_Rerun(wave, crashed_before=False))
-                self.cond.notify_all()
+                    core.rerun(wave, crashed_before=False)
+                core.cond.notify_all()
             return None
         return BatchRunnerOutput.failed(wave.req_ids, RequestError(
             "the worker process died while this request was in the running batch "
@@ -189,7 +170,11 @@ class StepEngineCore(EngineCore):
     def _observe_ticks(self, key: SamplingParamsKey | None,
                        runner_output: BatchRunnerOutput) -> None:
         """Tick statistics feed the metrics and the running batch's stall bound."""
+        core = self.core
         for tick in runner_output.ticks:
-            self.policy.observe_tick(key, tick)
-            if self.metrics is not None and self.serving:
-                self.metrics.observe_tick(tick)
+            core.policy.observe_tick(key, tick)
+            if core.metrics is not None and core.serving:
+                core.metrics.observe_tick(tick)
+
+
+__all__ = ["StepDispatch"]

@@ -205,7 +205,7 @@ def test_stepped_by_hand_each_decision_of_the_busy_loop(harness):
     assert h.core.step()  # idle: dispatch a
     h.add("b0")
     with h.core.cond:
-        assert h.core._schedule() is None  # busy and b could still grow: keep it here
+        assert h.core.dispatch.schedule() is None  # busy and b could still grow: keep it here
     h.add("b1")
     assert h.core.step()  # busy, b is full: dispatch it behind a
     assert [w.wave.req_ids for w in h.core.in_flight] == [["a0", "a1"], ["b0", "b1"]]
