@@ -52,3 +52,22 @@ def test_each_scheduling_policy_imports_only_the_shared_base():
         other = {"scheduler.py": "diffbatch.sched.grouped",
                  "grouped.py": "diffbatch.sched.scheduler"}[policy]
         assert other not in imported_modules(PACKAGE / "sched" / policy)
+
+
+def test_the_pipelines_import_no_circle():
+    """Model-folder helpers live in `model_folder`, so the registry, the diffusers
+    adapter and the tiny models' builder never import each other in a circle."""
+    modules = {path.stem: path for path in (PACKAGE / "pipelines").glob("*.py")}
+    graph = {name: {imported.rsplit(".", 1)[-1] if imported.count(".") == 2 else
+                    imported.split(".")[2]
+                    for imported in imported_modules(path)
+                    if imported.startswith("diffbatch.pipelines.")} & set(modules)
+             for name, path in modules.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+                   for nxt in graph[start])
+
+    circles = [name for name in ("registry", "diffusers_t2i", "tiny", "model_folder")
+               if reaches(name, name, {name})]
+    assert not circles, f"import circle through {circles}"

@@ -48,15 +48,14 @@ from diffbatch.pipelines.diffusers_edit import (
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.execution_device import pin_execution_device
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
+from diffbatch.pipelines.model_folder import DEFAULTS_FILE, check_component_folders
 from diffbatch.pipelines.per_sample_guidance import PerSampleGuidance
-from diffbatch.pipelines.registry import check_component_folders
 from diffbatch.pipelines.schedule_limits import schedulable_steps
 from diffbatch.pipelines.scheduler_fusion import scheduler_point, wrap_scheduler
 from diffbatch.pipelines.step_fusion import FusionPoint
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS_FILE = "diffbatch_defaults.json"  # optional serving defaults in a model folder
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from diffbatch.errors import ConfigError, DiffbatchError, ModelLoadError, ModelNotFoundError
 from diffbatch.imports import import_by_name
 from diffbatch.models import DEFAULT_MODEL, packaged_models
+from diffbatch.pipelines.model_folder import check_component_folders
 
 if TYPE_CHECKING:
     from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline
@@ -80,23 +81,6 @@ def resolve_model_path(model: str | None) -> str:
     if os.path.isdir(expanded):
         return os.path.abspath(expanded)
     return model  # a hub id
-
-
-def check_component_folders(model: str, index: dict[str, Any]) -> None:
-    """A local folder must hold a subfolder per component its model_index.json names
-    (diffusers' own error names the folder's root, not the part that is missing)."""
-    if not os.path.isdir(model):
-        return
-    missing = [name for name, value in index.items()
-               if not name.startswith("_") and isinstance(value, list | tuple)
-               and len(value) == 2 and value[1] is not None
-               and not os.path.isdir(os.path.join(model, name))]
-    if missing:
-        raise ModelLoadError(
-            f"model {model!r}: its model_index.json names the component(s) "
-            f"{', '.join(missing)}, but the folder has no {', '.join(missing)} "
-            "subfolder; copy the whole pipeline folder (`save_pretrained` writes one per "
-            "component)")
 
 
 def check_diffusers_folder(model: str | None) -> None:

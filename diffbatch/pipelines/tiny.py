@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from diffbatch.pipelines.diffusers_t2i import DEFAULTS_FILE
+from diffbatch.pipelines.model_folder import DEFAULTS_FILE
 
 # Bump when a builder changes: cached folders of another version are rebuilt.
 TINY_BUILD_VERSION = 1
