@@ -87,27 +87,30 @@ def edit_pipes(pipe: Any, probe_size: int) -> dict[str, Any]:
 
     pipes: dict[str, Any] = {}
     for task, auto_name in _EDIT_AUTO_PIPELINES.items():
+        # (why a task is left out is a detail for DEBUG: the summary below says which run)
         try:
             task_pipe = getattr(diffusers, auto_name).from_pipe(pipe)
         except Exception as exc:  # ValueError: no such pipeline; anything else: can't build
-            log = logger.debug if isinstance(exc, ValueError) else logger.info
-            log("no %s pipeline for %s: %s: %s", task, type(pipe).__name__,
-                type(exc).__name__, exc)
+            logger.debug("%s: diffusers has no %s pipeline for %s (%s: %s)", task, task,
+                         type(pipe).__name__, type(exc).__name__, exc)
             continue
         strength = call_parameters(task_pipe).get("strength")
         if strength is None or not isinstance(strength.default, int | float):
-            logger.info("no %s for %s: %s takes no `strength`", task, type(pipe).__name__,
-                        type(task_pipe).__name__)
+            logger.debug("%s: %s takes no `strength`", task, type(task_pipe).__name__)
             continue
         task_pipe.set_progress_bar_config(disable=True)
         pin_execution_device(task_pipe)
         try:
             _probe(task_pipe, task, probe_size)
         except Exception as exc:
-            logger.info("no %s for %s: %s cannot run this model (%s: %s)", task,
-                        type(pipe).__name__, type(task_pipe).__name__, type(exc).__name__, exc)
+            logger.debug("%s: %s cannot run this model's components (%s: %s)", task,
+                         type(task_pipe).__name__, type(exc).__name__, exc)
             continue
         pipes[task] = task_pipe
+    left_out = [task for task in _EDIT_AUTO_PIPELINES if task not in pipes]
+    logger.info("edit tasks: this model runs %s%s", " and ".join(pipes) or "none",
+                f" (not {' or '.join(left_out)}: its diffusers pipeline does not fit this "
+                "model)" if left_out else "")
     return pipes
 
 
