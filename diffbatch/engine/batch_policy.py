@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffbatch.engine.admission import MAX_STABLE_WINDOW_MS
-from diffbatch.engine.cost_model import MIN_SAMPLES, WINDOW, Shape, WaveCostModel
+from diffbatch.engine.cost_model import MIN_SAMPLES, Shape, WaveCostModel
+from diffbatch.engine.stall_bounds import StallBounds
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -113,12 +114,12 @@ class BatchPolicy:
         self.cost = WaveCostModel(self.limit, self.default_shape)
         # step mode: one step of a running batch of B requests, learned from the ticks
         self.step_cost = WaveCostModel(self.limit, self.default_shape)
+        self.stalls = StallBounds(config, self.cost)  # when a worker counts as stuck
         self._clock = clock
         self._lock = threading.Lock()
         self._arrivals: deque[tuple[float, int]] = deque()  # (time, count), last window
         self._busy: deque[tuple[float, float]] = deque()  # (end, forward s), last window
         self._backlog_waves: dict[tuple[Shape, int], int] = {}  # waves in a row (above)
-        self._tick_ms: dict[Shape, deque[float]] = {}  # step mode: recent tick times
         # Waves teach the cost model only once the engine serves: the warm-up wave
         # (first call, cold caches) would skew it.
         self.serving = False
@@ -263,7 +264,7 @@ class BatchPolicy:
                      num_forwards: int = 1) -> None:
         """A wave of `size` ended just now after `forward_ms`: it counts as busy time;
         a clean single forward also teaches the curve (fixed settings learn too: the
-        curve bounds a wave's stall, `stall_bound_s`)."""
+        curve bounds a wave's stall, `StallBounds`)."""
         if not self.serving:
             return
         now = self._clock()
@@ -280,41 +281,9 @@ class BatchPolicy:
         if key is None or not self.serving or tick.batch_size < 1:
             return
         shape = Shape.of(key)
-        with self._lock:
-            self._tick_ms.setdefault(shape, deque(maxlen=WINDOW)).append(tick.step_ms)
+        self.stalls.observe_tick(shape, tick.step_ms)
         if self.learns and tick.forward_ms > 0:
             self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
-
-    # -- stalls ----------------------------------------------------------------------
-    def stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:
-        """How long a wave of `size` requests of `key` may run before its worker counts
-        as stuck: `wave_stall_factor` x its expected forward time, at least
-        `worker_stall_timeout_s`; None (the heartbeat alone watches) when either is 0
-        or nothing is expected. NOTE: from the shape's own curve only: the default
-        shape's scaled by pixels would make a first large wave look stuck."""
-        if key is None:
-            return None
-        return self._stall_bound_s(self.cost.estimate_ms(
-            Shape.of(key), size, key.num_denoising_steps, proxy=False))
-
-    def step_stall_bound_s(self, key: SamplingParamsKey | None, size: int) -> float | None:
-        """Step mode: how long a running batch may go without finishing a step, from the
-        longer of the shape's longest recent tick and one step of a wave of `size`."""
-        if key is None:
-            return None
-        shape = Shape.of(key)
-        with self._lock:
-            ticks = self._tick_ms.get(shape)
-            longest = max(ticks) if ticks else None
-        one_step = self.cost.estimate_ms(shape, size, 1, proxy=False)
-        known = [ms for ms in (longest, one_step) if ms is not None]
-        return self._stall_bound_s(max(known) if known else None)
-
-    def _stall_bound_s(self, expected_ms: float | None) -> float | None:
-        factor, floor_s = self.config.wave_stall_factor, self.config.worker_stall_timeout_s
-        if expected_ms is None or factor <= 0 or floor_s <= 0:
-            return None
-        return max(factor * expected_ms / 1000.0, floor_s)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per curve label: per-image ms by wave size, capacity and the longest wait

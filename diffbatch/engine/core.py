@@ -29,7 +29,7 @@ Failures of the worker, not of the pipeline:
 
 - while the executor restarts a dead worker (`executor.is_restarting`), nothing is
   dispatched: the queue waits for the replacement (its ready listener wakes the loop);
-- each wave is handed over with its stall bound (`BatchPolicy.stall_bound_s`); an
+- each wave is handed over with its stall bound (`StallBounds`); an
   executor that watches a worker treats a wave running past it like a silent
   heartbeat: the worker is killed and replaced;
 - a wave the worker died under is re-run or failed as its dispatch says

@@ -19,7 +19,7 @@ This only decides who may join:
   left the batch; an abort cancels it in the worker, which takes it out at the next
   step boundary.
 
-Joiners are handed over with the batch's stall bound (`BatchPolicy.step_stall_bound_s`):
+Joiners are handed over with the batch's stall bound (`StallBounds.step_s`):
 while they are in it, the batch finishing no step for that long means a stuck worker,
 which the executor kills like a frozen one (the heartbeat carries the tick count).
 The worker dying under the batch fails the requests it held with a clear error
@@ -118,7 +118,7 @@ class StepDispatch(Dispatch):
         with core.cond:
             capacity = core.policy.step_capacity(wave.key, self._demand() + len(wave.requests))
         futures = core.executor.submit_join(
-            wave, capacity, stall_after_s=core.policy.step_stall_bound_s(wave.key, capacity))
+            wave, capacity, stall_after_s=core.policy.stalls.step_s(wave.key, capacity))
         records = [InFlightWave(replace(wave, requests=[request]), future, dispatched, "join")
                    for request, future in zip(wave.requests, futures, strict=True)]
         with core.cond:

@@ -8,7 +8,7 @@
   the running one ends; a wave that could still grow waits in the engine, so queuing
   ahead never shrinks a wave.
 - dispatch: hand the wave to the executor (`submit_batch`) with its stall bound
-  (`BatchPolicy.stall_bound_s`).
+  (`StallBounds.wave_s`).
 - finish: the oldest wave in flight is done: feed its forward time to the policy,
   `update_from_output()`, log it and emit every finished request.
 - a wave whose worker died under it (`WorkerDiedError`, `started`) is re-run on the
@@ -76,7 +76,7 @@ class WaveDispatch(Dispatch):
     def dispatch(self, wave: SchedulerOutput, *, crashed_before: bool = False) -> None:
         core = self.core
         dispatched = time.monotonic()
-        stall_after_s = core.policy.stall_bound_s(wave.key, wave.num_requests)
+        stall_after_s = core.policy.stalls.wave_s(wave.key, wave.num_requests)
         future = core.executor.submit_batch(wave, stall_after_s=stall_after_s)
         record = InFlightWave(wave, future, dispatched, core.last_admission_reason,
                               crashed_before=crashed_before)

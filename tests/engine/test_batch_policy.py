@@ -293,22 +293,22 @@ def test_bad_values_name_the_option(options, message):
 def test_step_mode_stall_bound_follows_the_longest_recent_tick_and_the_curve():
     step_key = key().for_step_execution()
     p = policy(wave_stall_factor=10, worker_stall_timeout_s=0.5)
-    assert p.step_stall_bound_s(step_key, 8) is None  # nothing known: the heartbeat alone
+    assert p.stalls.step_s(step_key, 8) is None  # nothing known: the heartbeat alone
     p.observe_tick(step_key, tick(8, 900.0))  # the warm-up, before serving: not learned
-    assert p.step_stall_bound_s(step_key, 8) is None
+    assert p.stalls.step_s(step_key, 8) is None
     p.serving = True
     for ms in (20.0, 80.0, 30.0):
         p.observe_tick(step_key, tick(8, ms))
-    assert p.step_stall_bound_s(step_key, 8) == pytest.approx(0.8)  # 10 x the longest
+    assert p.stalls.step_s(step_key, 8) == pytest.approx(0.8)  # 10 x the longest
     p.observe_tick(key(128).for_step_execution(), tick(8, 500.0))  # another shape's ticks
-    assert p.step_stall_bound_s(step_key, 8) == pytest.approx(0.8)
+    assert p.stalls.step_s(step_key, 8) == pytest.approx(0.8)
     teach(p)  # the curve: one step of a wave of 32 is (40 + 7 * 32) / 4 = 66 ms
-    assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.8)  # the tick is longer
+    assert p.stalls.step_s(step_key, 32) == pytest.approx(0.8)  # the tick is longer
     for _ in range(64):  # the long tick ages out: the curve's step is the longer
         p.observe_tick(step_key, tick(8, 1.0))
-    assert p.step_stall_bound_s(step_key, 32) == pytest.approx(0.66)
-    assert p.step_stall_bound_s(step_key, 1) == 0.5  # 10 x 11.75 ms: the floor holds
-    assert policy(wave_stall_factor=0).step_stall_bound_s(step_key, 8) is None
+    assert p.stalls.step_s(step_key, 32) == pytest.approx(0.66)
+    assert p.stalls.step_s(step_key, 1) == 0.5  # 10 x 11.75 ms: the floor holds
+    assert policy(wave_stall_factor=0).stalls.step_s(step_key, 8) is None
 
 
 def test_step_capacity_grows_from_the_ticks_past_a_calibration_that_said_one():
