@@ -90,9 +90,8 @@ class _WorkerHealth(Collector):
             "last heard from (a heartbeat about every second); it grows while the worker is "
             "frozen.", value=stats.get("heartbeat_age_s", 0.0))
         yield GaugeMetricFamily(
-            "diffbatch_worker_torch_threads", "Torch's CPU threads in the worker (chosen from "
-            "the CPUs other processes leave free, followed while serving, unless set); 0 "
-            "until its first heartbeat.", value=stats.get("torch_threads", 0.0))
+            "diffbatch_worker_torch_threads", "Torch's CPU threads in the worker (chosen at "
+            "start-up from the CPUs it may use, unless set); 0 until its first heartbeat.", value=stats.get("torch_threads", 0.0))
         for name, key, text in (
             ("diffbatch_worker_deaths", "deaths", "Worker processes that died while serving "
              "(killed as frozen included)."),
