@@ -91,7 +91,8 @@ class _WorkerHealth(Collector):
             "frozen.", value=stats.get("heartbeat_age_s", 0.0))
         yield GaugeMetricFamily(
             "diffbatch_worker_torch_threads", "Torch's CPU threads in the worker (chosen at "
-            "start-up from the CPUs it may use, unless set); 0 until its first heartbeat.", value=stats.get("torch_threads", 0.0))
+            "start-up from the CPUs it may use, unless set); 0 until its first "
+            "heartbeat.", value=stats.get("torch_threads", 0.0))
         for name, key, text in (
             ("diffbatch_worker_deaths", "deaths", "Worker processes that died while serving "
              "(killed as frozen included)."),

@@ -1,16 +1,18 @@
 """Smoke tests of the zero-config benchmarks, `defaults.py` (served with no tuning flags
-against the plain diffusers loop) and `auto_batching.py` (`auto` against a grid of fixed
-settings): each runs end to end on a minimal setting (see `tests.bench.smoke`)."""
+against the plain diffusers loop) and `policy_bars.py` (`auto` against fixed settings):
+each runs end to end on a minimal setting (see `tests.bench.smoke`)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.bench.smoke import BENCHMARKS, MINIMAL, run_script
+from tests.bench.smoke import BENCHMARKS, MINIMAL, TIMEOUT_S, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -35,70 +37,20 @@ def test_defaults_smoke(tmp_path: Path) -> None:
         row["served"]["images_per_s"] / base["images_per_s"])
 
 
-def test_auto_batching_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                             capsys: pytest.CaptureFixture[str]) -> None:
-    report = run_script("auto_batching.py", tmp_path / "auto.json", *MINIMAL, "--quick",
-                        "--grid-seqs", "2", "--grid-waits", "0", "--loads", "0.5",
-                        "--burst", "3", "--num-requests", "3", "--capacity-requests", "3",
-                        "--warmup-requests", "2", "--control", "2:0")
-    assert set(report["settings"]) == {"auto", "seqs2_wait0", "control_seqs2_wait0"}
-    assert report["settings"]["control_seqs2_wait0"]["control"]
-    assert report["settings"]["auto"]["max_num_seqs"] is None
-    [result] = report["results"]
-    assert (result["model"], result["size"]) == ("tiny-sd", 64)
-    assert result["capacity_rps"] > 0 and result["capacity_setting"] != "auto"
-    loads = ["saturated", "poisson_0.5x", "burst_3"]
-    assert list(result["loads"]) == list(result["verdicts"]) == loads
-    assert {(r["load"], r["setting"]) for r in result["results"]} == {
-        (load, name) for load in loads for name in report["settings"]}
-    assert all(r["failed"] == 0 and r["throughput_rps"] > 0 for r in result["results"])
-    # the waves each run ran, from the server's wave log: every request in one of them
-    burst = {r["setting"]: r for r in result["results"] if r["load"] == "burst_3"}
-    for row in burst.values():
-        [waves] = row["waves_rounds"]
-        assert sum(size for size, _forward_ms, _admission in waves) == 3
-    # each server's torch threads, as its /metrics said after each run (None before
-    # the worker's first heartbeat); auto's calibration ran after that
-    assert all(r["worker_torch_threads"] is None or r["worker_torch_threads"] >= 1
-               for r in result["results"])
-    assert all(r["worker_torch_threads"] >= 1 for r in result["results"]
-               if r["setting"] == "auto")
-    # auto's learned capacity per curve after each run (/metrics); none for fixed ones
-    for r in result["results"]:
-        for capacity in r["capacity_rounds"]:
-            if r["setting"] == "auto":
-                assert capacity["64x64/s1/n1/cfg"] >= 1, capacity
-            else:
-                assert capacity is None
-    for verdict in result["verdicts"].values():
-        assert verdict["best_fixed_throughput_setting"] in report["settings"]
-        assert verdict["throughput_ratio"] > 0 and verdict["p50_bar_ms"] > 0
-        assert verdict["pass"] == (verdict["throughput_pass"] and verdict["p50_pass"]
-                                   and verdict["dominance_pass"])
-    assert report["pass"] == result["pass"]
-    # the twin is judged with auto's bars against the grid, and is none of its references
-    control = result["control_verdicts"]["control_seqs2_wait0"]
-    assert list(control) == loads
-    assert all(v["best_fixed_throughput_setting"] == "seqs2_wait0" for v in control.values())
-    assert {v["auto_throughput_rps"] for v in control.values()} == {
-        r["throughput_rps"] for r in result["results"] if r["setting"] == "control_seqs2_wait0"}
-    # Judged again from the file alone (in this process: no server is run): the same
-    # verdicts, marked as rejudged.
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import auto_batching
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    auto_batching.main(["--rejudge", str(tmp_path / "auto.json"),
-                        "--out", str(tmp_path / "again.json"), "--no-plot"])
-    again = json.loads((tmp_path / "again.json").read_text())
-    assert again["rejudged"]["from"] == str(tmp_path / "auto.json")
-    assert again["results"][0]["verdicts"] == result["verdicts"]
-    assert again["results"][0]["control_verdicts"] == result["control_verdicts"]
-    # Without --out the table is printed and no file is written (the default results
-    # file, relative to the working directory, is left as it was).
-    monkeypatch.chdir(tmp_path)
-    capsys.readouterr()
-    auto_batching.main(["--rejudge", "auto.json", "--no-plot"])
-    assert "poisson_0.5x" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.rglob("*.json")) == ["again.json", "auto.json"]
+def test_policy_bars_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bars.json"
+    cmd = [sys.executable, str(BENCHMARKS / "policy_bars.py"), *MINIMAL, "--rounds", "1",
+           "--lone-requests", "2", "--burst", "3", "--capacity-requests", "4",
+           "--poisson-s", "0.5", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=BENCHMARKS.parent, capture_output=True, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=2 * TIMEOUT_S)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    report = json.loads(out.read_text())
+    assert set(report["lone"]["p50_ms_rounds"]) == {"auto", "1:0", "1:0-twin"}
+    assert set(report["burst"]["makespan_ms_rounds"]) == {"auto", "16:0", "16:0-twin"}
+    poisson = report["poisson"]
+    assert poisson["rate_per_s"] > 0 and poisson["best_fixed_first_round"] in ("1:0", "8:0",
+                                                                               "16:10")
+    assert f"{poisson['best_fixed_first_round']}-twin" in poisson["p50_ms_rounds"]
+    for bar in ("lone", "burst", "poisson"):
+        assert isinstance(report[bar]["met"], bool)

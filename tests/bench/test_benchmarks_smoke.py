@@ -4,20 +4,13 @@ partial images and scheduling: each script runs end to end on a minimal setting 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.bench.smoke import (
-    BENCHMARKS,
     HAS_PYINSTRUMENT,
     MINIMAL,
-    REPO_ROOT,
-    TIMEOUT_S,
     run_peers_with_batching_peer,
     run_script,
 )
@@ -119,15 +112,3 @@ def test_scheduling_policies_smoke(tmp_path: Path) -> None:
         assert report["mixed"][policy]["num_requests"] == 8
     assert report["mixed"]["throughput_ratio"] > 0
     assert report["guidance"]["fifo_on"]["mean_wave_size"] >= 1
-
-
-def test_threads_under_load_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "threads.json"
-    cmd = [sys.executable, str(BENCHMARKS / "threads_under_load.py"), "--batches", "1",
-           "--busy", "0", "--rounds", "1", "--repeats", "1", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                            capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    [row] = json.loads(out.read_text())["results"]
-    assert (row["busy"], row["batch"], len(row["ms"])) == (0, 1, 3)
-    assert all(ms > 0 for ms in row["ms"].values()) and row["chosen_vs_best_other"] > 0
