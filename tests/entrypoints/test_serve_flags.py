@@ -41,7 +41,9 @@ from tests.fake_pipelines import GatedPipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "/v1/images/generations"
-GATE_TIMEOUT_S = 10.0  # bounds a broken test only
+# Bounds each wait of a broken test: an in-process client has no network timeouts, so
+# every request and gate wait here is given this deadline and a red test fails fast.
+DEADLINE_S = 5.0
 # Every served case starts from this: an in-process engine of the fake pipeline, fixed
 # settings (no calibration), no warm-up, the port the system picks. A case's own flags
 # come after these, so they win.
@@ -57,6 +59,12 @@ class TimeoutGate(GatedPipeline):
     entered = threading.Event()
     release = threading.Event()
 
+    def forward(self, batch: Any) -> Any:
+        if batch.prompts != ["warm-up"]:
+            type(self).entered.set()
+            type(self).release.wait(DEADLINE_S)
+        return self.make_outputs(batch)
+
 
 @dataclass
 class Served:
@@ -68,8 +76,16 @@ class Served:
     shutdown_timeout_s: float
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
-                                 base_url="http://app", timeout=GATE_TIMEOUT_S)
+        """An in-process client of the app whose every request fails after DEADLINE_S."""
+        return httpx.AsyncClient(transport=_DeadlineTransport(app=self.app),
+                                 base_url="http://app")
+
+
+class _DeadlineTransport(httpx.ASGITransport):
+    """httpx's ASGI transport, which has no timeouts, with a deadline per request."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await asyncio.wait_for(super().handle_async_request(request), DEADLINE_S)
 
 
 def serve(argv: list[str], check: Callable[[Served], Any],
@@ -98,6 +114,11 @@ def serve(argv: list[str], check: Callable[[Served], Any],
     api_server.run_server(args)
     if failures:
         raise failures[0]
+
+
+async def within(awaitable: Any) -> Any:
+    """`awaitable`, failing the test after `DEADLINE_S`."""
+    return await asyncio.wait_for(awaitable, DEADLINE_S)
 
 
 async def generate(served: Served, **body: Any) -> httpx.Response:
@@ -248,7 +269,7 @@ async def check_body_timeout(served: Served) -> None:
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
              "server": ("app", 80), "headers": [(b"content-type", b"application/json"),
                                                 (b"content-length", b"100")]}
-    await asyncio.wait_for(served.app(scope, receive, send), GATE_TIMEOUT_S)
+    await within(served.app(scope, receive, send))
     assert sent[0]["status"] == 408, sent
 
 
@@ -525,7 +546,7 @@ def test_max_queue_size_refuses_beyond_the_queue(monkeypatch: pytest.MonkeyPatch
             body = {"prompt": "p"}
             running = asyncio.create_task(client.post(ROUTE, json=body))
             try:
-                assert await asyncio.to_thread(TimeoutGate.entered.wait, GATE_TIMEOUT_S)
+                assert await asyncio.to_thread(TimeoutGate.entered.wait, DEADLINE_S)
                 waiting = asyncio.create_task(client.post(ROUTE, json=body))
                 for _ in range(1000):  # bounded: the request reaches the queue at once
                     if engine.num_waiting == 1:
