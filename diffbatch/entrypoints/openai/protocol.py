@@ -52,9 +52,14 @@ NOT_BLANK_PATTERN = (
 LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
 
 # OpenAI fields that only some OpenAI models honour. diffbatch accepts each at the
-# values that ask for nothing special and rejects the others with a clear message,
-# rather than silently ignoring a request it cannot honour.
-Quality = Literal["auto", "standard"]
+# values it can honour and rejects the others with a clear message, rather than
+# silently ignoring a request: `quality` sets the step count (`QUALITY_STEP_FACTORS`),
+# the others only at the values that ask for nothing special.
+Quality = Literal["auto", "low", "medium", "high", "standard", "hd"]
+# `quality` -> the model's default step count times this, when the request gives no
+# `num_inference_steps` (gpt-image-1's low/medium/high, dall-e-3's standard/hd; the
+# values missing here keep the default).
+QUALITY_STEP_FACTORS: dict[str, float] = {"low": 0.5, "high": 2.0, "hd": 2.0}
 Background = Literal["auto", "opaque"]
 Moderation = Literal["auto"]
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -203,7 +208,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         description="quality of jpeg and webp (100 = best, the default); not with png",
     )
     user: str | None = None
-    # OpenAI fields accepted only at neutral values (see _NEUTRAL_VALUES).
+    # OpenAI fields accepted only at the values of _NEUTRAL_VALUES.
     quality: Quality | None = None
     style: None = None
     background: Background | None = None

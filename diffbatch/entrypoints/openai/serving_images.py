@@ -48,6 +48,7 @@ from diffbatch import request_work
 from diffbatch.entrypoints.openai.errors import request_error_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore, max_file_bytes
 from diffbatch.entrypoints.openai.protocol import (
+    QUALITY_STEP_FACTORS,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
@@ -287,7 +288,7 @@ class OpenAIServingImages:
         return SamplingParams(
             height=height,
             width=width,
-            num_inference_steps=request.num_inference_steps,
+            num_inference_steps=self._num_inference_steps(request),
             guidance_scale=request.guidance_scale,
             negative_prompt=request.negative_prompt,
             num_outputs_per_prompt=request.n,
@@ -297,6 +298,14 @@ class OpenAIServingImages:
             lora_scale=request.lora_scale,
             partial_images=request.partial_images or 0,
         )
+
+    def _num_inference_steps(self, request: ImageGenerationRequest) -> int | None:
+        """The request's steps: as given, else what its OpenAI `quality` asks for (a
+        share of the model's default count), else None (the model's default)."""
+        factor = QUALITY_STEP_FACTORS.get(request.quality or "auto")
+        if request.num_inference_steps is not None or factor is None:
+            return request.num_inference_steps
+        return max(1, round(self.engine.info.default_num_inference_steps * factor))
 
     def _check_store_room(self, request: ImageGenerationRequest, width: int,
                           height: int) -> None:

@@ -114,3 +114,18 @@ async def test_lora_without_adapters_configured_is_a_400_naming_the_flag() -> No
                 error = response.json()["error"]
                 assert error["param"] == "lora" and "--lora-" in error["message"], error
             assert engine.metrics.count("completed") == 0
+
+
+@pytest.mark.parametrize(("quality", "steps"), [
+    ("low", 1), ("medium", 2), ("auto", 2), ("standard", 2), ("high", 4), ("hd", 4)])
+async def test_openai_quality_sets_the_step_count(client, added, quality: str,
+                                                  steps: int) -> None:
+    """`quality` asks for a share of the model's default steps (2 here), unless the
+    request gives its own `num_inference_steps`."""
+    response = await client.post("/v1/images/generations",
+                                 json={"prompt": "p", "quality": quality})
+    assert response.status_code == 200, response.text
+    given = await client.post("/v1/images/generations",
+                              json={"prompt": "p", "quality": quality, "num_inference_steps": 3})
+    assert given.status_code == 200, given.text
+    assert [r.sampling_params.num_inference_steps for r in added] == [steps, 3]

@@ -74,7 +74,8 @@ def test_prompts_declare_their_length_and_not_blank(spec) -> None:
 @pytest.mark.parametrize(
     ("field", "allowed"),
     [("output_format", ["png", "jpeg", "webp", "jpg"]), ("response_format", ["b64_json", "url"]),
-     ("quality", ["auto", "standard"]), ("background", ["auto", "opaque"]),
+     ("quality", ["auto", "low", "medium", "high", "standard", "hd"]),
+     ("background", ["auto", "opaque"]),
      ("moderation", ["auto"])],
 )
 def test_closed_choices_are_enums(spec, field: str, allowed: list[Any]) -> None:
