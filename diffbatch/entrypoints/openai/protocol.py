@@ -485,6 +485,19 @@ class WaveList(BaseModel):
     last_id: int  # the newest wave's id (0 before any); poll with `after=last_id`
 
 
+class ModelAccepts(BaseModel):
+    """What a served model takes: diffbatch's extension of OpenAI's model object, so a
+    client (the playground) offers only requests the server would run."""
+
+    default_size: str  # "WxH" of `size` "auto"
+    sizes: list[str]  # square sizes it takes, smallest first (any WxH of multiples
+    # of `size_multiple` within `max_pixels` works too)
+    size_multiple: int
+    max_pixels: int  # most width * height of one image
+    default_steps: int  # `num_inference_steps` when none is given
+    edits: list[str]  # the edit tasks it runs: "image-to-image", "inpaint" (none: [])
+
+
 class ModelCard(BaseModel):
     """One entry of `GET /v1/models`."""
 
@@ -493,6 +506,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "diffbatch"
     root: str | None = None  # what the model was loaded from
+    diffbatch: ModelAccepts | None = None
 
 
 class ModelList(BaseModel):

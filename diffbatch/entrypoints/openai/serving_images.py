@@ -53,6 +53,7 @@ from diffbatch.entrypoints.openai.protocol import (
     ImageGenerationRequest,
     ImageGenerationResponse,
     ImageObject,
+    ModelAccepts,
 )
 from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, StreamedImages
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
@@ -204,6 +205,26 @@ class OpenAIServingImages:
         self._private_paths = sorted(
             {p for p in (lora_dir, lora_dir and os.path.realpath(lora_dir)) if p},
             key=len, reverse=True,
+        )
+
+    def model_accepts(self) -> ModelAccepts:
+        """What the model takes here (`GET /v1/models`): its sizes (square ones, the side
+        doubling from the size multiple up to the largest allowed, and the default) and
+        the edits it runs."""
+        rule, info = self.size_rule, self.engine.info
+        sides = {rule.largest_square} if rule.largest_square else set()
+        side = rule.multiple
+        while side <= rule.largest_square:
+            sides.add(side)
+            side *= 2
+        width, height = rule.default_size
+        return ModelAccepts(
+            default_size=f"{width}x{height}",
+            sizes=sorted({*(f"{s}x{s}" for s in sides), f"{width}x{height}"},
+                         key=lambda size: int(size.split("x")[0]) * int(size.split("x")[1])),
+            size_multiple=rule.multiple, max_pixels=rule.max_pixels,
+            default_steps=info.default_num_inference_steps,
+            edits=[task for task in ("image-to-image", "inpaint") if info.supports_task(task)],
         )
 
     def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
