@@ -242,6 +242,13 @@ class NoEditPipeline(FakeBatchPipeline):
         return dataclasses.replace(super().info(), default_strengths={})
 
 
+class ImageToImagePipeline(FakeBatchPipeline):
+    """Declares image-to-image edits only, like a family without an inpaint pipeline."""
+
+    def info(self) -> PipelineInfo:
+        return dataclasses.replace(super().info(), default_strengths={"image-to-image": 0.8})
+
+
 def touch(path: str) -> None:
     """Write this process's pid to `path` (a marker a test waits for)."""
     with open(path, "w") as f:
