@@ -200,6 +200,8 @@ class OpenAIServingImages:
             max_pixels=min(max_image_pixels, info.model_max_pixels or max_image_pixels),
             default_size=(info.default_width, info.default_height),
         )
+        self._tokenizer = _load_tokenizer(info.prompt_tokenizer) \
+            if getattr(info, "max_prompt_tokens", None) else None
         lora_dir = engine.config.lora_dir
         # Folder names that must not reach a client in an error message.
         self._private_paths = sorted(
@@ -280,6 +282,21 @@ class OpenAIServingImages:
                    request_work.max_pixels(limit, steps,
                                            info.default_height * info.default_width))
 
+    def _check_prompt_length(self, request: ImageGenerationRequest) -> None:
+        """Refuse a prompt longer than the model's text encoder reads (a 400 naming the
+        limit), rather than let the pipeline cut it silently."""
+        if self._tokenizer is None:
+            return
+        limit = self.engine.info.max_prompt_tokens
+        # verbose=False: no "longer than the maximum" warning per request
+        num_tokens = len(self._tokenizer(request.prompt, verbose=False)["input_ids"])
+        if num_tokens > limit:
+            raise InvalidRequestError(
+                f"`prompt` is {num_tokens} tokens long; model {self.served_model_name!r} "
+                f"reads at most {limit} tokens (start and end tokens included): shorten "
+                "it", param="prompt",
+            )
+
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
         if request.response_format == "url" and self.image_store is None:
             raise InvalidRequestError(
@@ -294,6 +311,7 @@ class OpenAIServingImages:
                 f"{self.served_model_name!r} (see GET /v1/models)",
                 param="model",
             )
+        self._check_prompt_length(request)
         if request.lora is not None and self.engine.config.lora_dir is None:
             # Without a LoRA folder the engine would take `lora` as a filesystem path.
             raise InvalidRequestError(
@@ -499,6 +517,13 @@ class OpenAIServingImages:
         )
         with _sides_named_size():
             return await stream.start({"x-request-id": client_request_id or request_id})
+
+
+def _load_tokenizer(folder: str) -> Any:
+    """The model's prompt tokenizer, to count a prompt's tokens before the engine."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @contextlib.contextmanager
