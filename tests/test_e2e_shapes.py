@@ -69,7 +69,7 @@ def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
         assert info.value.status_code == 400 and info.value.param == "size"
 
 
-async def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_over_http(caplog):
+async def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_over_http(capfd):
     """shapes' tokenizer holds 20 tokens: the server answers a longer prompt with a 400
     naming the limit (the pipeline would cut it silently), and logs no warning for it."""
     import httpx
@@ -93,4 +93,4 @@ async def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_over_http(
     assert error["param"] == "prompt"
     assert "reads at most 20 tokens" in error["message"]
     assert engine.metrics.count("completed") == 1
-    assert "longer than the specified maximum" not in caplog.text
+    assert "longer than the specified maximum" not in capfd.readouterr().err
