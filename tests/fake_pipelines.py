@@ -5,7 +5,8 @@ can load them too. Images depend only on each request's seed and prompt, like a
 real batch-invariant pipeline.
 
 Edits (an input image, a mask) are supported: the output mixes the request's noise
-with its image, only where its mask paints.
+(a share of `strength`: the noise its generation would give) with its image, only
+where its mask paints.
 
 Partial images: a request that asks for them gets, after step s of its S steps, its
 final images scaled by s / S (`send_partial_images`).
@@ -113,9 +114,9 @@ class FakeBatchPipeline(BasePipeline):
             params = request.sampling_params
             gens = batch.generators[i * n:(i + 1) * n]
             images = fake_images(request.prompt, gens, params.height, params.width)
-            if params.image is not None:  # an edit: half noise, half its image (where painted)
+            if params.image is not None:  # an edit: `strength` noise, the rest its image
                 source = params.image.permute(2, 0, 1).float() / 255.0  # [3, H, W]
-                edited = images * 0.5 + source * 0.5
+                edited = images * params.strength + source * (1.0 - params.strength)
                 paint = None if params.mask is None else params.mask.bool()
                 images = edited if paint is None else torch.where(paint, edited, source)
             outputs.append(DiffusionOutput(request.request_id, images=images))
@@ -239,6 +240,13 @@ class NoEditPipeline(FakeBatchPipeline):
 
     def info(self) -> PipelineInfo:
         return dataclasses.replace(super().info(), default_strengths={})
+
+
+class ImageToImagePipeline(FakeBatchPipeline):
+    """Declares image-to-image edits only, like a family without an inpaint pipeline."""
+
+    def info(self) -> PipelineInfo:
+        return dataclasses.replace(super().info(), default_strengths={"image-to-image": 0.8})
 
 
 def touch(path: str) -> None:

@@ -67,3 +67,30 @@ def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
                            match=r"the largest square size is 256x256") as info:
             engine.generate(["a red circle"], SamplingParams(height=1024, width=1024))
         assert info.value.status_code == 400 and info.value.param == "size"
+
+
+async def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_over_http(capfd):
+    """shapes' tokenizer holds 20 tokens: the server answers a longer prompt with a 400
+    naming the limit (the pipeline would cut it silently), and logs no warning for it."""
+    import httpx
+
+    from diffbatch.entrypoints.openai.api_server import build_app
+
+    with Engine(None, executor="inproc", torch_num_threads=1, max_num_seqs=1,
+                request_batch_max_wait_ms=0, warmup=False) as engine:
+        assert engine.info.max_prompt_tokens == 20
+        app = build_app(engine, served_model_name="shapes", close_engine_on_shutdown=False)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            fits = await client.post("/v1/images/generations", json={
+                "prompt": "a large blue square on a white background",
+                "num_inference_steps": 1})
+            assert fits.status_code == 200, fits.text
+            long = await client.post("/v1/images/generations", json={
+                "prompt": "a large blue square on a white background " * 3})
+    assert long.status_code == 400, long.text
+    error = long.json()["error"]
+    assert error["param"] == "prompt"
+    assert "reads at most 20 tokens" in error["message"]
+    assert engine.metrics.count("completed") == 1
+    assert "longer than the specified maximum" not in capfd.readouterr().err

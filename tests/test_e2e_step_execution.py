@@ -281,6 +281,9 @@ def test_diffbatch_serve_step_execution_shares_steps_across_step_counts(tmp_path
          "0", "--log-level", "info", "--step-execution", "--max-num-seqs", "4",
          "--max-request-work", "0"],
         stdout=log, stderr=subprocess.STDOUT)
+    # NOTE: the pool is shut down after the server stops (`finally`), so a failed check
+    # does not wait for the 600-step request to finish.
+    pool = ThreadPoolExecutor(2)
     try:
         url = wait_ready(proc, log.name)
         joins_before = metric(url, "diffbatch_step_joins_total")
@@ -290,19 +293,25 @@ def test_diffbatch_serve_step_execution_shares_steps_across_step_counts(tmp_path
                 "prompt": f"a circle in {steps} steps", "num_inference_steps": steps,
                 "seed": steps})
 
-        with ThreadPoolExecutor(2) as pool:
-            long = pool.submit(generate, 600)  # outlasts a stalled round trip or two
-            wait_until(lambda: metric(url, "diffbatch_num_requests_running") == 1)
-            short = generate(4)
-            assert short.status_code == 200, short.text
-            assert short.headers["x-diffbatch-batch-size"] == "2"
-            assert not long.done()  # the 4-step request left while the 600-step one ran
-            assert long.result().status_code == 200
-            assert long.result().headers["x-diffbatch-batch-size"] == "2"
+        long = pool.submit(generate, 600)  # outlasts a stalled round trip or two
+        wait_until(lambda: metric(url, "diffbatch_num_requests_running") == 1)
+        short = pool.submit(generate, 4)
+        # the short request joins the running batch at the next step boundary, or the
+        # test fails now (a request that only queued would wait out the 600 steps)
+        wait_until(lambda: long.done()
+                   or metric(url, "diffbatch_step_joins_total") - joins_before == 2,
+                   timeout_s=15)
+        assert not long.done(), "the 4-step request did not join the running batch"
+        assert short.result().status_code == 200, short.result().text
+        assert short.result().headers["x-diffbatch-batch-size"] == "2"
+        assert not long.done()  # the 4-step request left while the 600-step one ran
+        assert long.result().status_code == 200
+        assert long.result().headers["x-diffbatch-batch-size"] == "2"
         assert metric(url, "diffbatch_step_joins_total") - joins_before == 2
         assert metric(url, "diffbatch_step_leaves_total") - joins_before == 2
         assert metric(url, "diffbatch_step_batch_size_requests_count") >= 600
-    finally:
-        proc.terminate()
+    finally:  # killed: its shutdown would let a failed test's 600-step request finish
+        proc.kill()
         proc.wait(60)
+        pool.shutdown(cancel_futures=True)
         log.close()

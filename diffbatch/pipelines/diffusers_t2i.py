@@ -298,7 +298,23 @@ class DiffusersT2IPipeline(BasePipeline):
                 for task, task_pipe in self.task_pipes.items() if task != "text-to-image"
             },
             negative_prompt=self._negative_prompt_use(),
+            **self._prompt_limit(),
         )
+
+    def _prompt_limit(self) -> dict[str, Any]:
+        """`prompt_tokenizer` and `max_prompt_tokens` of a pipeline with one tokenizer
+        loaded from a folder (with several, the longest encoder reads what the others
+        cut: nothing is declared)."""
+        tokenizers = [c for name, c in self.pipe.components.items()
+                      if name.startswith("tokenizer") and c is not None]
+        if len(tokenizers) != 1:
+            return {}
+        folder, length = getattr(tokenizers[0], "name_or_path", None), \
+            getattr(tokenizers[0], "model_max_length", None)
+        if not (isinstance(folder, str) and os.path.isdir(folder) and isinstance(length, int)
+                and 0 < length < 1_000_000):  # transformers' "no limit" is a huge number
+            return {}
+        return {"prompt_tokenizer": folder, "max_prompt_tokens": length}
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
         """Whether `forward` may pass a `PerSampleGuidance` to this diffusers pipeline.

@@ -177,6 +177,12 @@ class PipelineInfo:
     # whose true CFG is off unless asked for; QwenImage's is on by default: "yes").
     # A negative prompt the pipeline would drop is refused at admission.
     negative_prompt: Literal["yes", "no", "true_cfg"] = "yes"
+    # The folder of the prompt's tokenizer (`AutoTokenizer.from_pretrained` loads it)
+    # and the most tokens its text encoder reads, start and end included; None: not
+    # declared (e.g. a pipeline with several text encoders, whose longest one reads a
+    # long prompt). The HTTP server refuses a longer prompt instead of cutting it.
+    prompt_tokenizer: str | None = None
+    max_prompt_tokens: int | None = None
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""

@@ -117,6 +117,9 @@ def test_waves_fill_while_a_wave_runs(gate):
         assert registry.get_sample_value(
             "diffbatch_waves_total", {"close_reason": "capacity", "admission": "none"}) == 1
         assert registry.get_sample_value("diffbatch_wave_size_requests_count") == 3
+        assert registry.get_sample_value("diffbatch_wave_size_requests_sum") == 6
+        assert registry.get_sample_value("diffbatch_wave_size_requests_bucket",
+                                         {"le": "1.0"}) == 2
     assert [o.batch_size for o in outs] == [1, 4, 4, 4, 4, 1]
 
 

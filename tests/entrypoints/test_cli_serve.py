@@ -39,6 +39,7 @@ from tests.process_utils import SHM_DIR, segments_of, wait_gone, worker_pids
 pytestmark = pytest.mark.slow
 
 START_TIMEOUT_S = 180.0  # cold import of torch + diffusers and the model load
+STATE_TIMEOUT_S = 20.0  # a ready server reaches a state a test awaits (a wave starts) in this
 
 
 # uvicorn's line once it listens (at --log-level info): the port `--port 0` got
@@ -140,9 +141,10 @@ def metric_value(url: str, name: str, **labels: str) -> float:
     return metrics(url).get((name, frozenset(labels.items())), 0.0)
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S,
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = STATE_TIMEOUT_S,
              ) -> None:
-    """Poll `predicate` every 10 ms until it holds (bounds a broken test only)."""
+    """Poll `predicate` every 10 ms until it holds; fail after `timeout_s` (a state of a
+    ready server: a red test fails in seconds, not after a start-up's bound)."""
     idle = threading.Event()
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -363,7 +365,9 @@ def holding_the_worker(served: Served) -> Iterator[socket.socket]:
         wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
                  "the long wave to start")
         yield holder
-    finally:
+    finally:  # also when a check failed: the wave stops now, not after its 900 steps
+        with contextlib.suppress(OSError):  # already disconnected by the caller
+            holder.shutdown(socket.SHUT_RDWR)
         holder.close()
 
 
@@ -373,7 +377,7 @@ def test_batch_size_header_is_the_size_of_the_wave(served: Served) -> None:
     the queue (only a full wave goes ahead to the worker), however late the second
     comes."""
     assert served.post(seed=4).headers["x-diffbatch-batch-size"] == "1"
-    with holding_the_worker(served) as holder, ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool, holding_the_worker(served) as holder:
         pair = [pool.submit(served.post, seed=seed) for seed in (5, 6)]
         wait_for(lambda: served.metric("diffbatch_num_requests_running") == 3,
                  "the pair's wave to be queued at the worker")
@@ -386,7 +390,7 @@ def test_priority_reaches_the_engine(served: Served) -> None:
     """Behind a running wave, a later request with a better (lower) priority runs before
     an earlier one: the wave log shows the waves in the order they ran."""
     last_id = httpx.get(f"{served.url}/v1/waves").json()["last_id"]
-    with holding_the_worker(served) as holder, ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool, holding_the_worker(served) as holder:
         earlier = pool.submit(served.post, seed=8, priority=10)  # 64x64
         wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 1,
                  "the earlier request to wait")

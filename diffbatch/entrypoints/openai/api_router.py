@@ -177,6 +177,7 @@ def _model_card(raw_request: Request) -> ModelCard:
         id=serving.served_model_name,
         root=getattr(_engine(raw_request).config, "model", None),
         created=raw_request.app.state.started_at,
+        diffbatch=serving.model_accepts(),
     )
 
 

@@ -52,9 +52,14 @@ NOT_BLANK_PATTERN = (
 LORA_NAME_PATTERN = r"^[^/\x00.][^/\x00]*(?:/[^/\x00.][^/\x00]*)*$"
 
 # OpenAI fields that only some OpenAI models honour. diffbatch accepts each at the
-# values that ask for nothing special and rejects the others with a clear message,
-# rather than silently ignoring a request it cannot honour.
-Quality = Literal["auto", "standard"]
+# values it can honour and rejects the others with a clear message, rather than
+# silently ignoring a request: `quality` sets the step count (`QUALITY_STEP_FACTORS`),
+# the others only at the values that ask for nothing special.
+Quality = Literal["auto", "low", "medium", "high", "standard", "hd"]
+# `quality` -> the model's default step count times this, when the request gives no
+# `num_inference_steps` (gpt-image-1's low/medium/high, dall-e-3's standard/hd; the
+# values missing here keep the default).
+QUALITY_STEP_FACTORS: dict[str, float] = {"low": 0.5, "high": 2.0, "hd": 2.0}
 Background = Literal["auto", "opaque"]
 Moderation = Literal["auto"]
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -203,7 +208,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         description="quality of jpeg and webp (100 = best, the default); not with png",
     )
     user: str | None = None
-    # OpenAI fields accepted only at neutral values (see _NEUTRAL_VALUES).
+    # OpenAI fields accepted only at the values of _NEUTRAL_VALUES.
     quality: Quality | None = None
     style: None = None
     background: Background | None = None
@@ -480,6 +485,19 @@ class WaveList(BaseModel):
     last_id: int  # the newest wave's id (0 before any); poll with `after=last_id`
 
 
+class ModelAccepts(BaseModel):
+    """What a served model takes: diffbatch's extension of OpenAI's model object, so a
+    client (the playground) offers only requests the server would run."""
+
+    default_size: str  # "WxH" of `size` "auto"
+    sizes: list[str]  # square sizes it takes, smallest first (any WxH of multiples
+    # of `size_multiple` within `max_pixels` works too)
+    size_multiple: int
+    max_pixels: int  # most width * height of one image
+    default_steps: int  # `num_inference_steps` when none is given
+    edits: list[str]  # the edit tasks it runs: "image-to-image", "inpaint" (none: [])
+
+
 class ModelCard(BaseModel):
     """One entry of `GET /v1/models`."""
 
@@ -488,6 +506,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "diffbatch"
     root: str | None = None  # what the model was loaded from
+    diffbatch: ModelAccepts | None = None
 
 
 class ModelList(BaseModel):

@@ -48,10 +48,12 @@ from diffbatch import request_work
 from diffbatch.entrypoints.openai.errors import request_error_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore, max_file_bytes
 from diffbatch.entrypoints.openai.protocol import (
+    QUALITY_STEP_FACTORS,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ImageObject,
+    ModelAccepts,
 )
 from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, StreamedImages
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
@@ -197,11 +199,33 @@ class OpenAIServingImages:
             max_pixels=min(max_image_pixels, info.model_max_pixels or max_image_pixels),
             default_size=(info.default_width, info.default_height),
         )
+        self._tokenizer = _load_tokenizer(info.prompt_tokenizer) \
+            if getattr(info, "max_prompt_tokens", None) else None
         lora_dir = engine.config.lora_dir
         # Folder names that must not reach a client in an error message.
         self._private_paths = sorted(
             {p for p in (lora_dir, lora_dir and os.path.realpath(lora_dir)) if p},
             key=len, reverse=True,
+        )
+
+    def model_accepts(self) -> ModelAccepts:
+        """What the model takes here (`GET /v1/models`): its sizes (square ones, the side
+        doubling from the size multiple up to the largest allowed, and the default) and
+        the edits it runs."""
+        rule, info = self.size_rule, self.engine.info
+        sides = {rule.largest_square} if rule.largest_square else set()
+        side = rule.multiple
+        while side <= rule.largest_square:
+            sides.add(side)
+            side *= 2
+        width, height = rule.default_size
+        return ModelAccepts(
+            default_size=f"{width}x{height}",
+            sizes=sorted({*(f"{s}x{s}" for s in sides), f"{width}x{height}"},
+                         key=lambda size: int(size.split("x")[0]) * int(size.split("x")[1])),
+            size_multiple=rule.multiple, max_pixels=rule.max_pixels,
+            default_steps=info.default_num_inference_steps,
+            edits=[task for task in ("image-to-image", "inpaint") if info.supports_task(task)],
         )
 
     def check_request(self, request: ImageGenerationRequest) -> tuple[int, int]:
@@ -257,6 +281,21 @@ class OpenAIServingImages:
                    request_work.max_pixels(limit, steps,
                                            info.default_height * info.default_width))
 
+    def _check_prompt_length(self, request: ImageGenerationRequest) -> None:
+        """Refuse a prompt longer than the model's text encoder reads (a 400 naming the
+        limit), rather than let the pipeline cut it silently."""
+        if self._tokenizer is None:
+            return
+        limit = self.engine.info.max_prompt_tokens
+        # verbose=False: no "longer than the maximum" warning per request
+        num_tokens = len(self._tokenizer(request.prompt, verbose=False)["input_ids"])
+        if num_tokens > limit:
+            raise InvalidRequestError(
+                f"`prompt` is {num_tokens} tokens long; model {self.served_model_name!r} "
+                f"reads at most {limit} tokens (start and end tokens included): shorten "
+                "it", param="prompt",
+            )
+
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
         if request.response_format == "url" and self.image_store is None:
             raise InvalidRequestError(
@@ -271,6 +310,7 @@ class OpenAIServingImages:
                 f"{self.served_model_name!r} (see GET /v1/models)",
                 param="model",
             )
+        self._check_prompt_length(request)
         if request.lora is not None and self.engine.config.lora_dir is None:
             # Without a LoRA folder the engine would take `lora` as a filesystem path.
             raise InvalidRequestError(
@@ -286,7 +326,7 @@ class OpenAIServingImages:
         return SamplingParams(
             height=height,
             width=width,
-            num_inference_steps=request.num_inference_steps,
+            num_inference_steps=self._num_inference_steps(request),
             guidance_scale=request.guidance_scale,
             negative_prompt=request.negative_prompt,
             num_outputs_per_prompt=request.n,
@@ -296,6 +336,14 @@ class OpenAIServingImages:
             lora_scale=request.lora_scale,
             partial_images=request.partial_images or 0,
         )
+
+    def _num_inference_steps(self, request: ImageGenerationRequest) -> int | None:
+        """The request's steps: as given, else what its OpenAI `quality` asks for (a
+        share of the model's default count), else None (the model's default)."""
+        factor = QUALITY_STEP_FACTORS.get(request.quality or "auto")
+        if request.num_inference_steps is not None or factor is None:
+            return request.num_inference_steps
+        return max(1, round(self.engine.info.default_num_inference_steps * factor))
 
     def _check_store_room(self, request: ImageGenerationRequest, width: int,
                           height: int) -> None:
@@ -465,6 +513,13 @@ class OpenAIServingImages:
         )
         with _sides_named_size():
             return await stream.start({"x-request-id": client_request_id or request_id})
+
+
+def _load_tokenizer(folder: str) -> Any:
+    """The model's prompt tokenizer, to count a prompt's tokens before the engine."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,11 @@
 //   in, its queue and forward time (x-diffbatch-* headers, or the completed event's
 //   `diffbatch` object when streamed).
 // - The wave strip polls GET /v1/waves?after=<last id> once a second.
+// - What the model takes comes from GET /v1/models (its `diffbatch` object): the
+//   sizes offered, and whether the Edit tab paints masks (inpainting), redraws the
+//   whole image only (image-to-image), or is off (no edits).
+// - Cards are laid out when the requests are sent, in request order (newest first
+//   across clicks), and filled as the answers come.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -24,6 +29,8 @@ const state = {
   edit: null, // {blob, name, width, height, url} of the image to edit
   mask: null, // offscreen canvas: opaque, transparent where painted
   painted: false,
+  edits: ["image-to-image", "inpaint"], // edit tasks the model runs (GET /v1/models)
+  requests: { generate: "1", edit: "1" }, // each tab's own "Requests" count
 };
 
 // -- API ------------------------------------------------------------------------------
@@ -106,7 +113,8 @@ async function submit(event) {
     }
     setStatus(`${copies} request${copies > 1 ? "s" : ""} sent…`);
     const started = performance.now();
-    const outcomes = await Promise.all(requests.map((r) => send(r)));
+    const cards = addCards(copies);
+    const outcomes = await Promise.all(requests.map((r, i) => send(r, cards[i])));
     const failed = outcomes.filter((o) => o.error);
     setStatus(`${copies - failed.length} of ${copies} done in ${Math.round(performance.now() - started)} ms`);
     if (failed.length) showError(failed[0].error);
@@ -115,21 +123,25 @@ async function submit(event) {
   }
 }
 
-// One request's whole answer; never throws: a failure at any point (the connection
-// lost mid-stream, a body that is not what was promised) is its `error`.
-async function send(request) {
+// One request's whole answer, shown in its `card`; never throws: a failure at any
+// point (the connection lost mid-stream, a body that is not what was promised) is its
+// `error`, and a card that got nothing to show is removed.
+async function send(request, card) {
+  let outcome;
   try {
-    return await receive(request);
+    outcome = await receive(request, card);
   } catch (err) {
-    return { error: `network error: ${err.message || err}` };
+    outcome = { error: `network error: ${err.message || err}` };
   }
+  if (outcome.error && card.dataset.state === "waiting") card.remove();
+  return outcome;
 }
 
-async function receive({ url, init }) {
+async function receive({ url, init }, card) {
   const response = await fetch(url, init);
   if (!response.ok) return { error: await errorMessage(response) };
   if ((response.headers.get("content-type") || "").startsWith("text/event-stream")) {
-    return readStream(response);
+    return readStream(response, card);
   }
   const body = await response.json();
   const timing = {
@@ -138,25 +150,29 @@ async function receive({ url, init }) {
     executeMs: response.headers.get("x-diffbatch-execute-ms"),
     seed: Number(response.headers.get("x-diffbatch-seed")),
   };
+  let place = card; // image i goes after image i - 1, in the request's place
   body.data.forEach((item, index) => {
     const seed = Number.isFinite(timing.seed) ? timing.seed + index : "?";
-    showFinal(addCard(), item.b64_json, body.output_format, body.size, { ...timing, seed });
+    if (index > 0) {
+      const next = makeCard();
+      place.after(next);
+      place = next;
+    }
+    showFinal(place, item.b64_json, body.output_format, body.size, { ...timing, seed });
   });
   return {};
 }
 
-// A streamed answer: one card, its partial images, then its image (or an error event).
+// A streamed answer in `card`: its partial images, then its image (or an error event).
 // A stream that breaks off or ends without its image marks its card failed.
-async function readStream(response) {
-  let card = null;
+async function readStream(response, card) {
   let completed = false;
   try {
     for await (const { event, data } of serverSentEvents(response)) {
       if (event === "error") {
-        if (card) card.dataset.state = "failed";
+        if (card.dataset.state !== "waiting") card.dataset.state = "failed";
         return { error: data.error.message };
       }
-      card = card || addCard();
       if (event.endsWith(".partial_image")) {
         showPartial(card, data);
       } else if (event.endsWith(".completed")) {
@@ -169,11 +185,11 @@ async function readStream(response) {
       }
     }
   } catch (err) {
-    if (card) card.dataset.state = "failed";
+    if (card.dataset.state !== "waiting") card.dataset.state = "failed";
     throw err;
   }
   if (completed) return {};
-  if (card) card.dataset.state = "failed";
+  if (card.dataset.state !== "waiting") card.dataset.state = "failed";
   return { error: "the stream ended before its image arrived (the server stopped?)" };
 }
 
@@ -199,10 +215,18 @@ async function* serverSentEvents(response) {
 }
 
 // -- results --------------------------------------------------------------------------
-function addCard() {
+// `count` empty cards at the top of the results, in request order (the first request's
+// first), each waiting for its answer.
+function addCards(count) {
   const results = $("results");
   const empty = results.querySelector(".empty");
   if (empty) empty.remove();
+  const cards = Array.from({ length: count }, makeCard);
+  results.prepend(...cards);
+  return cards;
+}
+
+function makeCard() {
   const card = document.createElement("figure");
   card.className = "card";
   card.dataset.state = "waiting";
@@ -219,7 +243,6 @@ function addCard() {
   prompt.className = "prompt";
   prompt.textContent = $("prompt").value;
   card.append(frame, prompt, meta);
-  results.prepend(card);
   return card;
 }
 
@@ -298,26 +321,32 @@ function clearMask() {
   state.painted = false;
 }
 
-function paintAt(event) {
+// Paint from the stroke's last point (`from`, null at its start) to the pointer: a
+// line as wide as the brush, so a fast stroke is one band, not a row of dots. Returns
+// the point painted, the next segment's start.
+function paintTo(event, from) {
   const overlay = $("edit-mask");
   const box = overlay.getBoundingClientRect();
   const scale = overlay.width / box.width;
-  const x = (event.clientX - box.left) * scale;
-  const y = (event.clientY - box.top) * scale;
-  const radius = (Number($("brush").value) / 2) * scale;
+  const to = { x: (event.clientX - box.left) * scale, y: (event.clientY - box.top) * scale };
+  const width = Number($("brush").value) * scale;
   const shown = overlay.getContext("2d");
-  shown.fillStyle = getComputedStyle(document.documentElement).getPropertyValue("--paint");
-  circle(shown, x, y, radius);
+  shown.strokeStyle = getComputedStyle(document.documentElement).getPropertyValue("--paint");
+  segment(shown, from || to, to, width);
   const mask = state.mask.getContext("2d");
   mask.globalCompositeOperation = "destination-out"; // transparent where painted
-  circle(mask, x, y, radius);
+  segment(mask, from || to, to, width);
   state.painted = true;
+  return to;
 }
 
-function circle(context, x, y, radius) {
+function segment(context, from, to, width) {
+  context.lineWidth = width;
+  context.lineCap = "round";
   context.beginPath();
-  context.arc(x, y, radius, 0, 2 * Math.PI);
-  context.fill();
+  context.moveTo(from.x, from.y);
+  context.lineTo(to.x, to.y);
+  context.stroke();
 }
 
 function canvasBlob(canvas) {
@@ -326,15 +355,17 @@ function canvasBlob(canvas) {
 
 function wirePainting() {
   const overlay = $("edit-mask");
-  let down = false;
+  let last = null; // the stroke's last point; null while the pointer is up
   overlay.addEventListener("pointerdown", (e) => {
-    down = true;
+    if (!canInpaint()) return;
     overlay.setPointerCapture(e.pointerId);
-    paintAt(e);
+    last = paintTo(e, null);
   });
-  overlay.addEventListener("pointermove", (e) => { if (down) paintAt(e); });
-  for (const name of ["pointerup", "pointercancel"]) overlay.addEventListener(name, () => { down = false; });
+  overlay.addEventListener("pointermove", (e) => { if (last) last = paintTo(e, last); });
+  for (const name of ["pointerup", "pointercancel"]) overlay.addEventListener(name, () => { last = null; });
 }
+
+function canInpaint() { return state.edits.includes("inpaint"); }
 
 // -- the live wave strip ----------------------------------------------------------------
 async function pollWaves() {
@@ -377,6 +408,8 @@ function addWave(wave) {
 
 // -- page -------------------------------------------------------------------------------
 function setMode(mode) {
+  state.requests[state.mode] = $("requests").value; // each tab keeps its own count
+  $("requests").value = state.requests[mode];
   state.mode = mode;
   $("tab-generate").classList.toggle("active", mode === "generate");
   $("tab-edit").classList.toggle("active", mode === "edit");
@@ -394,12 +427,42 @@ function showError(text) {
 async function showModel() {
   try {
     const response = await fetch("/v1/models", { headers: authHeaders() });
-    $("model").textContent = response.ok
-      ? `model: ${(await response.json()).data.map((m) => m.id).join(", ")}`
-      : `model: (${response.status === 401 ? "enter the API key" : await errorMessage(response)})`;
+    if (!response.ok) {
+      $("model").textContent =
+        `model: (${response.status === 401 ? "enter the API key" : await errorMessage(response)})`;
+      return;
+    }
+    const models = (await response.json()).data;
+    $("model").textContent = `model: ${models.map((m) => m.id).join(", ")}`;
+    const accepts = models[0] && models[0].diffbatch;
+    if (accepts) showWhatTheModelTakes(accepts);
   } catch (_) {
     $("model").textContent = "model: (server unreachable)";
   }
+}
+
+// Offer the sizes the model takes, and paint masks only for a model that inpaints.
+function showWhatTheModelTakes(accepts) {
+  const sizes = $("sizes");
+  sizes.replaceChildren();
+  for (const size of ["auto", ...accepts.sizes]) {
+    const option = document.createElement("option");
+    option.value = size;
+    sizes.append(option);
+  }
+  $("size").placeholder = `auto (${accepts.default_size})`;
+  state.edits = accepts.edits;
+  const note = $("edit-note");
+  if (!accepts.edits.length) {
+    note.textContent = "This model cannot edit images: it runs no image-to-image or inpainting pipeline.";
+  } else if (!canInpaint()) {
+    note.textContent = "This model cannot inpaint: an edit redraws the whole image " +
+      "(image-to-image), so there is no mask to paint.";
+  }
+  note.hidden = canInpaint();
+  $("edit-mask").hidden = !canInpaint();
+  $("mask-tools").hidden = !canInpaint();
+  $("tab-edit").disabled = !accepts.edits.length;
 }
 
 function start() {
