@@ -6,12 +6,13 @@ engine's waves shrink. `DiffbatchRequestRouter`, a Ray Serve `RequestRouter`, ro
 by the request's routing key (`route_key.py`, put in a header by the proxy):
 
 1. the preferred replica is the one with the most affinity to the key: requests of
-   the same batch key in flight there, else its adapters loaded there, else the key
-   sent there last; a key new everywhere goes to the replica batching the fewest
+   the same batch key in flight there (the most), else its adapters loaded there,
+   else the key sent there last; a key new everywhere goes to the replica batching the fewest
    keys (then the shortest queue), so keys spread over the replicas;
-2. when the preferred replica's queue is more than one wave (`wave_size`, the
-   engine's `max_num_seqs`) longer than the shortest queue, the request goes to the
-   least loaded replica instead, so no replica idles while another has a backlog;
+2. when the preferred replica's queue (its requests, and those waiting in Ray's
+   queue for it) is more than one wave (`wave_size`, the engine's `max_num_seqs`)
+   longer than the shortest queue, the request goes to the least loaded replica
+   instead, so no replica idles while another has a backlog;
 3. otherwise it waits for the preferred replica while that one is full
    (`max_ongoing_requests`): its next wave will take it.
 
@@ -36,6 +37,7 @@ import hashlib
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,10 @@ logger = logging.getLogger(__name__)
 # How long a routing task waits for a full preferred replica to finish a request
 # before it looks again (a completion wakes it sooner).
 FULL_REPLICA_WAIT_S = 0.05
+# How long a request counts as waiting for a replica after the router last chose it
+# (a waiting request is chosen again every FULL_REPLICA_WAIT_S at most; a cancelled one
+# stops counting after this).
+WAITING_TTL_S = 1.0
 # Keys whose last replica is remembered (the oldest are forgotten first).
 MAX_REMEMBERED_KEYS = 4096
 # Routing-stats fields (deployment.py's `record_routing_stats`).
@@ -69,6 +75,7 @@ class ReplicaLoad:
     replica_id: str
     queue_len: int  # requests on it (ongoing or queued in its engine)
     capacity: int  # the most requests Ray gives it at once (max_ongoing_requests)
+    waiting: int = 0  # requests waiting in Ray's queue for it
     batch_keys: Mapping[str, int] = field(default_factory=dict)  # in flight, by batch key
     adapters: frozenset[str] = frozenset()  # loaded there
     last_key_here: frozenset[str] = frozenset()  # batch keys last sent here
@@ -78,13 +85,18 @@ class ReplicaLoad:
     def full(self) -> bool:
         return self.queue_len >= self.capacity
 
+    @property
+    def load(self) -> int:
+        """Its queue: the requests on it and those waiting for it."""
+        return self.queue_len + self.waiting
 
-def _affinity(load: ReplicaLoad, key: RouteKey) -> tuple[bool, bool, bool, int]:
-    """Higher is better: same batch key in flight, adapters loaded, key sent here last,
-    and how many of the key are in flight."""
+
+def _affinity(load: ReplicaLoad, key: RouteKey) -> tuple[bool, bool, int, bool]:
+    """Higher is better: same batch key in flight, adapters loaded, how many of the key
+    are in flight, key sent here last."""
     in_flight = load.batch_keys.get(key.batch, 0)
-    return (in_flight > 0, set(key.adapters) <= load.adapters, key.batch in load.last_key_here,
-            in_flight)
+    return (in_flight > 0, set(key.adapters) <= load.adapters, in_flight,
+            key.batch in load.last_key_here)
 
 
 def _spread(key: RouteKey, replica_id: str) -> int:
@@ -102,13 +114,13 @@ def rank_replicas(key: RouteKey | None, replicas: Sequence[ReplicaLoad],
     """
     if not replicas:
         return []
-    by_load = sorted(replicas, key=lambda r: (r.queue_len, not r.local, r.replica_id))
+    by_load = sorted(replicas, key=lambda r: (r.load, not r.local, r.replica_id))
     if key is None:
         return [[r.replica_id for r in by_load]]
     preferred = max(replicas, key=lambda r: (
-        _affinity(r, key), -len(r.batch_keys), -r.queue_len, r.local, _spread(key, r.replica_id)))
-    shortest = by_load[0].queue_len
-    if preferred.queue_len - shortest > wave_size:
+        _affinity(r, key), -len(set(r.batch_keys) | r.last_key_here), -r.load, r.local,
+        _spread(key, r.replica_id)))
+    if preferred.load + 1 - by_load[0].load > wave_size:  # + 1: this request
         # Overloaded: the least loaded replica (the preferred one last).
         return [[r.replica_id for r in by_load if r is not preferred], [preferred.replica_id]]
     return [[preferred.replica_id]]
@@ -131,6 +143,8 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
         self._last_replica: collections.OrderedDict[str, ReplicaID] = collections.OrderedDict()
         self._keys: dict[str, RouteKey | None] = {}  # request -> its key, until routed
         self._freed: asyncio.Event | None = None
+        # requests waiting in Ray's queue for a full preferred replica: id -> replica, when
+        self._waiting: dict[str, tuple[ReplicaID, float]] = {}
 
     def initialize_state(self, wave_size: int = 1, **kwargs: Any) -> None:
         """Ray Serve passes `request_router_kwargs` here."""
@@ -182,10 +196,13 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
         queue_len = self._replica_queue_len_cache.get(replica.replica_id)
         if queue_len is None:  # not known yet: what this router has in flight there
             queue_len = sum(local.values())
+        now = time.monotonic()
+        waiting = sum(1 for r, since in self._waiting.values()
+                      if r == replica.replica_id and now - since < WAITING_TTL_S)
         last = frozenset(k for k, r in self._last_replica.items() if r == replica.replica_id)
         return ReplicaLoad(
             replica_id=replica.replica_id.unique_id, queue_len=queue_len,
-            capacity=replica.max_ongoing_requests, batch_keys=keys,
+            capacity=replica.max_ongoing_requests, waiting=waiting, batch_keys=keys,
             adapters=frozenset(stats.get(STATS_ADAPTERS) or ()), last_key_here=last,
             local=self._self_node_id is not None and replica.node_id == self._self_node_id,
         )
@@ -196,6 +213,9 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         key = self.route_key(pending_request)
+        request_id = None if pending_request is None else \
+            pending_request.metadata.internal_request_id
+        self._waiting.pop(request_id, None)  # it is being chosen for again
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [self.replica_load(r) for r in candidate_replicas]
         ranks = rank_replicas(key, loads, self.wave_size)
@@ -204,6 +224,8 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
             preferred = by_id[ranks[0][0]]
             self._remember(key, preferred.replica_id)
             if next(load for load in loads if load.replica_id == ranks[0][0]).full:
+                if request_id is not None:
+                    self._waiting[request_id] = (preferred.replica_id, time.monotonic())
                 await self._wait_for_room()  # then Ray asks again
                 waited = True
         if pending_request is not None:  # Ray backs off unless this call waited
@@ -213,6 +235,7 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         request_id = pending_request.metadata.internal_request_id
+        self._waiting.pop(request_id, None)
         key = self._keys.pop(request_id, None)
         if key is None:
             return
@@ -223,6 +246,7 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._keys.pop(internal_request_id, None)
+        self._waiting.pop(internal_request_id, None)
         with self._lock:
             routed = self._in_flight.pop(internal_request_id, None)
             if routed is not None:
@@ -263,6 +287,7 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
             self._in_flight = {k: v for k, v in self._in_flight.items() if v[0] not in gone}
         for batch in [k for k, r in self._last_replica.items() if r in gone]:
             del self._last_replica[batch]
+        self._waiting = {k: v for k, v in self._waiting.items() if v[0] not in gone}
 
     async def _wait_for_room(self) -> None:
         """Until a request completes anywhere, or `FULL_REPLICA_WAIT_S`."""

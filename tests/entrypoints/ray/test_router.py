@@ -159,12 +159,14 @@ def _request(key: RouteKey | None):
                           kwargs={}, metadata=RequestMetadata(request_id, request_id))
 
 
-async def _route(router, key: RouteKey | None, replicas: list[SyntheticReplica]) -> str:
+async def _route(router, key: RouteKey | None, replicas: list[SyntheticReplica],
+                 pending=None) -> str | None:
     """Route one request as Ray Serve would: the replica it sends it to (the shortest
-    queue of the first rank with room), recorded as routed and its queue grown."""
+    queue of the first rank with room), recorded as routed and its queue grown; None
+    when no rank has room (Ray would ask again later, as `_route(..., pending)`)."""
     for replica in replicas:
         router.on_new_queue_len_info(replica.replica_id, replica.queue_len)
-    pending = _request(key)
+    pending = _request(key) if pending is None else pending
     ranks = await router.choose_replicas(list(router.curr_replicas.values()), pending)
     for rank in ranks:
         open_ = [r for r in rank if r.queue_len < r.max_ongoing_requests]
@@ -173,7 +175,7 @@ async def _route(router, key: RouteKey | None, replicas: list[SyntheticReplica])
             chosen.queue_len += 1
             router.on_request_routed(pending, chosen.replica_id, None)
             return chosen.replica_id.unique_id
-    raise AssertionError(f"no replica with room in {ranks}")
+    return None
 
 
 KEY_A = RouteKey('{"height":64,"num_inference_steps":2}')
@@ -195,12 +197,13 @@ async def test_one_key_goes_to_one_replica_and_keys_spread(router) -> None:
 async def test_a_replica_more_than_a_wave_behind_is_bypassed(router) -> None:
     replicas = [SyntheticReplica("r1"), SyntheticReplica("r2")]
     router.update_replicas(replicas)
-    home = await _route(router, KEY_A, replicas)
-    other = next(r for r in replicas if r.replica_id.unique_id != home)
     routed = [await _route(router, KEY_A, replicas) for _ in range(WAVE + 3)]
-    # one wave more than the other replica's queue, then the least loaded takes it
+    home = routed[0]
+    other = next(r for r in replicas if r.replica_id.unique_id != home)
+    # a wave on the key's replica; the next would make it more than a wave longer
+    # than the other replica's queue, so the least loaded one takes it
     assert routed[:WAVE] == [home] * WAVE
-    assert other.replica_id.unique_id in routed[WAVE:], routed
+    assert routed[WAVE] == other.replica_id.unique_id, routed
     # a busy replica's own stats count too: keys it runs for another proxy
     fresh = [SyntheticReplica("r3"), SyntheticReplica("r4")]
     fresh[1].routing_stats = {"batch_keys": {KEY_B.batch: 2}, "adapters": ["style"]}
@@ -208,6 +211,26 @@ async def test_a_replica_more_than_a_wave_behind_is_bypassed(router) -> None:
     assert await _route(router, KEY_B, fresh) == "r4"
     styled = RouteKey('{"height":16}', ("style",))
     assert await _route(router, styled, fresh) == "r4"  # where its adapter is loaded
+
+
+async def test_requests_waiting_for_a_full_replica_count_in_its_queue(router) -> None:
+    """A replica holds one wave at most (capacity == wave): the requests waiting in
+    Ray's queue for it make it more than a wave longer, and the other takes them."""
+    replicas = [SyntheticReplica("r1", capacity=WAVE), SyntheticReplica("r2", capacity=WAVE)]
+    router.update_replicas(replicas)
+    routed = [await _route(router, KEY_A, replicas) for _ in range(WAVE)]
+    home = routed[0]
+    assert routed == [home] * WAVE  # full now
+    other = next(r for r in replicas if r.replica_id.unique_id != home)
+    other.queue_len = 1  # busy with another key
+    # one request waits for the key's replica (the other is not a wave lighter) ...
+    first = _request(KEY_A)
+    assert await _route(router, KEY_A, replicas, first) is None
+    # ... and counts in its queue: the next one goes to the other replica
+    assert await _route(router, KEY_A, replicas) == other.replica_id.unique_id
+    # the waiting one is routed when its replica has room
+    next(r for r in replicas if r is not other).queue_len = WAVE - 1
+    assert await _route(router, KEY_A, replicas, first) == home
 
 
 async def test_a_dead_replica_is_skipped(router) -> None:
