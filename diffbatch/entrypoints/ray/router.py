@@ -225,7 +225,7 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
             self._remember(key, preferred.replica_id)
             if next(load for load in loads if load.replica_id == ranks[0][0]).full:
                 if request_id is not None:
-                    self._waiting[request_id] = (preferred.replica_id, time.monotonic())
+                    self._hold(request_id, preferred.replica_id)
                 await self._wait_for_room()  # then Ray asks again
                 waited = True
         if pending_request is not None:  # Ray backs off unless this call waited
@@ -276,6 +276,14 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
         self._last_replica.move_to_end(key.batch)
         while len(self._last_replica) > MAX_REMEMBERED_KEYS:
             self._last_replica.popitem(last=False)
+
+    def _hold(self, request_id: str, replica_id: ReplicaID) -> None:
+        """Count `request_id` as waiting for `replica_id` (for WAITING_TTL_S)."""
+        now = time.monotonic()
+        if len(self._waiting) >= MAX_REMEMBERED_KEYS:  # drop requests cancelled meanwhile
+            self._waiting = {k: v for k, v in self._waiting.items()
+                             if now - v[1] < WAITING_TTL_S}
+        self._waiting[request_id] = (replica_id, now)
 
     def _forget_replicas(self, replica_ids: Iterable[ReplicaID]) -> None:
         gone = set(replica_ids)
