@@ -12,8 +12,8 @@ Three groups:
   converted to its `EngineConfig` type and checked by `EngineConfig` itself, so a new
   engine option works on Ray the day it is added;
 - server: the FastAPI app's options (`app_kwargs()`);
-- deployment: replicas, their resources, health checks and shutdown
-  (`deployment_options()`, Ray Serve's `Deployment.options()` keywords).
+- deployment: replicas, their resources, health checks, shutdown and the request
+  router (`deployment_options()`, Ray Serve's `Deployment.options()` keywords).
 
 `shutdown_timeout` (`--shutdown-timeout`) is a deployment option on Ray: Ray Serve, not
 the replica, decides when a replica stops, so the bound becomes each replica's
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_DEPLOYMENT_NAME = "diffbatch"
 # Ray Serve's own default of `max_ongoing_requests`.
 RAY_DEFAULT_MAX_ONGOING_REQUESTS = 5
+# The request routers `ray_router` names: diffbatch's (by batch key and adapters), or
+# Ray Serve's default (the less busy of two random replicas).
+RAY_ROUTERS = ("diffbatch", "random")
+DIFFBATCH_ROUTER_CLASS = "diffbatch.entrypoints.ray.router.DiffbatchRequestRouter"
+# How often each replica reports its batch keys and adapters to the routers (s).
+ROUTING_STATS_PERIOD_S = 1.0
 # How often a stopping replica checks whether its requests are done (Ray's default: 2 s,
 # which an idle replica would wait out before stopping).
 DRAIN_CHECK_S = 0.25
@@ -93,6 +99,8 @@ class RayServeArgs(BaseModel):
     num_gpus_per_replica: float = Field(0.0, ge=0)
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+    # how Ray Serve picks a replica per request (see RAY_ROUTERS)
+    ray_router: Literal["diffbatch", "random"] = "diffbatch"
 
     @model_validator(mode="after")
     def _check(self) -> RayServeArgs:
@@ -225,6 +233,8 @@ class RayServeArgs(BaseModel):
             "graceful_shutdown_timeout_s": self.effective_shutdown_timeout,
             "graceful_shutdown_wait_loop_s": DRAIN_CHECK_S,
         }
+        if self.ray_router == "diffbatch":
+            options["request_router_config"] = self.request_router_config()
         if self.max_replicas is None:
             options["num_replicas"] = self.num_replicas
         else:
@@ -237,6 +247,15 @@ class RayServeArgs(BaseModel):
                 autoscaling["target_ongoing_requests"] = self.target_ongoing_requests
             options["autoscaling_config"] = autoscaling
         return options
+
+    def request_router_config(self) -> dict[str, Any]:
+        """Ray Serve's `request_router_config` of the diffbatch router: a wave is the
+        engine's largest (`max_num_seqs`, or the auto limit)."""
+        return {
+            "request_router_class": DIFFBATCH_ROUTER_CLASS,
+            "request_router_kwargs": {"wave_size": self.max_num_seqs},
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        }
 
 
 def _describe(error: Any) -> str:

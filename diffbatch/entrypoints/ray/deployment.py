@@ -8,11 +8,15 @@ Each replica
    bound late through Ray Serve's `__serve_build_asgi_app__`, so the app holds this
    replica's engine. Clients change nothing. Every answer carries the replica's id in
    `x-diffbatch-replica`, so load spreading can be seen;
-3. answers Ray Serve's health check with `Engine.check_health()`: a replica whose
+3. reports the batch keys it is running and the adapters it has loaded to the
+   diffbatch request router (`record_routing_stats`, router.py);
+4. answers Ray Serve's health check with `Engine.check_health()`: a replica whose
    engine loop or worker is dead is marked unhealthy and replaced by Ray Serve.
 
 Batching happens inside each replica: a replica's engine batches the requests Ray
 routes to it, and Ray routes at most `max_ongoing_requests` to one replica at once.
+The diffbatch request router (router.py, the default) sends requests of one batch
+key to the same replica, so its waves fill.
 
 A client disconnect reaches the replica through Ray Serve: the proxy cancels the
 replica-side request, which cancels the route handler, and `Engine.generate_async`
@@ -25,6 +29,7 @@ Ray application is built.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import TYPE_CHECKING
 
@@ -32,6 +37,8 @@ from ray import serve
 
 from diffbatch.entrypoints.ray import REPLICA_HEADER
 from diffbatch.entrypoints.ray.args import DEFAULT_DEPLOYMENT_NAME, RayServeArgs
+from diffbatch.entrypoints.ray.route_key import route_key_of_headers
+from diffbatch.entrypoints.ray.router import STATS_ADAPTERS, STATS_KEYS
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,19 +48,36 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class RouteKeyTally:
+    """This replica's requests in flight by batch key, and the adapters it has served
+    (its worker loads an adapter on first use and keeps it): what it reports to the
+    diffbatch request router (`record_routing_stats`)."""
+
+    def __init__(self) -> None:
+        self.batch_keys: collections.Counter[str] = collections.Counter()
+        self.adapters: set[str] = set()
+
+    def stats(self) -> dict[str, object]:
+        return {STATS_KEYS: {k: n for k, n in self.batch_keys.items() if n > 0},
+                STATS_ADAPTERS: sorted(self.adapters)}
+
+
 class ReplicaHeaderMiddleware:
     """Add `x-diffbatch-replica: <replica id>` to every HTTP answer (plain ASGI), and
     leave `x-request-id` to Ray Serve's proxy, which puts the request's id (the
     client's, else its own, which the replica saw as the request's) on every answer:
-    the app's echo of the same id would make the header appear twice.
+    the app's echo of the same id would make the header appear twice. Requests that
+    carry a routing key (`x-diffbatch-route-key`, from the proxy) are counted in
+    `tally` while they run.
 
     Plain ASGI, like the server's own middleware, so the handler still hears
     `http.disconnect` on the ASGI channel.
     """
 
-    def __init__(self, app: ASGIApp, *, replica_id: str) -> None:
+    def __init__(self, app: ASGIApp, *, replica_id: str, tally: RouteKeyTally) -> None:
         self.app = app
         self.header = (REPLICA_HEADER.encode("latin-1"), replica_id.encode("latin-1"))
+        self.tally = tally
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,7 +91,18 @@ class ReplicaHeaderMiddleware:
                 message = {**message, "headers": [*headers, self.header]}
             await send(message)
 
-        await self.app(scope, receive, send_with_header)
+        key = route_key_of_headers(scope.get("headers"))
+        if key is None:
+            await self.app(scope, receive, send_with_header)
+            return
+        self.tally.batch_keys[key.batch] += 1
+        self.tally.adapters.update(key.adapters)
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            self.tally.batch_keys[key.batch] -= 1
+            if self.tally.batch_keys[key.batch] <= 0:
+                del self.tally.batch_keys[key.batch]
 
 
 @serve.deployment(name=DEFAULT_DEPLOYMENT_NAME)
@@ -85,6 +120,7 @@ class DiffbatchDeployment:
 
         self.args = args
         self.replica_id = serve.get_replica_context().replica_tag
+        self.tally = RouteKeyTally()
         self.engine: Engine = await asyncio.to_thread(Engine.from_config, args.engine_config())
         logger.info("replica %s: engine ready (model=%s)", self.replica_id, args.model)
 
@@ -100,11 +136,17 @@ class DiffbatchDeployment:
                 close_engine_on_shutdown=True,
                 **self.args.app_kwargs(),
             )
-            app.add_middleware(ReplicaHeaderMiddleware, replica_id=self.replica_id)
+            app.add_middleware(ReplicaHeaderMiddleware, replica_id=self.replica_id,
+                               tally=self.tally)
         except BaseException:
             self.engine.close()
             raise
         return app
+
+    def record_routing_stats(self) -> dict[str, object]:
+        """Ray Serve asks each replica for these periodically and hands them to the
+        routers: the batch keys in flight here and the adapters loaded (router.py)."""
+        return self.tally.stats()
 
     def check_health(self) -> None:
         """Ray Serve's health check: raises unless the engine can take work."""
@@ -117,9 +159,9 @@ def build_deployment(args: RayServeArgs) -> serve.Application:
     config = args.engine_config()
     logger.info(
         "diffbatch on Ray Serve: deployment=%s replicas=%s cpus/replica=%g gpus/replica=%g "
-        "max_ongoing_requests=%d model=%s max_num_seqs=%s executor=%s",
+        "max_ongoing_requests=%d model=%s max_num_seqs=%s executor=%s router=%s",
         options["name"], options.get("num_replicas", options.get("autoscaling_config")),
         args.num_cpus_per_replica, args.num_gpus_per_replica, options["max_ongoing_requests"],
-        config.model, config.max_num_seqs, config.executor,
+        config.model, config.max_num_seqs, config.executor, args.ray_router,
     )
     return DiffbatchDeployment.options(**options).bind(args)

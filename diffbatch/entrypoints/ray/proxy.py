@@ -1,4 +1,12 @@
-"""Middleware for Ray Serve's HTTP proxy: a clear error when a replica fails mid-request.
+"""Middleware for Ray Serve's HTTP proxy: routing keys, and a clear error when a replica
+fails mid-request.
+
+`RouteKeyMiddleware` reads the JSON body of an image generation request in the proxy,
+before Ray Serve routes it, and puts its routing key (`route_key.py`) in the
+`x-diffbatch-route-key` header, where the diffbatch request router (`router.py`) and
+the replica read it. Ray Serve's proxy hands a replica only the request's headers and
+lets it pull the body afterwards, so the key has to be added here; the body is then
+replayed unchanged. A client's own `x-diffbatch-route-key` is dropped.
 
 When the replica that holds a request dies (killed, out of memory, node lost),
 Ray Serve's proxy ends the request without an answer and its HTTP server fills in a
@@ -39,7 +47,7 @@ def proxy_middlewares() -> list[Middleware]:
     """The proxy callback Ray Serve calls (see the module docstring)."""
     from starlette.middleware import Middleware
 
-    return [Middleware(ReplicaFailureMiddleware)]
+    return [Middleware(ReplicaFailureMiddleware), Middleware(RouteKeyMiddleware)]
 
 
 def serve_start_options(host: str, port: int) -> dict[str, Any]:
@@ -93,3 +101,50 @@ class ReplicaFailureMiddleware:
             503, REPLICA_FAILED_MESSAGE, type="engine_unavailable", code="replica_failed"
         )
         await response(scope, receive, send)
+
+
+class RouteKeyMiddleware:
+    """Add the request's routing key as a header; see the module docstring."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from diffbatch.entrypoints.ray.route_key import (
+            MAX_KEYED_BODY_BYTES,
+            ROUTE_KEY_HEADER,
+            route_key_of_body,
+        )
+
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        name = ROUTE_KEY_HEADER.encode("latin-1")
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != name]
+        content_type = next((v.decode("latin-1") for k, v in headers
+                             if k.lower() == b"content-type"), "")
+        if scope.get("method") != "POST" or "json" not in content_type.lower():
+            await self.app({**scope, "headers": headers}, receive, send)
+            return
+        # Read the body (up to the keyed limit), then replay what was read.
+        read: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break  # the client left: the proxy hears it on replay
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False) or size > MAX_KEYED_BODY_BYTES:
+                break
+        complete = read[-1]["type"] == "http.request" and not read[-1].get("more_body", False)
+        if complete:
+            body = b"".join(m.get("body", b"") for m in read)
+            key = route_key_of_body("POST", scope.get("path", ""), content_type, body)
+            if key is not None:
+                headers.append((name, key.encode().encode("latin-1")))
+
+        async def replay() -> Message:
+            return read.pop(0) if read else await receive()
+
+        await self.app({**scope, "headers": headers}, replay, send)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffbatch.config import EngineConfig
 from diffbatch.entrypoints.ray import REPLICA_HEADER
-from diffbatch.entrypoints.ray.args import RayServeArgs
+from diffbatch.entrypoints.ray.args import RAY_ROUTERS, RayServeArgs
 from diffbatch.errors import ConfigError
 from diffbatch.pipelines.registry import check_model_spec
 
@@ -130,6 +130,13 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                        help="CPUs Ray reserves for each replica")
     group.add_argument("--num-gpus-per-replica", type=non_negative, default=0.0, metavar="N",
                        help="GPUs Ray reserves for each replica (fractions allowed)")
+    group.add_argument(
+        "--ray-router", choices=RAY_ROUTERS, default="diffbatch",
+        help="how Ray Serve picks a replica per request: 'diffbatch' sends requests of "
+        "one batch key (and adapters) to the same replica unless it is a wave behind "
+        "the least loaded; 'random' is Ray Serve's default (the less busy of two "
+        "random replicas)",
+    )
     parser.set_defaults(ray_only_flags={
         action.dest: (action.option_strings[0], action.default)
         for action in group._group_actions if action.dest != "ray"})

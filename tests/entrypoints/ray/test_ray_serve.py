@@ -480,9 +480,13 @@ def test_killed_replica_answers_every_request_and_recovers(gated: tuple[str, Gat
     survivor = ok[0].headers[REPLICA_HEADER]
     wait_until(lambda: _has_healthy_replicas("gated", 2), what="a replacement replica")
     seen: set[str] = set()
+    scales = (1.0 + n / 100 for n in itertools.count())
 
     def new_replica_serves() -> bool:
-        response = httpx.post(f"{url}/v1/images/generations", json=GATED_BODY, timeout=60)
+        # The diffbatch router keeps a batch key on the replica it went to last (the
+        # survivor), so new keys (guidance scales) show the replacement taking its share.
+        response = httpx.post(f"{url}/v1/images/generations", timeout=60,
+                              json={**GATED_BODY, "guidance_scale": next(scales)})
         assert response.status_code == 200, response.text
         seen.add(response.headers[REPLICA_HEADER])
         return bool(seen - {survivor})
