@@ -348,27 +348,32 @@ EXTRA_SERVER_CASES: list[FlagCase] = [
 
 @dataclass(frozen=True)
 class OptionCase:
-    value: Any  # a value other than the default
+    value: Any  # a value other than the default, as the config holds it
     proven_by: str  # "path::test": the test that shows the engine behaving differently
-    text: str | None = None  # the flag's text for `value` (default: str(value))
+    text: str | None = None  # the flag's text for `value` (default: str(value); "" for
+    # a boolean flag, given as --flag or --no-flag)
+    with_flags: tuple[str, ...] = ()  # other flags the value needs (e.g. --executor mp)
 
 
-def option(value: Any, proven_by: str, text: str | None = None) -> OptionCase:
-    return OptionCase(value, proven_by, text)
+def option(value: Any, proven_by: str, text: str | None = None,
+           with_flags: tuple[str, ...] = ()) -> OptionCase:
+    return OptionCase(value, proven_by, text, with_flags)
 
 
 E2E = "tests/test_e2e_engine.py::"
 ENGINE = "tests/engine/test_engine.py::"
 MULTIPROC = "tests/executor/test_multiproc.py::"
 # One entry per `EngineConfig` field. A new option: add a line
-# `"name": option(VALUE, "tests/...py::test_that_shows_what_it_changes"),`.
+# `"name": option(VALUE, "tests/...py::test_that_shows_what_it_changes"),` (`text=` when
+# the flag's text is not str(VALUE), `with_flags=` for flags VALUE needs beside it).
 ENGINE_OPTIONS: dict[str, OptionCase] = {
     "model": option("tiny-sd", E2E + "test_batch_invariance_each_image_equals_its_solo_run"),
     "pipeline_class": option("tests.fake_pipelines:FakeSinglePipeline",
                              ENGINE + "test_non_batch_pipeline_takes_the_per_request_path"),
     "max_num_seqs": option(3, ENGINE + "test_waves_fill_while_a_wave_runs"),
     "max_num_seqs_limit": option(
-        3, "tests/engine/test_calibration.py::test_the_limit_and_memory_bound_the_sizes"),
+        3, "tests/engine/test_calibration.py::test_the_limit_and_memory_bound_the_sizes",
+        with_flags=("--max-num-seqs", "auto")),
     "max_waves_in_flight": option(
         1, "tests/engine/test_waves_in_flight.py::test_one_wave_in_flight_never_queues_a_second"),
     "request_batch_max_wait_ms": option(
@@ -376,7 +381,8 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
     "calibration_budget_s": option(
         3.0, "tests/engine/test_calibration.py::"
         "test_a_slow_model_is_measured_at_fewer_steps_within_the_budget"),
-    "executor": option("inproc", ENGINE + "test_bisect_isolation_fails_only_the_poisoned_request"),
+    "executor": option("inproc", "tests/engine/test_waves_in_flight.py::"
+                       "test_the_inproc_executor_holds_one_wave_whatever_the_config_says"),
     "device": option("cpu", "tests/pipelines/test_diffusers_t2i.py::"
                      "test_a_device_this_torch_cannot_use_is_a_config_error_naming_it"),
     "dtype": option("bfloat16", "tests/pipelines/test_diffusers_t2i.py::test_resolve_dtype"),
@@ -403,14 +409,16 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
     "max_head_wait_ms": option(
         100.0, "tests/sched/test_grouped.py::test_a_steady_stream_cannot_starve_a_different_group"),
     "max_wave_pixels": option(4096, "tests/sched/test_scheduler.py::"
-                              "test_the_pixel_cap_bounds_fifo_waves_too"),
+                              "test_the_pixel_cap_bounds_fifo_waves_too",
+                              with_flags=("--no-step-execution",)),
     "batch_error_isolation": option(
         "none", "tests/engine/test_engine.py::"
         "test_a_failing_wave_fails_only_its_requests_and_the_engine_keeps_serving"),
     "shm_threshold_bytes": option(
         4096, "tests/ipc/test_shm.py::test_at_threshold_stays_inline_above_goes_to_shm"),
     "torch_num_threads": option(1, "tests/worker/test_threads.py::test_the_users_settings_win"),
-    "worker_cpus": option("0", MULTIPROC + "test_worker_cpus_pins_the_worker_process"),
+    "worker_cpus": option("0", MULTIPROC + "test_worker_cpus_pins_the_worker_process",
+                          with_flags=("--executor", "mp")),
     "pipeline_kwargs": option(
         {"variant": "fp16"}, ENGINE + "test_pipeline_load_arguments_go_through_pipeline_kwargs"),
 }
@@ -452,7 +460,8 @@ def test_every_flag_and_option_has_an_entry() -> None:
     assert not missing, (
         f"Engine option(s) {missing} have no test: add a one-line entry "
         f"`\"name\": option(VALUE, \"tests/...py::test_name\")` to ENGINE_OPTIONS in {here}, "
-        "naming the test that shows what the option changes")
+        "naming the test that shows what the option changes (its flag, if it has one, "
+        "is then checked to hand VALUE to the engine)")
     gone = sorted(set(ENGINE_OPTIONS) - options)
     assert not gone, f"ENGINE_OPTIONS in {here} lists {gone}, which EngineConfig no " \
         "longer has: remove their entries"
@@ -504,18 +513,13 @@ def test_engine_flag_reaches_the_engine_config(name: str,
     default = next(f for f in fields(EngineConfig) if f.name == name).default
     assert entry.value != default, f"{name}: the entry's value must differ from the default"
     flag = engine_flag(name)
-    if entry.text == "":  # a boolean flag: --flag or --no-flag
+    if name == "model":  # the positional MODEL
+        argv = [entry.value]
+    elif entry.text == "":  # a boolean flag: --flag or --no-flag
         argv = [flag if entry.value else "--no-" + flag.removeprefix("--")]
     else:
         argv = [flag, entry.text or str(entry.value)]
-    if name == "max_num_seqs_limit":
-        argv += ["--max-num-seqs", "auto"]
-    if name == "max_wave_pixels":
-        argv += ["--no-step-execution"]
-    if name == "worker_cpus":
-        argv += ["--executor", "mp"]
-    if name == "model":
-        argv = [entry.value]
+    argv += entry.with_flags
     seen: list[EngineConfig] = []
 
     def from_config(config: EngineConfig) -> None:
