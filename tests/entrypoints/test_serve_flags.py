@@ -333,6 +333,8 @@ SERVER_FLAGS: dict[str, FlagCase] = {
         "tests/entrypoints/ray/test_ray_serve.py::test_args_autoscaling_bounds")),
     "--target-ongoing-requests": case(check=ray_only(
         "tests/entrypoints/ray/test_ray_serve.py::test_args_autoscaling_bounds")),
+    "--ray-router": case(check=ray_only(
+        "tests/entrypoints/ray/test_routing.py::test_ray_router_flag_reaches_the_deployment")),
     "--max-ongoing-requests": case(check=ray_only(
         "tests/entrypoints/ray/test_ray_serve.py::test_serve_flags_become_args")),
     "--num-cpus-per-replica": case(check=ray_only(
