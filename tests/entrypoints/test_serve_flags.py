@@ -273,28 +273,28 @@ async def check_body_timeout(served: Served) -> None:
     assert sent[0]["status"] == 408, sent
 
 
-def ray_only(proven_by: str) -> Callable[[Served], None]:
-    """A Ray flag: without --ray it is refused (`test_cli`); what it does on Ray is
-    `proven_by`'s."""
-    def check(served: Served) -> None:
-        raise AssertionError("a Ray flag's entry is checked by `proven_by`, not served")
-    check.proven_by = proven_by  # type: ignore[attr-defined]
-    return check
-
-
 @dataclass(frozen=True)
 class FlagCase:
     argv: tuple[str, ...]  # the flag and its value
-    check: Callable[[Served], Any]  # asserts what the flag changed (sync or async)
+    check: Callable[[Served], Any] | None  # asserts what the flag changed (sync or async)
+    proven_by: str | None = None  # or "path::test", the test that shows it (Ray flags)
 
 
 def case(*argv: str, check: Callable[[Served], Any]) -> FlagCase:
     return FlagCase(tuple(argv), check)
 
 
+def ray(proven_by: str) -> FlagCase:
+    """A Ray flag: refused without --ray (`test_ray_flags_are_refused_without_ray`),
+    shown at work on Ray Serve by the test `proven_by` names."""
+    return FlagCase((), None, proven_by)
+
+
 GATE = f"{__name__}:TimeoutGate"
+RAY = "tests/entrypoints/ray/test_ray_serve.py::"
 # One entry per `diffbatch serve` flag that is not an engine option. A new flag: add a
-# line `"--flag": case("--flag", "VALUE", check=a_check_of_what_it_changes),`.
+# line `"--flag": case("--flag", "VALUE", check=a_check_of_what_it_changes),` (a Ray
+# flag: `"--flag": ray(RAY + "test_that_shows_it_on_ray"),`).
 SERVER_FLAGS: dict[str, FlagCase] = {
     "--host": case("--host", "0.0.0.0", check=listens_at(host="0.0.0.0")),
     "--port": case("--port", str(PORT := free_port()), check=listens_at(port=PORT)),
@@ -319,28 +319,18 @@ SERVER_FLAGS: dict[str, FlagCase] = {
                                  "--limit-concurrency", "9", check=check_connection_limits),
     "--limit-concurrency": case("--limit-concurrency", "9", "--header-timeout", "3",
                                 "--keep-alive-timeout", "7", check=check_connection_limits),
-    "--ray": case(check=ray_only("tests/entrypoints/ray/test_ray_serve.py::"
-                                 "test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_"
-                                 "its_shutdown")),
-    "--ray-address": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::"
-        "test_an_address_where_nothing_listens_fails_at_once_naming_the_flag")),
-    "--num-replicas": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_serve_flags_become_args")),
-    "--min-replicas": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_args_autoscaling_bounds")),
-    "--max-replicas": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_args_autoscaling_bounds")),
-    "--target-ongoing-requests": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_args_autoscaling_bounds")),
-    "--ray-router": case(check=ray_only(
-        "tests/entrypoints/ray/test_routing.py::test_ray_router_flag_reaches_the_deployment")),
-    "--max-ongoing-requests": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_serve_flags_become_args")),
-    "--num-cpus-per-replica": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_serve_flags_become_args")),
-    "--num-gpus-per-replica": case(check=ray_only(
-        "tests/entrypoints/ray/test_ray_serve.py::test_serve_flags_become_args")),
+    "--ray": ray(RAY + "test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown"),
+    "--ray-address": ray(
+        RAY + "test_an_address_where_nothing_listens_fails_at_once_naming_the_flag"),
+    "--num-replicas": ray(RAY + "test_serve_flags_become_args"),
+    "--min-replicas": ray(RAY + "test_args_autoscaling_bounds"),
+    "--max-replicas": ray(RAY + "test_args_autoscaling_bounds"),
+    "--target-ongoing-requests": ray(RAY + "test_args_autoscaling_bounds"),
+    "--max-ongoing-requests": ray(RAY + "test_serve_flags_become_args"),
+    "--num-cpus-per-replica": ray(RAY + "test_serve_flags_become_args"),
+    "--num-gpus-per-replica": ray(RAY + "test_serve_flags_become_args"),
+    "--ray-router": ray("tests/entrypoints/ray/test_routing.py::"
+                        "test_ray_router_flag_reaches_the_deployment"),
 }
 # A second value of a flag whose first one leaves a path untried (0 turns the store off).
 EXTRA_SERVER_CASES: list[FlagCase] = [
@@ -478,7 +468,7 @@ def _test_exists(reference: str) -> bool:
 
 @pytest.mark.parametrize("reference", sorted(
     {c.proven_by for c in ENGINE_OPTIONS.values()}
-    | {c.check.proven_by for c in SERVER_FLAGS.values() if hasattr(c.check, "proven_by")}))
+    | {c.proven_by for c in SERVER_FLAGS.values() if c.proven_by}))
 def test_each_named_proof_exists(reference: str) -> None:
     assert _test_exists(reference), f"{reference} is no test: fix the entry that names it"
 
