@@ -311,7 +311,9 @@ def tiny_sd_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
     bodies = [{"prompt": "a shape", "size": "64x64", "num_inference_steps": 2, "lora": name}
               for name in names]
     with applications(base, url, None) as urls:
-        return run_scenario("tiny-sd", urls, bodies, args, None)
+        return run_scenario("tiny-sd", urls, bodies,
+                            argparse.Namespace(**{**vars(args), "rounds": args.tiny_sd_rounds}),
+                            None)
 
 
 def main() -> None:
@@ -327,6 +329,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny-sd", action="store_true", help="also run tiny-sd + adapters")
     parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--tiny-sd-rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -7,7 +7,8 @@ same replica, so that replica's engine can batch them. A key has two parts:
   (`SamplingParamsKey`: size, steps, task, guidance, ...), taken by name from the
   `SamplingParams` the server builds, so a field added to or removed from the batch
   key (LoRA adapters, for one) changes the routing key with it;
-- `adapters`: the LoRA adapters the request needs, so it goes where they are loaded.
+- `adapters`: the LoRA adapters the request needs, so it goes where they are loaded
+  (adapters are part of `batch` only as long as the engine's batch key holds them).
 
 Fields the request leaves out stay unset (the model's default): on one deployment
 every replica fills in the same defaults, so equal routing keys mean equal batch
@@ -35,7 +36,8 @@ ROUTE_KEY_HEADER = "x-diffbatch-route-key"
 GENERATIONS_PATH = "/v1/images/generations"
 # Largest JSON body whose key is read in the proxy; a larger one is routed by load.
 MAX_KEYED_BODY_BYTES = 1 << 20
-# SamplingParams fields that name adapters: they form `adapters`, not `batch`.
+# SamplingParams fields that name adapters: they form `adapters` (and `batch` too while
+# the engine's batch key holds them).
 ADAPTER_FIELDS = ("lora",)
 # `SamplingParamsKey` fields no request carries (the engine derives them).
 _DERIVED_FIELDS = ("cfg_enabled", "num_frames")
@@ -70,7 +72,7 @@ def route_key_of_params(params: SamplingParams) -> RouteKey:
     values: dict[str, Any] = {}
     for field in dataclasses.fields(SamplingParamsKey):
         name = field.name
-        if name in _DERIVED_FIELDS or name in ADAPTER_FIELDS:
+        if name in _DERIVED_FIELDS:
             continue
         if name == "lora_scale" and params.lora is None:
             continue  # the engine's key holds no scale without an adapter

@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import logging
 import pickle
+import random
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -110,11 +111,13 @@ def rank_replicas(key: RouteKey | None, replicas: Sequence[ReplicaLoad],
     """Replica ids in ranks, best first: the policy of the module docstring.
 
     Ray Serve takes the first rank that has a replica with room (the shortest queue
-    within a rank), and tries again later when none has.
+    within a rank), and tries again later when none has. Replicas of equal load keep
+    the order of `replicas`.
     """
     if not replicas:
         return []
-    by_load = sorted(replicas, key=lambda r: (r.load, not r.local, r.replica_id))
+    # (sorted() is stable: replicas of equal load keep the caller's order, a random one)
+    by_load = sorted(replicas, key=lambda r: (r.load, not r.local))
     if key is None:
         return [[r.replica_id for r in by_load]]
     preferred = max(replicas, key=lambda r: (
@@ -217,7 +220,10 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
             pending_request.metadata.internal_request_id
         self._waiting.pop(request_id, None)  # it is being chosen for again
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [self.replica_load(r) for r in candidate_replicas]
+        # In random order: a request without a key goes to one of the least loaded at
+        # random, as with Ray Serve's default router.
+        loads = random.sample([self.replica_load(r) for r in candidate_replicas],
+                              len(candidate_replicas))
         ranks = rank_replicas(key, loads, self.wave_size)
         waited = False
         if key is not None and len(ranks) == 1:

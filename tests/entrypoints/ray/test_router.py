@@ -10,6 +10,7 @@ the test sets (queue length, routing stats).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from typing import Any
@@ -22,6 +23,7 @@ from diffbatch.entrypoints.ray.route_key import (
     route_key_of_body,
     route_key_of_generation,
 )
+from diffbatch.sampling_params import SamplingParamsKey
 
 ROUTE = "/app/v1/images/generations"
 
@@ -41,6 +43,9 @@ def test_requests_that_could_share_a_wave_have_one_key() -> None:
         assert _key(**{"size": "64x64", "num_inference_steps": 2, **other}) != a, other
     styled = _key(size="64x64", num_inference_steps=2, lora="style")
     assert styled is not None and styled.adapters == ("style",)
+    # adapters split the batch part exactly while the engine's batch key holds them
+    in_engine_key = "lora" in {f.name for f in dataclasses.fields(SamplingParamsKey)}
+    assert (styled.batch != a.batch) == in_engine_key
     assert RouteKey.decode(styled.encode()) == styled
     assert RouteKey.decode("not json") is None and RouteKey.decode('[1, ["x"]]') is None
 

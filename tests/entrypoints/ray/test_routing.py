@@ -84,7 +84,8 @@ def _deployment_details(app: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def routed_url(ray_cluster: RayCluster) -> Iterator[str]:
-    """Two replicas behind the diffbatch router; a wave waits (up to 5 s) until full."""
+    """Two replicas behind the diffbatch router; an idle engine may wait up to 5 s for
+    more requests of a wave."""
     from ray import serve
 
     _deploy("routed", {
@@ -122,9 +123,9 @@ def test_each_key_is_answered_by_one_replica_in_full_waves(routed_url: str) -> N
         for key in sizes:
             # 1. One replica answers all of a key's requests ...
             assert len(replicas[key]) == 1, (round_, replicas, waves)
-            # 2. ... in waves of several (a split key's waves would wait out the 5 s
-            # and hold about half each).
-            assert max(waves[key]) == PER_KEY, (round_, waves)
+            # 2. ... in waves of several: on average a request shares its wave with
+            # half the key's requests or more (Ray's default router: 1-2 per wave).
+            assert sum(waves[key]) / PER_KEY >= PER_KEY / 2, (round_, waves)
         # 3. The two keys go to different replicas: each replica batches one.
         assert replicas["a"] != replicas["b"], replicas
 
