@@ -25,7 +25,6 @@ import dataclasses
 import os
 import signal
 import threading
-import time
 import zlib
 from typing import Any
 
@@ -212,19 +211,6 @@ class SlowPipeline(FakeBatchPipeline):
             with open(marker, "w") as f:
                 f.write(str(os.getpid()))
             threading.Event().wait(60)  # simulated long forward
-        return super().forward(batch)
-
-
-class BusyPipeline(FakeBatchPipeline):
-    """Computes for `BUSY_S` of wall time per wave (one busy thread): a wave that takes
-    the time a real one does, with other processes' load beside it."""
-
-    BUSY_S = 0.05
-
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        end = time.perf_counter() + self.BUSY_S
-        while time.perf_counter() < end:
-            pass
         return super().forward(batch)
 
 

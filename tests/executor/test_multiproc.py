@@ -50,7 +50,7 @@ from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams
 from diffbatch.sched.output import SchedulerOutput
 from diffbatch.worker.worker import worker_main
-from tests.process_utils import SHM_DIR, segments_of, wait_gone, wait_until, worker_pids
+from tests.process_utils import SHM_DIR, segments_of, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -776,39 +776,6 @@ def test_a_wave_that_keeps_finishing_steps_is_not_stuck_however_long_it_runs(tmp
         assert running.result(60).outputs["s"].aborted
     finally:
         ex.shutdown()
-
-
-def test_the_worker_gives_up_torch_threads_to_busy_processes(monkeypatch) -> None:
-    """With no thread setting of the user's, the worker's thread count follows the
-    machine: with every usable CPU kept busy by other processes while its waves run it
-    falls to one."""
-    from diffbatch import Engine
-    from diffbatch.worker.threads import usable_cpu_count
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test session's setting
-    engine = Engine(model=MODEL, pipeline_class="tests.fake_pipelines.BusyPipeline",
-                    executor="mp", warmup=False, max_num_seqs=1, request_batch_max_wait_ms=0)
-
-    def threads() -> float:
-        return engine.metrics.registry.get_sample_value("diffbatch_worker_torch_threads") or 0
-
-    busy = []
-    try:
-        wait_until(lambda: threads() >= 1, timeout_s=60, what="the first heartbeat")
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(usable_cpu_count())]
-
-        def served_and_one_thread() -> bool:
-            [output] = engine.generate(["p"], SamplingParams(seed=1, output_type="pt"))
-            assert output.ok
-            return threads() == 1
-
-        wait_until(served_and_one_thread, timeout_s=60, what="one torch thread", poll_s=0.2)
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
-        engine.close()
 
 
 def test_a_worker_whose_engine_is_gone_exits_before_it_imports_torch() -> None:
