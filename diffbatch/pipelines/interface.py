@@ -177,6 +177,9 @@ class PipelineInfo:
     # whose true CFG is off unless asked for; QwenImage's is on by default: "yes").
     # A negative prompt the pipeline would drop is refused at admission.
     negative_prompt: Literal["yes", "no", "true_cfg"] = "yes"
+    # `forward` runs text-to-image requests of different sizes in one wave (a
+    # transformer packing their tokens); with `mixed_resolution` on, size leaves the key.
+    supports_mixed_resolution: bool = False
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""

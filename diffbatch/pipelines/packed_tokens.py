@@ -109,10 +109,11 @@ class TokenPacker:
         Raises `Unfusable` when the calls cannot share a forward (arguments other than
         the packable ones, options that differ).
         """
+        calls = [_by_name(call) for call in calls]
         for call in calls:
-            if call.args or any(v is not None and k not in _PACKABLE_ARGUMENTS
-                                for k, v in call.kwargs.items()):
-                raise Unfusable("packed calls take the packable keyword arguments only")
+            if any(v is not None and k not in _PACKABLE_ARGUMENTS
+                   for k, v in call.kwargs.items()):
+                raise Unfusable("packed calls take the packable arguments only")
             for name in ("joint_attention_kwargs", "cross_attention_kwargs",
                          "attention_mask"):
                 if call.kwargs.get(name):
@@ -212,6 +213,18 @@ class TokenPacker:
             self.layout = None
             if embed is not None:
                 del embed.forward  # the class's forward again
+
+
+def _by_name(call: ModuleCall) -> ModuleCall:
+    """`call` with its positional arguments passed by name (PixArt's pipeline passes
+    the latents positionally)."""
+    if not call.args:
+        return call
+    try:
+        bound = inspect.signature(call.run).bind(*call.args, **call.kwargs)
+    except TypeError as exc:
+        raise Unfusable(f"the call's arguments do not fit its forward: {exc}") from None
+    return ModuleCall(call.point, call.run, (), dict(bound.arguments))
 
 
 def _grid_tokens(rows: int, cols: int, canvas_cols: int, device: torch.device) -> torch.Tensor:

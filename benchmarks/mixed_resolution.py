@@ -1,0 +1,153 @@
+"""Mixed resolutions: one packed transformer call against separate per-size calls.
+
+Question: is one denoiser call over requests of different sizes (`TokenPacker`:
+token-wise layers on all requests' tokens, attention per size group) cheaper than
+one call per size, as a wave of size-keyed requests would run them?
+
+For each model and size mix, the denoiser inputs are the pipeline's own (captured
+from its first denoiser call for each size, CFG doubling included), and each round
+times, in alternating order: the separate calls (one per size, each over that size's
+requests), the packed call, and the separate calls again (the twin: the noise floor).
+Reported per mix: the median over rounds of packed/separate and twin/separate.
+
+    flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/mixed_resolution.py \
+        --out benchmarks/results/mixed_resolution.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import statistics
+import subprocess
+import time
+from typing import Any
+
+import torch
+
+from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.packed_tokens import TokenPacker
+from diffbatch.pipelines.registry import resolve_model_path
+from diffbatch.pipelines.step_fusion import FusionPoint, ModuleCall
+
+MIXES = {  # name -> sizes, one entry per request
+    "64+128": (64, 128),
+    "64+96+128": (64, 96, 128),
+    "4x64+1x128": (64, 64, 64, 64, 128),
+}
+_SHARED = frozenset({"txt_ids", "img_ids"})
+
+
+class _Captured(Exception):
+    pass
+
+
+def capture_call(pipeline: DiffusersT2IPipeline, size: int, count: int) -> dict[str, Any]:
+    """The keyword arguments of the pipeline's first denoiser call for `count`
+    requests of `size`x`size` (the pipeline's defaults otherwise)."""
+    transformer = pipeline.pipe.transformer
+    seen: dict[str, Any] = {}
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        seen.update(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+        raise _Captured
+
+    kwargs: dict[str, Any] = {"guidance_scale": pipeline.info().default_guidance_scale}
+    if "use_resolution_binning" in inspect.signature(type(pipeline.pipe).__call__).parameters:
+        kwargs["use_resolution_binning"] = False  # PixArt: no bins for tiny sample sizes
+        kwargs["clean_caption"] = False
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        pipeline.pipe(prompt=["a red square on a blue field"] * count, height=size, width=size,
+                      num_inference_steps=2, output_type="latent", **kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return seen
+
+
+def time_calls(run: Any, repeats: int) -> float:
+    """Median ms of `repeats` runs of `run()`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
+
+
+def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    pipeline = DiffusersT2IPipeline.from_pretrained(resolve_model_path(model), device="cpu")
+    transformer = pipeline.pipe.transformer
+    packer = TokenPacker(transformer)
+    point = FusionPoint(transformer, "forward", "step", "transformer", _SHARED)
+    rows: dict[str, Any] = {}
+    for mix, sizes in MIXES.items():
+        counts = {s: sizes.count(s) for s in dict.fromkeys(sizes)}
+        with torch.inference_mode():
+            inputs = {s: capture_call(pipeline, s, n) for s, n in counts.items()}
+            calls = [ModuleCall(point, transformer.forward, (), kw) for kw in inputs.values()]
+
+            def separate(inputs: dict[int, Any] = inputs) -> None:
+                for kw in inputs.values():
+                    transformer.forward(**kw)
+
+            def packed(calls: list[ModuleCall] = calls) -> None:
+                packer.pack_calls(calls)
+
+            for _ in range(2):  # warm-up
+                separate()
+                packed()
+            rounds = []
+            for r in range(args.rounds):
+                order = [("separate", separate), ("packed", packed), ("twin", separate)]
+                if r % 2:
+                    order.reverse()
+                times = {name: time_calls(fn, args.repeats) for name, fn in order}
+                rounds.append(times)
+        rows[mix] = {
+            "sizes": list(sizes),
+            "samples_per_call": {str(s): int(kw["hidden_states"].shape[0])
+                                 for s, kw in inputs.items()},
+            "rounds": rounds,
+            "separate_ms": statistics.median(t["separate"] for t in rounds),
+            "packed_ms": statistics.median(t["packed"] for t in rounds),
+            "packed_over_separate": statistics.median(t["packed"] / t["separate"]
+                                                      for t in rounds),
+            "twin_over_separate": statistics.median(t["twin"] / t["separate"] for t in rounds),
+        }
+        row = rows[mix]
+        print(f"{model:12s} {mix:11s} separate {row['separate_ms']:7.2f} ms  packed "
+              f"{row['packed_ms']:7.2f} ms  packed/separate {row['packed_over_separate']:.3f}"
+              f"  twin {row['twin_over_separate']:.3f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-sd3", "tiny-pixart", "tiny-flux"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15, help="calls per timing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    results = {model: measure_model(model, args) for model in args.models}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+    record = {
+        "benchmark": "mixed_resolution",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit, "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(), "rounds": args.rounds,
+        "repeats": args.repeats, "micro": results,
+    }
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
