@@ -10,8 +10,19 @@ times, in alternating order: the separate calls (one per size, each over that si
 requests), the packed call, and the separate calls again (the twin: the noise floor).
 Reported per mix: the median over rounds of packed/separate and twin/separate.
 
+`--serve` answers the serving question instead: 16 closed-loop clients, each
+request of a size drawn from 64/96/128 (`--sizes`), `--steps` steps, against one
+engine per configuration (worker process, auto batching), all started up front and
+measured in alternating order each round, `--window-s` seconds each: `mixed`
+(`mixed_resolution=True`), `keyed` (size in the key, the default) and `twin` (a second
+keyed engine: the noise floor). Reported per model: images/s and mean wave (requests
+per wave, from the engine's wave log), and the medians over rounds of mixed/keyed
+and twin/keyed.
+
     flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/mixed_resolution.py \
         --out benchmarks/results/mixed_resolution.json
+    flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/mixed_resolution.py \
+        --serve --out benchmarks/results/mixed_resolution_serve.json
 """
 
 from __future__ import annotations
@@ -20,8 +31,10 @@ import argparse
 import inspect
 import json
 import platform
+import random
 import statistics
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -126,15 +139,92 @@ def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return rows
 
 
+def serve_window(engine: Any, args: argparse.Namespace, seed: int) -> dict[str, float]:
+    """`args.clients` closed-loop clients for `args.window_s`: images/s, mean wave."""
+    from diffbatch import SamplingParams
+
+    stop_at = time.perf_counter() + args.window_s
+    counts = [0] * args.clients
+    first_wave = engine.wave_log.last_id + 1
+
+    def client(index: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        while time.perf_counter() < stop_at:
+            size = rng.choice(args.sizes)
+            params = SamplingParams(height=size, width=size, num_inference_steps=args.steps,
+                                    seed=rng.randrange(1 << 30))
+            [out] = engine.generate([f"a shape number {index}"], [params], use_tqdm=False)
+            if out.ok and time.perf_counter() < stop_at:
+                counts[index] += 1
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    waves = [w for w in engine.wave_log.since(first_wave - 1) if w.num_requests]
+    return {"images_per_s": sum(counts) / args.window_s, "elapsed_s": elapsed,
+            "num_waves": len(waves),
+            "mean_wave": statistics.mean(w.num_requests for w in waves) if waves else 0.0}
+
+
+def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    from diffbatch import Engine
+
+    configs = {"mixed": True, "keyed": False, "twin": False}
+    engines = {name: Engine(model, mixed_resolution=mixed) for name, mixed in configs.items()}
+    try:
+        for engine in engines.values():  # warm: each engine's curve at the mix
+            serve_window(engine, argparse.Namespace(**{**vars(args), "window_s": 2.0}), 0)
+        rounds = []
+        for r in range(args.rounds):
+            names = list(configs) if r % 2 == 0 else list(reversed(configs))
+            rounds.append({name: serve_window(engines[name], args, r + 1) for name in names})
+            row = rounds[-1]
+            print(f"{model:12s} round {r}: " + "  ".join(
+                f"{n} {row[n]['images_per_s']:.2f} img/s wave {row[n]['mean_wave']:.2f}"
+                for n in configs), flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+    def ratio(name: str, what: str) -> float:
+        return statistics.median(t[name][what] / t["keyed"][what] for t in rounds)
+
+    result = {
+        "rounds": rounds,
+        "mixed_over_keyed_throughput": ratio("mixed", "images_per_s"),
+        "twin_over_keyed_throughput": ratio("twin", "images_per_s"),
+        "mixed_over_keyed_mean_wave": ratio("mixed", "mean_wave"),
+        "twin_over_keyed_mean_wave": ratio("twin", "mean_wave"),
+    }
+    print(f"{model:12s} throughput mixed/keyed {result['mixed_over_keyed_throughput']:.3f} "
+          f"(twin {result['twin_over_keyed_throughput']:.3f}); mean wave mixed/keyed "
+          f"{result['mixed_over_keyed_mean_wave']:.2f} "
+          f"(twin {result['twin_over_keyed_mean_wave']:.2f})", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-sd3", "tiny-pixart", "tiny-flux"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=15, help="calls per timing")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--serve", action="store_true",
+                        help="measure serving a size mix with and without mixed_resolution")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 96, 128])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--window-s", type=float, default=8.0)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    results = {model: measure_model(model, args) for model in args.models}
+    if args.serve:
+        results = {model: measure_serving(model, args) for model in args.models}
+    else:
+        results = {model: measure_model(model, args) for model in args.models}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     record = {
@@ -142,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit, "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(), "rounds": args.rounds,
-        "repeats": args.repeats, "micro": results,
+        "repeats": args.repeats, "serve" if args.serve else "micro": results,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
