@@ -83,17 +83,19 @@ def capture_call(pipeline: DiffusersT2IPipeline, size: int, count: int) -> dict[
 
 
 def time_calls(run: Any, repeats: int) -> float:
-    """Median ms of `repeats` runs of `run()`."""
+    """Median ms of `repeats` runs of `run()` (waiting for the GPU, if any)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000.0)
     return statistics.median(times)
 
 
 def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    pipeline = DiffusersT2IPipeline.from_pretrained(resolve_model_path(model), device="cpu")
+    pipeline = DiffusersT2IPipeline.from_pretrained(resolve_model_path(model), device=args.device)
     transformer = pipeline.pipe.transformer
     packer = TokenPacker(transformer)
     point = FusionPoint(transformer, "forward", "step", "transformer", _SHARED)
@@ -174,7 +176,8 @@ def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
     from diffbatch import Engine
 
     configs = {"mixed": True, "keyed": False, "twin": False}
-    engines = {name: Engine(model, mixed_resolution=mixed) for name, mixed in configs.items()}
+    engines = {name: Engine(model, mixed_resolution=mixed, device=args.device)
+               for name, mixed in configs.items()}
     try:
         for engine in engines.values():  # warm: each engine's curve at the mix
             serve_window(engine, argparse.Namespace(**{**vars(args), "window_s": 2.0}), 0)
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=15, help="calls per timing")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
     parser.add_argument("--serve", action="store_true",
                         help="measure serving a size mix with and without mixed_resolution")
     parser.add_argument("--clients", type=int, default=16)
@@ -231,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "mixed_resolution",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit, "machine": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+        and args.device != "cpu" else "cpu",
         "torch_threads": torch.get_num_threads(), "rounds": args.rounds,
         "repeats": args.repeats, "serve" if args.serve else "micro": results,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
