@@ -114,10 +114,11 @@ class TokenPacker:
             if any(v is not None and k not in _PACKABLE_ARGUMENTS
                    for k, v in call.kwargs.items()):
                 raise Unfusable("packed calls take the packable arguments only")
-            for name in ("joint_attention_kwargs", "cross_attention_kwargs",
-                         "attention_mask"):
+            for name in ("joint_attention_kwargs", "cross_attention_kwargs"):
                 if call.kwargs.get(name):
                     raise Unfusable(f"packed calls take no {name}")
+            if call.kwargs.get("attention_mask") is not None:  # over image tokens
+                raise Unfusable("packed calls take no attention_mask")
         if self.kind == "latent":
             return self._pack_latents(calls)
         return self._pack_sequences(calls)
