@@ -65,6 +65,7 @@ from diffbatch.engine.admission import MAX_NOTICE_HOLD_MS, AdmissionWait
 from diffbatch.errors import DiffbatchError, EngineClosedError, WorkerDiedError
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
+from diffbatch.sched.base import wave_units
 from diffbatch.sched.policy import make_scheduler
 
 if TYPE_CHECKING:
@@ -529,7 +530,8 @@ class EngineCore:
         # was dispatched: take the later of the two.
         started = max(record.dispatched,
                       time.monotonic() - runner_output.forward_time_ms / 1000.0)
-        self.policy.observe_wave(wave.key, wave.num_requests, runner_output.forward_time_ms,
+        # (a wave of mixed sizes counts in the units its capacity is counted in)
+        self.policy.observe_wave(wave.key, wave_units(wave), runner_output.forward_time_ms,
                                  runner_output.num_forwards)
         with self.cond:
             finished = self.scheduler.update_from_output(wave, runner_output)

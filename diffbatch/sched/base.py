@@ -49,6 +49,14 @@ def capacity_units(request: DiffusionRequest, key: SamplingParamsKey) -> float:
     return params.height * params.width / (key.height * key.width)
 
 
+def wave_units(wave: SchedulerOutput) -> int:
+    """A wave's size in capacity units (`capacity_units`), rounded, at least 1: its
+    number of requests unless its key is size-free."""
+    if wave.key is None or not wave.key.any_size:
+        return wave.num_requests
+    return max(1, round(sum(capacity_units(r, wave.key) for r in wave.requests)))
+
+
 class SchedulerBase(SchedulerInterface):
     """Request table, running set and waiting count; the policy lives in subclasses."""
 
