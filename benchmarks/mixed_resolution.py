@@ -189,6 +189,9 @@ def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
             print(f"{model:12s} round {r}: " + "  ".join(
                 f"{n} {row[n]['images_per_s']:.2f} img/s wave {row[n]['mean_wave']:.2f}"
                 for n in configs), flush=True)
+        # the capacity each engine learned at the model's default size (mixed: in units)
+        capacity = {name: engine.policy.cost.capacity(engine.policy.default_shape)
+                    for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.close()
@@ -198,6 +201,7 @@ def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
     result = {
         "rounds": rounds,
+        "capacity_at_default_size": capacity,
         "mixed_over_keyed_throughput": ratio("mixed", "images_per_s"),
         "twin_over_keyed_throughput": ratio("twin", "images_per_s"),
         "mixed_over_keyed_mean_wave": ratio("mixed", "mean_wave"),
@@ -206,7 +210,8 @@ def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
     print(f"{model:12s} throughput mixed/keyed {result['mixed_over_keyed_throughput']:.3f} "
           f"(twin {result['twin_over_keyed_throughput']:.3f}); mean wave mixed/keyed "
           f"{result['mixed_over_keyed_mean_wave']:.2f} "
-          f"(twin {result['twin_over_keyed_mean_wave']:.2f})", flush=True)
+          f"(twin {result['twin_over_keyed_mean_wave']:.2f}); capacity at the default size "
+          f"{capacity}", flush=True)
     return result
 
 
