@@ -118,11 +118,22 @@ def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 packed()
             rounds = []
             for r in range(args.rounds):
-                order = [("separate", separate), ("packed", packed), ("twin", separate)]
-                if r % 2:
-                    order.reverse()
-                times = {name: time_calls(fn, args.repeats) for name, fn in order}
-                rounds.append(times)
+                # each repeat times the three back to back (order alternating), so a
+                # repeat's ratios see the same machine state
+                times: dict[str, list[float]] = {"separate": [], "packed": [], "twin": []}
+                for j in range(args.repeats):
+                    order = [("separate", separate), ("packed", packed), ("twin", separate)]
+                    if (r + j) % 2:
+                        order.reverse()
+                    for name, fn in order:
+                        times[name].append(time_calls(fn, 1))
+                rounds.append({
+                    **{name: statistics.median(t) for name, t in times.items()},
+                    "packed_ratio": statistics.median(
+                        p / q for p, q in zip(times["packed"], times["separate"], strict=True)),
+                    "twin_ratio": statistics.median(
+                        p / q for p, q in zip(times["twin"], times["separate"], strict=True)),
+                })
         rows[mix] = {
             "sizes": list(sizes),
             "samples_per_call": {str(s): int(kw["hidden_states"].shape[0])
@@ -130,9 +141,8 @@ def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
             "rounds": rounds,
             "separate_ms": statistics.median(t["separate"] for t in rounds),
             "packed_ms": statistics.median(t["packed"] for t in rounds),
-            "packed_over_separate": statistics.median(t["packed"] / t["separate"]
-                                                      for t in rounds),
-            "twin_over_separate": statistics.median(t["twin"] / t["separate"] for t in rounds),
+            "packed_over_separate": statistics.median(t["packed_ratio"] for t in rounds),
+            "twin_over_separate": statistics.median(t["twin_ratio"] for t in rounds),
         }
         row = rows[mix]
         print(f"{model:12s} {mix:11s} separate {row['separate_ms']:7.2f} ms  packed "
@@ -219,7 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-sd3", "tiny-pixart", "tiny-flux"])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=15, help="calls per timing")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="paired timings per round (each: separate, packed, twin)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's own)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default=None, help="torch device (default: cuda if any)")
     parser.add_argument("--serve", action="store_true",
@@ -230,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-s", type=float, default=8.0)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.serve:
         results = {model: measure_serving(model, args) for model in args.models}
     else:
