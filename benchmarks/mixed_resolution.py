@@ -186,7 +186,9 @@ def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
     from diffbatch import Engine
 
     configs = {"mixed": True, "keyed": False, "twin": False}
-    engines = {name: Engine(model, mixed_resolution=mixed, device=args.device)
+    options = {} if args.max_num_seqs is None else {
+        "max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": 0}
+    engines = {name: Engine(model, mixed_resolution=mixed, device=args.device, **options)
                for name, mixed in configs.items()}
     try:
         for engine in engines.values():  # warm: each engine's curve at the mix
@@ -201,6 +203,7 @@ def measure_serving(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 for n in configs), flush=True)
         # the capacity each engine learned at the model's default size (mixed: in units)
         capacity = {name: engine.policy.cost.capacity(engine.policy.default_shape)
+                    if args.max_num_seqs is None else args.max_num_seqs
                     for name, engine in engines.items()}
     finally:
         for engine in engines.values():
@@ -241,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 96, 128])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="a fixed wave capacity (no admission wait) instead of auto")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.threads is not None:
