@@ -63,7 +63,7 @@ class SizeGroup:
     rows: torch.Tensor  # [b] long: the samples' rows in the packed batch
     tokens: torch.Tensor  # [n] long: their image tokens' positions in the carrier
     height: int  # latent rows (SD3, PixArt) or tokens (Flux) of this size
-    width: int  # latent columns; 1 for a token sequence
+    width: int  # latent columns; for a token sequence, which position ids it has
     rotary: Any = None  # Flux: this size's RoPE (cos, sin) over text + image tokens
 
 
@@ -152,7 +152,11 @@ class TokenPacker:
         longest = max(range(len(calls)), key=lambda i: tokens[i].shape[1])
         length = int(tokens[longest].shape[1])
         carriers = [torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[1])) for x in tokens]
-        groups = self._groups(calls, [(int(x.shape[1]), 1) for x in tokens],
+        # a group per length and position ids (64x128 and 128x64 have equal lengths)
+        variants = [next(j for j in range(i + 1) if torch.equal(img_ids[j], img_ids[i]))
+                    for i in range(len(calls))]
+        groups = self._groups(calls, [(int(x.shape[1]), v) for x, v in zip(tokens, variants,
+                                                                            strict=True)],
                               lambda n, _w: torch.arange(n, device=tokens[0].device),
                               tokens[0].device)
         for group, call in zip(groups, self._group_calls(calls, groups), strict=True):

@@ -53,9 +53,12 @@ def any_size(pipeline: Any, request: DiffusionRequest) -> DiffusionRequest:
     return request
 
 
-def sized(pipeline: Any, index: int, size: int, **params: Any) -> DiffusionRequest:
+def sized(pipeline: Any, index: int, size: int | tuple[int, int],
+          **params: Any) -> DiffusionRequest:
+    """A request of `size` (a side, or height and width)."""
+    height, width = (size, size) if isinstance(size, int) else size
     return make_request(pipeline, f"r{index}", f"a prompt number {index}", seed=40 + index,
-                        height=size, width=size, **params)
+                        height=height, width=width, **params)
 
 
 def check_equals_solo(pipeline: DiffusersT2IPipeline, requests: list[DiffusionRequest],
@@ -68,13 +71,14 @@ def check_equals_solo(pipeline: DiffusersT2IPipeline, requests: list[DiffusionRe
                                 "height", "width", "guidance_scale")},
                             n=request.sampling_params.num_outputs_per_prompt)
         [expected] = pipeline.forward(make_batch([solo]))
-        size = request.sampling_params.height
-        assert output.images.shape[-2:] == (size, size)
+        size = (request.sampling_params.height, request.sampling_params.width)
+        assert output.images.shape[-2:] == size
         diff = (output.images - expected.images).abs().max().item()
-        assert diff <= TOLERANCE, f"{request.request_id} ({size}px): max abs difference {diff}"
+        assert diff <= TOLERANCE, f"{request.request_id} {size}: max abs difference {diff}"
 
 
-@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+@pytest.mark.parametrize("sizes", [*SIZES.values(), [(64, 128), (128, 64)]],
+                         ids=[*SIZES, "aspect ratios"])
 @pytest.mark.parametrize("model", TRANSFORMERS)
 def test_a_wave_of_several_sizes_equals_each_requests_solo_run(
         model: str, sizes: list[int], load_tiny: Any, packed_calls: list[int]) -> None:
