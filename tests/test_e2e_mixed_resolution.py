@@ -42,9 +42,10 @@ def wave_sizes(engine: Engine) -> list[int]:
     ("tiny-sd3", "--mixed-resolution", [4, 4, 4, 4]),  # one wave: 6.5 of 8 units
     ("tiny-sd3", "--no-mixed-resolution", [2, 2, 2, 2]),  # one wave per size
     ("tiny-sd", "--mixed-resolution", [2, 2, 2, 2]),  # a UNet keeps size in the key
+    ("tiny-pixart", "--mixed-resolution --step-execution", [4, 4, 4, 4]),  # one batch
 ])
 def test_the_flag_lets_transformer_waves_mix_sizes_and_unets_split_by_size(
         model: str, flag: str, expected: list[int]) -> None:
-    with engine_from_flags(model, flag) as engine:
-        assert engine.config.mixed_resolution == (flag == "--mixed-resolution")
+    with engine_from_flags(model, *flag.split()) as engine:
+        assert engine.config.mixed_resolution == flag.startswith("--mixed-resolution")
         assert wave_sizes(engine) == expected
