@@ -146,6 +146,12 @@ class EngineConfig:
         help="step mode: requests join and leave the running batch between denoising "
         "steps (mixed step counts share a forward, a cancelled request stops at the next "
         "step); --max-num-seqs is the most requests in the running batch")
+    mixed_resolution: bool = option(
+        False, rule=Flag(),
+        help="transformer pipelines (SD3, Flux, PixArt): requests of different sizes share "
+        "a wave, their tokens packed into one denoiser forward with attention per "
+        "request; wave capacity counts pixels at the model's default size. UNet "
+        "pipelines keep one size per wave (docs/serving.md#mixed-resolution)")
     max_head_wait_ms: float = option(
         2000.0, rule=FloatRange(0.0),
         help="grouped: once the oldest request waited this long, its group goes next "

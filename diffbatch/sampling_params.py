@@ -362,6 +362,7 @@ class SamplingParamsKey:
     taken per request inside the shared forward).
     """
 
+    # With `any_size`: the reference size capacity is counted in (the model's default).
     height: int
     width: int
     num_frames: int | None  # video-capable pipelines only; None for images
@@ -380,23 +381,29 @@ class SamplingParamsKey:
     lora: str | None  # adapter identity; None is its own bucket
     lora_scale: float | None  # None exactly when lora is None
     extra: tuple[tuple[str, Any], ...]  # frozen, sorted model-specific kwargs
+    # Requests of any size share a wave (mixed resolution: the pipeline packs them).
+    any_size: bool = False
 
     @classmethod
     def from_params(
-        cls, params: SamplingParams, *, cfg_enabled: bool, per_request_guidance: bool = False
+        cls, params: SamplingParams, *, cfg_enabled: bool, per_request_guidance: bool = False,
+        reference_size: tuple[int, int] | None = None,
     ) -> SamplingParamsKey:
         """Build the key of already-resolved params (height, width, steps, guidance set).
 
         With `per_request_guidance` (the pipeline applies each request's own scale) and
-        CFG on, the guidance scale is left out of the key.
+        CFG on, the guidance scale is left out of the key. With a `reference_size`
+        (height, width; the pipeline packs requests of different sizes into one
+        forward) the request's size leaves the key: it holds the reference size
+        instead, and `any_size`.
         """
         assert params.height is not None and params.width is not None
         assert params.num_inference_steps is not None and params.guidance_scale is not None
         extra = dict(params.extra)
         num_frames = extra.pop("num_frames", None)
         return cls(
-            height=params.height,
-            width=params.width,
+            height=params.height if reference_size is None else reference_size[0],
+            width=params.width if reference_size is None else reference_size[1],
             num_frames=num_frames,
             num_inference_steps=params.num_inference_steps,
             task=params.task,
@@ -412,6 +419,7 @@ class SamplingParamsKey:
             lora=params.lora,
             lora_scale=float(params.lora_scale) if params.lora is not None else None,
             extra=_freeze(extra),
+            any_size=reference_size is not None,
         )
 
     def for_step_execution(self) -> SamplingParamsKey:
@@ -440,7 +448,8 @@ class SamplingParamsKey:
         """
         guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
         steps = self.num_inference_steps or "*"
-        text = f"{self.width}x{self.height}/s{steps}/g{guidance}"
+        size = "*x*" if self.any_size else f"{self.width}x{self.height}"
+        text = f"{size}/s{steps}/g{guidance}"
         text += f"/n{self.num_outputs_per_prompt}"
         if self.task != TEXT_TO_IMAGE:
             strength = "?" if self.strength is None else f"{self.strength:g}"

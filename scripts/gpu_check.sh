@@ -5,7 +5,8 @@
 #   WHEELS=.whl bash scripts/gpu_check.sh      # one that cannot, with CUDA torch on it
 #
 # Writes OUT (default gpu_check/): env.txt (GPU, torch), test_cuda.log, benchmarks.log,
-# and the JSON and figure of learned_curve and defaults (seven files).
+# the JSON and figure of learned_curve and defaults, and the two mixed_resolution JSONs
+# (nine files).
 #
 # With PyPI: a venv (.venv-gpu) with the CUDA build of the pinned torch (PyPI's default
 # Linux wheel) and diffbatch with its test and bench extras. Without (WHEELS=DIR): the
@@ -19,7 +20,10 @@
 #   4. benchmarks/defaults.py, the plain diffusers loop on the GPU too
 #      (`diffbatch serve tiny-sd` with no flags vs `pipe.to("cuda")`);
 #   5. `diffbatch bench serve` against `diffbatch serve tiny-sd` with no flags and with
-#      fixed settings, at 16 and 64 closed-loop clients (mean wave size, queue wait).
+#      fixed settings, at 16 and 64 closed-loop clients (mean wave size, queue wait);
+#   6. benchmarks/mixed_resolution.py: one packed transformer call over several sizes vs
+#      one call per size, then serving a 64/96/128 mix with and without
+#      --mixed-resolution (tiny-sd3, tiny-pixart): whether packing pays on a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check}
@@ -106,4 +110,12 @@ serve_and_bench() {  # PORT FLAGS... ; then benches at 16 and 64 clients
 serve_and_bench 8101
 serve_and_bench 8102 --max-num-seqs 16 --request-batch-max-wait-ms 0
 serve_and_bench 8103 --max-num-seqs 64 --request-batch-max-wait-ms 0
+
+echo "== 6. mixed_resolution.py: packed vs per-size calls, then serving a size mix" \
+    | tee -a "$LOG"
+timeout 150 "$PY" benchmarks/mixed_resolution.py --device cuda --rounds 5 --repeats 10 \
+    --out "$OUT/mixed_resolution_cuda.json" 2>&1 | grep -v " INFO " | tee -a "$LOG" || status=1
+timeout 240 "$PY" benchmarks/mixed_resolution.py --device cuda --serve --rounds 3 \
+    --window-s 5 --models tiny-sd3 tiny-pixart --out "$OUT/mixed_resolution_serve_cuda.json" \
+    2>&1 | grep -v " INFO " | tee -a "$LOG" || status=1
 exit $status

@@ -193,6 +193,15 @@ class Engine:
             self.policy.limit, config.request_batch_max_wait_ms, config.executor,
         )
 
+    def _mixed_reference_size(self, params: SamplingParams) -> tuple[int, int] | None:
+        """With `mixed_resolution` on a pipeline that packs sizes, the size a
+        text-to-image request's key holds instead of its own (the model's default:
+        capacity is counted in its pixels); None keeps the request's size."""
+        if not self.config.mixed_resolution or not self.info.supports_mixed_resolution \
+                or params.task != "text-to-image":
+            return None
+        return self.info.default_height, self.info.default_width
+
     def _request_work_limit(self) -> int | None:
         """The most pixel-steps (width x height x steps) one image of a request may ask
         for; None = no limit. "auto" scales the model's default image."""
@@ -266,6 +275,7 @@ class Engine:
             resolved, cfg_enabled=cfg_enabled,
             per_request_guidance=self.info.supports_per_request_guidance
             and resolved.task == "text-to-image",
+            reference_size=self._mixed_reference_size(resolved),
         )
         if self.config.step_execution:  # each request runs its own schedule
             request.key = request.key.for_step_execution()

@@ -28,6 +28,7 @@ from diffbatch.engine.admission import AdmissionWait
 from diffbatch.engine.dispatch import Dispatch, InFlightWave
 from diffbatch.outputs import BatchRunnerOutput, RequestError
 from diffbatch.request import RequestStatus
+from diffbatch.sched.base import wave_units
 
 if TYPE_CHECKING:
     from diffbatch.errors import WorkerDiedError
@@ -113,7 +114,8 @@ class WaveDispatch(Dispatch):
         # was dispatched: take the later of the two.
         started = max(record.dispatched,
                       time.monotonic() - runner_output.forward_time_ms / 1000.0)
-        core.policy.observe_wave(wave.key, wave.num_requests, runner_output.forward_time_ms,
+        # (a wave of mixed sizes counts in the units its capacity is counted in)
+        core.policy.observe_wave(wave.key, wave_units(wave), runner_output.forward_time_ms,
                                  runner_output.num_forwards)
         with core.cond:
             finished = core.scheduler.update_from_output(wave, runner_output)

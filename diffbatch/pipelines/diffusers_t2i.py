@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -48,11 +49,13 @@ from diffbatch.pipelines.diffusers_edit import (
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.execution_device import pin_execution_device
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
+from diffbatch.pipelines.mixed_sizes import request_size, run_together, split_by_size
 from diffbatch.pipelines.model_folder import DEFAULTS_FILE, check_component_folders
+from diffbatch.pipelines.packed_tokens import TokenPacker, packing_layout
 from diffbatch.pipelines.per_sample_guidance import PerSampleGuidance
 from diffbatch.pipelines.schedule_limits import schedulable_steps
 from diffbatch.pipelines.scheduler_fusion import scheduler_point, wrap_scheduler
-from diffbatch.pipelines.step_fusion import FusionPoint
+from diffbatch.pipelines.step_fusion import FusionPoint, ModuleCall, install
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +201,11 @@ class DiffusersT2IPipeline(BasePipeline):
         # copy of its pipeline with a scheduler of its own, whose `step` is fused with
         # the other requests' at this point (set by step_fusion_points).
         self._scheduler_point: FusionPoint | None = None
+        # Waves of several sizes (transformers only, `mixed_sizes.py`): the packer of
+        # the transformer, made at the first packed call; the scheduler point of
+        # request mode's per-size calls, set at the first such wave.
+        self._packer: TokenPacker | None = None
+        self._sizes_point: FusionPoint | None = None
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -299,6 +307,7 @@ class DiffusersT2IPipeline(BasePipeline):
             },
             negative_prompt=self._negative_prompt_use(),
             **self._prompt_limit(),
+            supports_mixed_resolution=self._packable(),
         )
 
     def _prompt_limit(self) -> dict[str, Any]:
@@ -315,6 +324,12 @@ class DiffusersT2IPipeline(BasePipeline):
                 and 0 < length < 1_000_000):  # transformers' "no limit" is a huge number
             return {}
         return {"prompt_tokenizer": folder, "max_prompt_tokens": length}
+
+    def _packable(self) -> bool:
+        """Whether requests of different sizes can share a forward: a transformer
+        `TokenPacker` can pack (a UNet's convolutions would see the padding)."""
+        return getattr(self.pipe, "unet", None) is None \
+            and packing_layout(getattr(self.pipe, "transformer", None)) is not None
 
     def _per_sample_guidance_ok(self, cfg_threshold: float | None) -> bool:
         """Whether `forward` may pass a `PerSampleGuidance` to this diffusers pipeline.
@@ -363,19 +378,28 @@ class DiffusersT2IPipeline(BasePipeline):
                 f"the wave has {len(batch)} requests x {n} images but "
                 f"{len(batch.generators)} generators; pass one generator per image"
             )
-        # 2. One diffusers call for the whole wave, on the pipeline of its task, stopped
-        #    between steps once nobody waits for it.
         batch.check_interrupt()
+        if len({request_size(r) for r in batch.requests}) > 1:
+            return self._forward_sizes(batch)
+        # step mode takes a cancelled request out itself
+        return self._forward_call(batch, self._scheduler_point,
+                                  interrupt=self._scheduler_point is None)
+
+    def _forward_call(self, batch: DiffusionRequestBatch, point: FusionPoint | None, *,
+                      interrupt: bool) -> list[DiffusionOutput]:
+        """One diffusers call for the wave (one size), on the pipeline of its task,
+        stopped between steps once nobody waits for it (with `interrupt`). With a
+        scheduler `point`, the call runs on a pipeline copy whose own scheduler's
+        steps go through that point (step mode; several sizes in one wave)."""
+        n = batch.num_outputs_per_prompt
         pipe = self._task_pipe(batch)
-        step_mode = self._scheduler_point is not None
-        if step_mode:
+        if point is not None:
             pipe = copy.copy(pipe)
             pipe.scheduler = copy.deepcopy(pipe.scheduler)
-            wrap_scheduler(self._scheduler_point, pipe.scheduler)
+            wrap_scheduler(point, pipe.scheduler)
         previews = DiffusersPreviews.for_wave(batch, pipe)
         kwargs = {**self.call_kwargs(batch),
-                  # step mode takes a cancelled request out itself
-                  **self._step_hooks(batch, pipe, previews, interrupt=not step_mode)}
+                  **self._step_hooks(batch, pipe, previews, interrupt=interrupt)}
         with previews.capturing() if previews is not None else contextlib.nullcontext():
             images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
@@ -383,22 +407,57 @@ class DiffusersT2IPipeline(BasePipeline):
                 f"{self._info.name} returned {getattr(images, 'shape', type(images))}, "
                 f"expected a tensor with {len(batch) * n} images"
             )
-        # 3. Split per request (clone: a view would carry the whole wave's storage).
+        # Split per request (clone: a view would carry the whole wave's storage).
         images = images.detach().to("cpu", torch.float32)
         return [
             DiffusionOutput(request_id=r.request_id, images=images[i * n:(i + 1) * n].clone())
             for i, r in enumerate(batch.requests)
         ]
 
+    def _forward_sizes(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        """A wave of several sizes: one call per size, the transformer packed
+        (`mixed_sizes.py`)."""
+        if not self._packable() or batch.requests[0].sampling_params.task != "text-to-image":
+            raise ValueError(
+                f"{self._info.name} cannot run requests of different sizes in one wave "
+                "(supports_mixed_resolution is False, or an edit wave)")
+        if self._sizes_point is None:
+            install(self._fusion_points())
+            self._sizes_point = scheduler_point()
+        parts = split_by_size(batch)
+        results = run_together([
+            functools.partial(self._forward_call, part, self._sizes_point, interrupt=True)
+            for _, part in parts])
+        outputs: list[DiffusionOutput | None] = [None] * len(batch)
+        for (indices, _), part_outputs in zip(parts, results, strict=True):
+            for i, output in zip(indices, part_outputs, strict=True):
+                outputs[i] = output
+        return [o for o in outputs if o is not None]
+
+    def _pack_calls(self, calls: list[ModuleCall]) -> list[Any]:
+        """The transformer's calls for requests of different sizes, as one call."""
+        if self._packer is None:
+            self._packer = TokenPacker(self.pipe.transformer)
+        return self._packer.pack_calls(calls)
+
     def step_fusion_points(self) -> list[FusionPoint]:
         """Step mode: fuse the denoiser and the scheduler steps per tick, the text
         encoders and the VAE decoder at joins and leaves (see
         `diffbatch.pipelines.step_fusion`)."""
+        points = self._fusion_points()
+        self._scheduler_point = scheduler_point()
+        return points
+
+    def _fusion_points(self) -> list[FusionPoint]:
+        """The denoiser (packing sizes where `TokenPacker` can), the text encoders
+        and the VAE decoder."""
         pipe, points = self.pipe, []
+        pack = self._pack_calls if self._packable() else None
         for name in _DENOISERS:
             module = getattr(pipe, name, None)
             if module is not None:
-                points.append(FusionPoint(module, "forward", "step", name, _SHARED_ARGUMENTS))
+                points.append(FusionPoint(module, "forward", "step", name, _SHARED_ARGUMENTS,
+                                          pack=pack if name == "transformer" else None))
         for name in _TEXT_ENCODERS:
             module = getattr(pipe, name, None)
             if module is not None:
@@ -408,7 +467,6 @@ class DiffusersT2IPipeline(BasePipeline):
             points.append(FusionPoint(vae, "decode", "boundary", "vae.decode"))
         if not any(p.kind == "step" for p in points):
             raise ValueError(f"{self._info.name} has no unet or transformer to run step-wise")
-        self._scheduler_point = scheduler_point()
         return points
 
     def _task_pipe(self, batch: DiffusionRequestBatch) -> Any:

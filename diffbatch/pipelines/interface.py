@@ -183,6 +183,9 @@ class PipelineInfo:
     # long prompt). The HTTP server refuses a longer prompt instead of cutting it.
     prompt_tokenizer: str | None = None
     max_prompt_tokens: int | None = None
+    # `forward` runs text-to-image requests of different sizes in one wave (a
+    # transformer packing their tokens); with `mixed_resolution` on, size leaves the key.
+    supports_mixed_resolution: bool = False
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""

@@ -24,8 +24,10 @@ length b_i (generators) are concatenated; dicts are fused key by key; anything e
 must be equal across the calls (names in `FusionPoint.shared`, e.g. Flux's position
 ids, are always taken from the first call after checking they are equal). Calls that
 cannot be fused (other shapes, other option values) run in smaller groups: results
-stay right, only slower. Outputs are split the same way (`split_result`): tensors,
-tuples, dicts and `ModelOutput`s whose batch dimension is the fused size.
+stay right, only slower; a point with a `pack` (the transformer over requests of
+different sizes, `packed_tokens.py`) first tries that. Outputs are split the same
+way (`split_result`): tensors, tuples, dicts and `ModelOutput`s whose batch
+dimension is the fused size.
 
 Correctness rests on the modules treating samples independently (as batching in
 request mode already does): a request's image in step mode equals its solo run.
@@ -62,6 +64,10 @@ class FusionPoint:
     # How to run several calls as one, if not by concatenating their arguments: one
     # result per call, or `Unfusable` (then each call runs alone).
     fuse: Callable[[Sequence[ModuleCall]], list[Any]] | None = None
+    # How to run calls whose arguments cannot be concatenated (e.g. a transformer over
+    # requests of different sizes, `packed_tokens.TokenPacker`) as one: one result
+    # per call, or an exception (then the calls are split as without it).
+    pack: Callable[[Sequence[ModuleCall]], list[Any]] | None = None
 
 
 @dataclass
@@ -231,8 +237,9 @@ def run_fused(calls: Sequence[ModuleCall],
               module_ms: list[float] | None = None) -> list[tuple[bool, Any]]:
     """Run calls of one point as few module calls as possible; one (ok, value) each.
 
-    Fusable calls run as one; a group that cannot be fused is split in halves until
-    it can (one call always can). A fused call that raises is bisected the same way
+    Fusable calls run as one; calls that cannot be concatenated run as one through
+    the point's `pack` if it has one; otherwise, or if that fails, a group is split
+    in halves until it can (one call always can). A fused call that raises is bisected the same way
     (error isolation): the calls whose own run raises get (False, exception), the
     others their result, exactly as if they had run without the failing ones.
     `module_ms`, if given, gets the wall time of each module call made.
@@ -251,11 +258,21 @@ def run_fused(calls: Sequence[ModuleCall],
             return [outcome for call in calls for outcome in run_fused([call], module_ms)]
     try:
         args, kwargs = fuse_arguments(calls)
-        result = _timed(calls[0].run, args, kwargs, module_ms)
-        return [(True, part) for part in split_result(result, [c.batch_size for c in calls])]
-    except Exception:
-        mid = len(calls) // 2
-        return run_fused(calls[:mid], module_ms) + run_fused(calls[mid:], module_ms)
+    except Exception as exc:
+        pack = calls[0].point.pack
+        if isinstance(exc, Unfusable) and pack is not None:
+            try:
+                return [(True, r) for r in _timed(pack, (calls,), {}, module_ms)]
+            except Exception:  # Unfusable, or a call that fails: split as below
+                pass
+    else:
+        try:
+            result = _timed(calls[0].run, args, kwargs, module_ms)
+            return [(True, part) for part in split_result(result, [c.batch_size for c in calls])]
+        except Exception:
+            pass
+    mid = len(calls) // 2
+    return run_fused(calls[:mid], module_ms) + run_fused(calls[mid:], module_ms)
 
 
 def _timed(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -39,6 +39,24 @@ def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
     return num_requests * key.num_outputs_per_prompt * key.height * key.width
 
 
+def capacity_units(request: DiffusionRequest, key: SamplingParamsKey) -> float:
+    """How much of a wave's capacity `request` takes: 1, or under a size-free key
+    (mixed resolution: `key.any_size`) its pixels over the key's reference size, the
+    size the capacity is learned at; so a wave of mixed sizes is bounded by pixels."""
+    params = request.sampling_params
+    if not key.any_size or params.height is None or params.width is None:
+        return 1.0
+    return params.height * params.width / (key.height * key.width)
+
+
+def wave_units(wave: SchedulerOutput) -> int:
+    """A wave's size in capacity units (`capacity_units`), rounded, at least 1: its
+    number of requests unless its key is size-free."""
+    if wave.key is None or not wave.key.any_size:
+        return wave.num_requests
+    return max(1, round(sum(capacity_units(r, wave.key) for r in wave.requests)))
+
+
 class SchedulerBase(SchedulerInterface):
     """Request table, running set and waiting count; the policy lives in subclasses."""
 
@@ -82,6 +100,19 @@ class SchedulerBase(SchedulerInterface):
 
     def wave_size_limit(self, key: SamplingParamsKey) -> int | None:
         return self.wave_limit(key)[0]
+
+    def wave_is_full(self, wave: list[DiffusionRequest], candidate: DiffusionRequest,
+                     key: SamplingParamsKey, limit: int) -> bool:
+        """Whether a wave of `key` holding `wave` may not take `candidate` too: it has
+        `limit` requests, or under a size-free key `limit` capacity units
+        (`capacity_units`; at most `max_num_seqs` requests either way)."""
+        if not key.any_size:
+            return len(wave) >= limit
+        if not wave:
+            return False
+        used = sum(capacity_units(r, key) for r in wave)
+        return len(wave) >= self.max_num_seqs \
+            or used + capacity_units(candidate, key) > limit + 1e-9
 
     # -- policy hooks ----------------------------------------------------------------
     @abstractmethod

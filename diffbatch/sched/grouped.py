@@ -111,7 +111,7 @@ class GroupedScheduler(SchedulerBase):
             self._pop_finished(group)
             if not group:
                 break
-            if len(wave) >= limit:
+            if self.wave_is_full(wave, group[0][2], key, limit):
                 close_reason = limit_reason
                 break
             request = heapq.heappop(group)[2]
@@ -161,11 +161,12 @@ class GroupedScheduler(SchedulerBase):
             return False
         key = picked[0]
         limit, _ = self.wave_limit(key)
-        count = 0
+        wave: list[DiffusionRequest] = []
         for _, _, request in self._groups[key]:
             if request.status == RequestStatus.WAITING:
-                count += 1
-                if count >= limit:
+                wave.append(request)
+                # (full: it could not take another request like the last one)
+                if self.wave_is_full(wave, request, key, limit):
                     return True
         return False
 

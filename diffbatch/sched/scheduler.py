@@ -63,7 +63,7 @@ class Scheduler(SchedulerBase):
             if not self.waiting:
                 close_reason = "queue_empty"
                 break
-            if len(wave) >= limit:
+            if self.wave_is_full(wave, self.waiting[0], key, limit):
                 close_reason = limit_reason
                 break
             if self.waiting[0].key != key:
@@ -94,7 +94,7 @@ class Scheduler(SchedulerBase):
     def has_full_wave(self) -> bool:
         """A wave's capacity of equal-key requests at the head, or fewer and another key
         behind them (which ends the wave however many more arrive). O(capacity)."""
-        key, count, capacity = None, 0, self.max_num_seqs
+        key, wave, capacity = None, [], self.max_num_seqs
         for request in self.waiting:
             if request.is_finished:
                 continue
@@ -104,8 +104,9 @@ class Scheduler(SchedulerBase):
                 capacity, _ = self.wave_limit(key)
             elif request.key != key:
                 return True
-            count += 1
-            if count >= capacity:
+            wave.append(request)
+            # (full: it could not take another request like the last one)
+            if self.wave_is_full(wave, request, key, capacity):
                 return True
         return False
 

@@ -359,6 +359,9 @@ MULTIPROC = "tests/executor/test_multiproc.py::"
 # `"name": option(VALUE, "tests/...py::test_that_shows_what_it_changes"),` (`text=` when
 # the flag's text is not str(VALUE), `with_flags=` for flags VALUE needs beside it).
 ENGINE_OPTIONS: dict[str, OptionCase] = {
+    "mixed_resolution": option(True, "tests/test_e2e_mixed_resolution.py::"
+                               "test_the_flag_lets_transformer_waves_mix_sizes_and_unets_split_"
+                               "by_size"),
     "model": option("tiny-sd", E2E + "test_batch_invariance_each_image_equals_its_solo_run"),
     "pipeline_class": option("tests.fake_pipelines:FakeSinglePipeline",
                              ENGINE + "test_non_batch_pipeline_takes_the_per_request_path"),

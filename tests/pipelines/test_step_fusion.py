@@ -65,3 +65,43 @@ def test_results_split_back_per_call_in_every_container() -> None:
     assert outputs[2].sample.flatten().tolist() == [3.0, 4.0, 5.0]
     scalar = torch.tensor(7.0)  # no batch dimension: every call gets it whole
     assert all(p is scalar for p in split_result(scalar, sizes))
+
+
+def test_calls_of_different_shapes_run_as_one_through_the_points_pack() -> None:
+    from diffbatch.pipelines.step_fusion import run_fused
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    packed: list[int] = []
+
+    def pack(calls: list[ModuleCall]) -> list[torch.Tensor]:
+        packed.append(len(calls))
+        return [c.args[0] * 2 for c in calls]
+
+    point = FusionPoint(None, "forward", "step", "denoiser", pack=pack)
+    calls = [ModuleCall(point, double, (torch.ones(1, n),), {}) for n in (2, 3, 2)]
+    outcomes = run_fused(calls)
+    assert packed == [3]  # the three shapes in one packed call
+    assert [value.tolist() for _ok, value in outcomes] == [[[2.0] * n] for n in (2, 3, 2)]
+
+
+def test_a_pack_that_fails_falls_back_to_smaller_groups_with_the_same_results() -> None:
+    from diffbatch.pipelines.step_fusion import run_fused
+
+    ran: list[int] = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        ran.append(x.shape[0])
+        if x.shape[1] == 3:
+            raise RuntimeError("this call fails on its own")
+        return x * 2
+
+    def pack(calls: list[ModuleCall]) -> list[torch.Tensor]:
+        raise RuntimeError("one of the packed calls failed")
+
+    point = FusionPoint(None, "forward", "step", "denoiser", pack=pack)
+    calls = [ModuleCall(point, double, (torch.ones(1, n),), {}) for n in (2, 3, 2)]
+    outcomes = run_fused(calls)
+    assert [ok for ok, _value in outcomes] == [True, False, True]
+    assert outcomes[0][1].tolist() == outcomes[2][1].tolist() == [[2.0, 2.0]]
