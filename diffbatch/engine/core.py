@@ -590,6 +590,9 @@ class EngineCore:
         if self.metrics is not None:
             self.metrics.observe_wave(wave.num_requests, wave.close_reason,
                                       admission_reason, forward_ms / 1000.0)
+            self.metrics.observe_loras(runner_output.num_lora_adapters,
+                                       runner_output.num_lora_loads,
+                                       runner_output.num_lora_evictions)
         if self.wave_log is not None:
             statuses = [r.status for r in wave.requests]  # final: update_from_output ran
             self.wave_log.record(

@@ -113,25 +113,28 @@ def test_a_cancelled_request_leaves_at_the_next_boundary_and_its_slot_is_reused(
     assert diff.item() <= TOLERANCE
 
 
-def test_a_lora_that_fails_to_activate_fails_every_request_admitted_with_it(
-        load_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_adapter_that_fails_to_load_fails_only_the_request_that_uses_it(
+        load_tiny: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     pipeline = load_tiny("tiny-sd")
     runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
     steps = StepRunner(runner)
     reported: list[list[int]] = []
     steps.report_joins_to(reported.append)
 
-    def broken(lora: Any, scale: float) -> None:
+    def broken(name: str, path: str) -> None:
         raise RuntimeError("adapter weights do not fit this model")
 
-    monkeypatch.setattr(runner, "activate_lora", broken)
-    requests = [step_request(pipeline, i, 3)[0] for i in range(2)]
+    monkeypatch.setattr(pipeline, "load_lora", broken)
+    (tmp_path / "bad").mkdir()
+    requests = [step_request(pipeline, 0, 3, lora=str(tmp_path / "bad"))[0],
+                step_request(pipeline, 1, 3)[0]]
     join(steps, requests, 0, capacity=2)
     left = run_until_idle(steps)
     assert reported == [[0, 1]]  # both entered the batch together, reported before running
-    for request in requests:  # neither ran without the adapter it asked for
-        error = left[request.request_id][1].error
-        assert error is not None and "adapter weights do not fit" in error.message
+    error = left["r0"][1].error
+    assert error is not None and "adapter weights do not fit" in error.message
+    assert left["r1"][1].error is None  # its mate ran without it
+    assert runner.loras.resident == []
 
 
 class NaNCheckingSD(DiffusersT2IPipeline):
