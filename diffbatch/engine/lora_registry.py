@@ -63,7 +63,15 @@ class LoraRegistry:
 
     def add(self, name: str, path: str) -> None:
         """Serve the adapter at `path` under `name` (checked to hold LoRA weights)."""
-        real = resolve_lora(path, None)
+        if not name or name != name.strip() or name.startswith(".") \
+                or any(c in name for c in "/=\x00"):
+            raise InvalidRequestError(
+                f"`lora_name` must be a plain name (no '/', '=', NUL, leading '.' or "
+                f"surrounding spaces), got {name!r:.100}", param="lora_name")
+        try:
+            real = resolve_lora(path, None)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.message, param="lora_path") from None
         assert real is not None
         with self._lock:
             if name in self._modules:

@@ -214,7 +214,10 @@ def _specialise_fields(
     properties["size"]["description"] = _size_description(size_rule, auto)
     if lora_enabled:
         lora = properties["lora"]
-        lora["anyOf"][0]["pattern"] = lora.pop("pattern")
+        pattern = lora.pop("pattern")
+        for branch in lora["anyOf"]:
+            if branch.get("type") == "string":
+                branch["pattern"] = pattern
     else:
         del properties["lora"]
 
