@@ -93,7 +93,8 @@ class FakeBatchPipeline(BasePipeline):
         self.lora_unloads.append(name)
 
     def set_lora_wave(self, stacks: Any, num_outputs_per_prompt: int) -> None:
-        self.lora_waves.append(list(stacks or []))
+        if stacks is not None:  # None: the runner clearing the stacks after a forward
+            self.lora_waves.append(list(stacks))
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         type(self).wave_sizes.append(len(batch))

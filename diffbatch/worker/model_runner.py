@@ -322,8 +322,12 @@ class ModelRunner:
                                         batch.num_outputs_per_prompt)
         # 3. One forward for the whole wave, checked against the contract.
         self._num_forwards += 1
-        with torch.inference_mode():
-            outputs = self.pipeline.forward(batch)
+        try:
+            with torch.inference_mode():
+                outputs = self.pipeline.forward(batch)
+        finally:
+            if lora_wave:  # the stacks name adapters that may be evicted after the wave
+                self.pipeline.set_lora_wave(None, 1)
         check_outputs(self._info.name, batch, outputs)
         # 4. Per-request output mapping.
         for request, out in zip(requests, outputs, strict=True):

@@ -137,6 +137,36 @@ def test_an_adapter_that_fails_to_load_fails_only_the_request_that_uses_it(
     assert runner.loras.resident == []
 
 
+def test_a_running_requests_adapter_is_never_evicted(load_tiny: Any, tmp_path: Any) -> None:
+    """--max-loras 1: a joiner on another adapter waits until the running request on
+    the resident one has left (loading its adapter would evict a running one's), then
+    runs; both images equal their solo runs."""
+    from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+    from diffbatch.pipelines.registry import resolve_model_path
+    from tests.lora_utils import make_tiny_lora
+
+    model = resolve_model_path("tiny-sd")
+    pipeline = DiffusersT2IPipeline.from_pretrained(model, device="cpu")  # adapters stay
+    paths = [make_tiny_lora(model, tmp_path / name, seed=i) for i, name in enumerate("ab")]
+    runner = ModelRunner(EngineConfig(model="tiny-sd", max_loras=1), pipeline=pipeline)
+    first, first_key = step_request(pipeline, 0, 4, lora=paths[0])
+    second, second_key = step_request(pipeline, 1, 2, lora=paths[1])
+    alone = [solo_image(runner, first, first_key), solo_image(runner, second, second_key)]
+    steps = StepRunner(runner)
+    joins: list[list[int]] = []
+    steps.report_joins_to(joins.append)
+    join(steps, [first, second], 0, capacity=2)
+    resident: list[list[str]] = []
+    left = run_until_idle(steps, on_tick=lambda tick: resident.append(runner.loras.resident))
+    assert joins == [[0], [1]]  # the second joined only after the first had left
+    assert left["r1"][0] > left["r0"][0]
+    assert all(len(r) <= 1 for r in resident)
+    for request, image in zip((first, second), alone, strict=True):
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        assert (output.images - image).abs().max().item() <= TOLERANCE
+
+
 class NaNCheckingSD(DiffusersT2IPipeline):
     """tiny-sd whose denoiser raises on a batch holding NaN latents, and which gives a
     request whose prompt says "poison" NaN latents: the failure happens inside the
