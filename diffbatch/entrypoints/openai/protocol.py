@@ -172,7 +172,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
 
     Args:
         prompt: One non-empty prompt (lists are rejected: batching is across requests).
-        model: The served model name; None serves the default model.
+        model: The served model name, or a LoRA adapter's (vLLM: it selects the
+            adapter); None serves the default model.
         n: Images to generate for this prompt, 1-10.
         size: "<width>x<height>" or "auto"/None for the model's default size.
         response_format: "b64_json" (default) or "url": links to the images, kept by
@@ -202,7 +203,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,
         description=f"One prompt: at most {MAX_PROMPT_CHARS} characters, not only whitespace.",
     )
-    model: str | None = Field(default=None, description="The served model (see /v1/models).")
+    model: str | None = Field(
+        default=None,
+        description="The served model, or one of its LoRA adapters (see /v1/models).")
     n: int = Field(default=1, ge=1, le=MAX_N, strict=True, json_schema_extra=_or_null)
     size: str | None = Field(
         default=None,
