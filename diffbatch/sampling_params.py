@@ -207,8 +207,8 @@ class SamplingParams:
         lora: LoRA adapter name or path, or a stack of several: a list of
             (name, scale) pairs or of {"name", "scale"} dicts (scale defaults to 1);
             None runs the base model. Requests with different adapters share a wave.
-        lora_scale: Strength of a single adapter given by name (with a stack, each
-            entry carries its own and this must stay 1.0).
+        lora_scale: Strength of a single adapter given by name; with a stack, it
+            multiplies each entry's own scale.
         sigmas: Custom sigma schedule, when the pipeline's scheduler takes one.
         timesteps: Custom timesteps, when the pipeline's scheduler takes them.
         extra: Model-specific keyword arguments passed to the pipeline call. They are
@@ -284,6 +284,8 @@ class SamplingParams:
         _check_float("lora_scale", self.lora_scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
         if self.lora is not None:
             self.lora = _lora_value(self.lora, self.lora_scale)
+            if not isinstance(self.lora, str):  # folded into the stack's scales
+                self.lora_scale = 1.0
         if self.sigmas is not None:
             self.sigmas = _sequence("sigmas", self.sigmas)
             for s in self.sigmas:
@@ -349,7 +351,7 @@ class SamplingParams:
             return ()
         if isinstance(self.lora, str):
             return ((self.lora, float(self.lora_scale)),)
-        return self.lora
+        return self.lora  # `lora_scale` is folded in
 
     @property
     def task(self) -> Task:
@@ -471,10 +473,6 @@ def _lora_value(lora: Any, lora_scale: float) -> str | LoraStack:
         raise InvalidRequestError(
             f"`lora` must be an adapter name or a list of 1 to {MAX_LORA_STACK} "
             f"{{\"name\", \"scale\"}} entries, got {lora!r:.200}", param="lora")
-    if lora_scale != 1.0:
-        raise InvalidRequestError(
-            f"`lora_scale` applies to a single adapter name; with a list give each entry its "
-            f"own scale, got lora_scale={lora_scale!r}", param="lora_scale")
     stack: list[tuple[str, float]] = []
     for entry in lora:
         if isinstance(entry, dict):
@@ -496,9 +494,12 @@ def _lora_value(lora: Any, lora_scale: float) -> str | LoraStack:
                 param="lora")
         check_text("lora", name, allow_nul=False)
         _check_float("lora", scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
-        if any(name == other for other, _ in stack):
-            raise InvalidRequestError(
-                f"`lora` names adapter {name!r} twice; give it once with the summed scale",
-                param="lora")
         stack.append((name, float(scale)))
-    return tuple(stack)
+    # An adapter named twice adds up (its delta is linear in the scale); `lora_scale`
+    # scales the whole stack.
+    merged: dict[str, float] = {}
+    for name, scale in stack:
+        merged[name] = merged.get(name, 0.0) + scale * float(lora_scale)
+    for scale in merged.values():
+        _check_float("lora", scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
+    return tuple(merged.items())

@@ -52,13 +52,15 @@ def test_lora_stacks_are_normalised_and_checked():
     params = SamplingParams(lora=given)
     assert params.lora == (("a", 0.5), ("b", 1.0), ("c", -1.0)) == params.lora_stack
     for bad, match in [([], "list of 1 to"), ([{"name": "a", "weight": 1}], "may have"),
-                       ([{"name": "a"}, {"name": "a"}], "twice"),
+                       ([{"name": "a", "scale": 6}, {"name": "a", "scale": 6}], "between"),
                        ([{"name": "a", "scale": 1e9}], "between"),
                        ([{"name": ""}], "non-empty"), (["a"], "pair")]:
         with pytest.raises(InvalidRequestError, match=match):
             SamplingParams(lora=bad)
-    with pytest.raises(InvalidRequestError, match="single adapter name"):
-        SamplingParams(lora=[("a", 1.0)], lora_scale=0.5)
+    # an adapter named twice adds up; lora_scale scales the stack (once: clone keeps it)
+    scaled = SamplingParams(lora=[("a", 1.0), ("b", 2.0), ("a", 0.5)], lora_scale=0.5)
+    assert scaled.lora_stack == (("a", 0.75), ("b", 1.0)) and scaled.lora_scale == 1.0
+    assert scaled.clone(seed=3).lora_stack == scaled.lora_stack
 
 
 def test_key_ignores_prompt_side_fields():

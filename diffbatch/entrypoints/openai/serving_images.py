@@ -311,22 +311,17 @@ class OpenAIServingImages:
         return True
 
     def lora_of(self, request: ImageGenerationRequest) -> tuple[Any, float]:
-        """The engine-side `lora` and `lora_scale` of `request`: its `lora`, after the
-        adapter its `model` names (if any)."""
-        stack: list[tuple[str, float]] = []
-        if request.model is not None and request.model != self.served_model_name:
-            stack.append((request.model, 1.0))
-        if isinstance(request.lora, str):
-            if not stack:
-                return request.lora, request.lora_scale
-            stack.append((request.lora, request.lora_scale))
-        elif request.lora is not None:
-            stack.extend((entry.name, entry.scale) for entry in request.lora)
-        if not stack:
-            return None, 1.0
-        if len(stack) == 1 and request.lora is None:
-            return stack[0][0], 1.0
-        return stack, 1.0
+        """The engine-side `lora` and `lora_scale` of `request`: the adapter its `model`
+        names (if any) stacked before its `lora`; `lora_scale` scales them all."""
+        lora: Any = request.lora
+        if isinstance(lora, list):
+            lora = [(entry.name, entry.scale) for entry in lora]
+        if request.model is None or request.model == self.served_model_name:
+            return lora, request.lora_scale
+        if lora is None:
+            return request.model, request.lora_scale
+        return [(request.model, 1.0), *([(lora, 1.0)] if isinstance(lora, str) else lora)], \
+            request.lora_scale
 
     def sampling_params(
         self, request: ImageGenerationRequest, width: int, height: int

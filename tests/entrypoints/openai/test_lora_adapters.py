@@ -25,6 +25,7 @@ from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.pipelines.registry import resolve_model_path
 from tests.entrypoints.openai.conftest import API_KEY, app_client, serve_in_thread
 from tests.lora_utils import make_tiny_lora
+from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +45,10 @@ def adapter_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(adapter_paths: dict[str, str]):
     modules = {name: adapter_paths[name] for name in NAMES}
-    with Engine(MODEL, executor="mp", max_num_seqs=8, request_batch_max_wait_ms=1000,
-                lora_modules=modules, torch_num_threads=1) as engine:
+    # one wave at a time: while a wave runs, the next one's requests wait in the queue
+    with Engine(MODEL, executor="mp", max_num_seqs=8, request_batch_max_wait_ms=0,
+                max_waves_in_flight=1, max_request_work=0, lora_modules=modules,
+                torch_num_threads=1) as engine:
         app = build_app(engine, served_model_name=MODEL, api_key=API_KEY,
                         close_engine_on_shutdown=False, allow_runtime_lora_updating=True)
         with serve_in_thread(app) as url:
@@ -100,14 +103,24 @@ def test_unknown_adapters_are_404s(server) -> None:
 
 
 def test_eight_requests_on_eight_adapters_run_as_one_wave(server) -> None:
-    def one(name: str) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/images/generations", timeout=120,
+    """While a long request holds the worker, eight requests on eight adapters queue;
+    then they run as ONE wave."""
+    def post(body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/images/generations", timeout=300,
                           headers={"Authorization": f"Bearer {API_KEY}"},
-                          json={"model": name, "prompt": "a cat", "size": "64x64",
-                                "seed": 1, "num_inference_steps": 2})
+                          json={"prompt": "a cat", "size": "64x64", **body})
 
-    with ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, NAMES))
+    engine = server.engine
+    with ThreadPoolExecutor(9) as pool:
+        blocker = pool.submit(post, {"seed": 2, "num_inference_steps": 400, "size": "128x128"})
+        wait_until(lambda: engine.num_running == 1, what="the long request to run")
+        waves = [pool.submit(post, {"model": name, "seed": 1, "num_inference_steps": 2})
+                 for name in NAMES]
+        wait_until(lambda: engine.num_waiting == 8 or blocker.done(),
+                   what="the eight requests to queue")
+        assert not blocker.done(), f"the long request ended first: {blocker.result().text[:300]}"
+        responses = [f.result() for f in waves]
+    assert blocker.result().status_code == 200
     assert [r.status_code for r in responses] == [200] * 8, responses[0].text
     assert [r.headers["x-diffbatch-batch-size"] for r in responses] == ["8"] * 8
     images = {r.json()["data"][0]["b64_json"] for r in responses}
