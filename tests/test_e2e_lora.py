@@ -126,9 +126,13 @@ def test_four_adapters_under_max_loras_two_lose_no_request(tmp_path, step_execut
                 request_batch_max_wait_ms=100, warmup=False) as engine:
         alone = [engine.generate(["a cat"], p)[0] for p in wanted[:4]]
         outs = engine.generate(["a cat"] * 12, wanted)
-        evictions = engine.metrics.registry.get_sample_value(
-            "diffbatch_lora_adapter_evictions_total")
+        sample = engine.metrics.registry.get_sample_value
+        evictions = sample("diffbatch_lora_adapter_evictions_total")
+        loads = sample("diffbatch_lora_adapter_loads_total")
+        one_adapter = sample("diffbatch_lora_adapters_per_wave_bucket", {"le": "1.0"})
+        waves = sample("diffbatch_lora_adapters_per_wave_count")
     assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
     for i in range(4):
         assert (outs[i].images - alone[i].images).abs().max().item() <= TOLERANCE
-    assert evictions and evictions >= 2
+    assert evictions and evictions >= 2 and loads and loads >= 4
+    assert waves and one_adapter < waves  # some wave (or step) mixed adapters
