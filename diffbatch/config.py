@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from dataclasses import dataclass, fields
+import os
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
 from diffbatch.cpus import existing_cpus, parse_cpu_list
@@ -39,6 +40,28 @@ DEFAULT_MAX_NUM_SEQS_LIMIT = 32  # max_num_seqs="auto" never goes beyond this by
 # On SD-class models (512x512, 50 steps) that allows 1024x1024 at up to 625 steps, or
 # 2048x2048 at 78; an image beyond it is a mistake or an attack.
 AUTO_REQUEST_WORK_FACTOR = 100
+
+
+class NamedPaths(Rule):
+    """`name=path` pairs (a flag given several times, or `--flag a=p b=q`), as a dict."""
+
+    text = "name=path pairs with existing paths and names without '/', '=' or spaces"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _plain_name(k) and isinstance(v, str) and os.path.exists(v)
+            for k, v in value.items())
+
+    def parse(self, text: str) -> dict[str, str]:
+        name, sep, path = text.partition("=")
+        if not sep or not _plain_name(name.strip()) or not os.path.exists(path.strip()):
+            raise self._bad(text)
+        return {name.strip(): os.path.abspath(path.strip())}
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and not any(c in name for c in "/=\x00") and not name[0].isspace() \
+        and name == name.strip() and not name.startswith(".")
 
 
 class Mapping(Rule):
@@ -134,6 +157,14 @@ class EngineConfig:
         None, rule=Optional(Directory()),
         help="folder LoRA adapter names resolve in",
         default_help="none: LoRA only through the Python API, by path")
+    lora_modules: dict[str, str] = option(
+        default_factory=dict, rule=NamedPaths(), metavar="NAME=PATH", nargs="+",
+        help="LoRA adapters served under names (vLLM's flag): a request selects one with "
+        "`lora` or `model`, /v1/models lists them", default_help="none")
+    max_loras: int = option(
+        8, rule=IntRange(1),
+        help="most LoRA adapters loaded at once, the least recently used unloaded first "
+        "(never one a running wave uses); a wave needing more runs in parts")
     warmup: bool = option(
         True, rule=Flag(),
         help="run one small request through the whole path at start-up")
@@ -181,6 +212,10 @@ class EngineConfig:
         help="extra keyword arguments for the pipeline's `from_pretrained`")
 
     def __post_init__(self) -> None:
+        # 0. `--lora-modules a=p b=q` parses into one dict per pair: merge them.
+        if isinstance(self.lora_modules, list | tuple) \
+                and all(isinstance(e, dict) for e in self.lora_modules):
+            self.lora_modules = {k: v for e in self.lora_modules for k, v in e.items()}
         # 1. Every field against its own rule ("`max_num_seqs` must be ..., got ...").
         for f in fields(self):
             rule = f.metadata["option"].rule
@@ -291,7 +326,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if group is None:
             group = groups[opt.group] = parser.add_argument_group(opt.group)
         flag = opt.flag or "--" + f.name.replace("_", "-")
-        default = f.default
+        default = f.default if f.default_factory is MISSING else f.default_factory()
         shown = opt.default_help if opt.default_help is not None else _show(default)
         help_text = f"{opt.help} (default: {shown})".replace("%", "%%")
         if isinstance(opt.rule, Flag):
@@ -300,8 +335,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             continue
         choices = opt.rule.choices if isinstance(opt.rule, OneOf) else None
         metavar = opt.metavar or (None if choices else _metavar(f.name, opt.rule))
+        extra = {"nargs": opt.nargs} if opt.nargs else {}
         group.add_argument(flag, dest=f.name, type=argparse_type(opt.rule), default=default,
-                           choices=choices, metavar=metavar, help=help_text)
+                           choices=choices, metavar=metavar, help=help_text, **extra)
 
 
 def _metavar(name: str, rule: Rule) -> str | None:

@@ -154,6 +154,15 @@ class EngineMetrics:
         self.step_leaves = Counter(
             "diffbatch_step_leaves", "Step mode: requests that left the running batch "
             "(finished, failed or cancelled).", registry=r)
+        self.lora_adapters_per_wave = Histogram(
+            "diffbatch_lora_adapters_per_wave", "Distinct LoRA adapters in one wave (step "
+            "mode: in one fused denoiser call); 0 = the base model alone.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.lora_loads = Counter(
+            "diffbatch_lora_adapter_loads", "LoRA adapters loaded into the model.", registry=r)
+        self.lora_evictions = Counter(
+            "diffbatch_lora_adapter_evictions", "LoRA adapters unloaded to make room "
+            "(least recently used; --max-loras).", registry=r)
         self.queue_time = Histogram(
             "diffbatch_request_queue_time_seconds", "Arrival to start of the request's wave.",
             buckets=_LATENCY_BUCKETS_S, registry=r,
@@ -194,12 +203,22 @@ class EngineMetrics:
                           admission=admission or "none").inc()
         self.forward_time.observe(forward_s)
 
+    def observe_loras(self, num_adapters: int, loads: int, evictions: int) -> None:
+        """LoRA of one wave (or step-mode tick): distinct adapters, loads, evictions."""
+        self.lora_adapters_per_wave.observe(num_adapters)
+        self.lora_loads.inc(loads)
+        self.lora_evictions.inc(evictions)
+
     def observe_tick(self, tick: TickStats) -> None:
         """Step mode: one tick of the worker's running batch (or, with batch size 0, a
         cancelled request that left between ticks: counted, no step observed)."""
         if tick.batch_size > 0:
             self.step_batch_size.observe(tick.batch_size)
             self.step_time.observe(tick.step_ms / 1000.0)
+        if tick.batch_size > 0:
+            self.lora_adapters_per_wave.observe(tick.num_lora_adapters)
+        self.lora_loads.inc(tick.num_lora_loads)
+        self.lora_evictions.inc(tick.num_lora_evictions)
         self.step_joins.inc(tick.joins)
         self.step_leaves.inc(tick.leaves)
 

@@ -265,6 +265,7 @@ class Option:
     metavar: str | None = None
     default_help: str | None = None  # what the default means, when its value says little
     group: str = "engine"  # the --help group it is listed under
+    nargs: str | None = None  # argparse's nargs for a flag taking several values
 
 
 def option(default: Any = None, *, default_factory: Any = None, **kwargs: Any) -> Any:

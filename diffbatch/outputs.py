@@ -99,6 +99,9 @@ class TickStats:
     forward_ms: float  # the fused denoiser module call(s) alone (no fusing, no resuming)
     joins: int  # requests that entered the batch this tick
     leaves: int  # requests that left it (finished, failed or cancelled)
+    num_lora_adapters: int = 0  # distinct LoRA adapters in the fused denoiser call
+    num_lora_loads: int = 0  # adapters loaded (and evicted) for this tick's joiners
+    num_lora_evictions: int = 0
 
 
 @dataclass
@@ -113,6 +116,11 @@ class BatchRunnerOutput:
     # in bytes; 0 when unknown. The start-up calibration bounds wave sizes with them.
     peak_memory_bytes: int = 0
     free_memory_bytes: int = 0
+    # LoRA: distinct adapters the wave's requests use, and the adapters loaded and
+    # evicted (least recently used) to make them resident.
+    num_lora_adapters: int = 0
+    num_lora_loads: int = 0
+    num_lora_evictions: int = 0
     # Step mode: the running batch's ticks since the worker last replied (`TickStats`).
     ticks: list[TickStats] = field(default_factory=list)
 

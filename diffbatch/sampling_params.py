@@ -44,6 +44,10 @@ MAX_SIDE = 8192
 # tiny-sd's images stay finite (tests/test_sampling_params.py).
 MAX_GUIDANCE_SCALE = 50.0
 MAX_ABS_LORA_SCALE = 10.0
+MAX_LORA_STACK = 8  # most adapters one request may stack
+
+# A request's LoRA adapters with their scales, in the order given; () runs the base model.
+LoraStack = tuple[tuple[str, float], ...]
 
 
 def _as_int(value: Any) -> Any:
@@ -200,8 +204,11 @@ class SamplingParams:
         seed: Seed of this request's generators; None lets the engine pick one.
         output_type: "pil" (PIL images), "pt" (float tensor [n, C, H, W] in [0, 1])
             or "np" (float array [n, H, W, C] in [0, 1]).
-        lora: LoRA adapter name or path; None runs the base model.
-        lora_scale: Strength of the LoRA adapter.
+        lora: LoRA adapter name or path, or a stack of several: a list of
+            (name, scale) pairs or of {"name", "scale"} dicts (scale defaults to 1);
+            None runs the base model. Requests with different adapters share a wave.
+        lora_scale: Strength of a single adapter given by name; with a stack, it
+            multiplies each entry's own scale.
         sigmas: Custom sigma schedule, when the pipeline's scheduler takes one.
         timesteps: Custom timesteps, when the pipeline's scheduler takes them.
         extra: Model-specific keyword arguments passed to the pipeline call. They are
@@ -232,7 +239,7 @@ class SamplingParams:
     num_outputs_per_prompt: int = 1
     seed: int | None = None
     output_type: OutputType = "pil"
-    lora: str | None = None
+    lora: str | LoraStack | None = None
     lora_scale: float = 1.0
     sigmas: tuple[float, ...] | None = None
     timesteps: tuple[int, ...] | None = None
@@ -274,13 +281,11 @@ class SamplingParams:
                 f"`output_type` must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}",
                 param="output_type",
             )
-        if self.lora is not None:
-            if not isinstance(self.lora, str) or not self.lora:
-                raise InvalidRequestError(
-                    f"`lora` must be a non-empty string or None, got {self.lora!r}", param="lora"
-                )
-            check_text("lora", self.lora, allow_nul=False)
         _check_float("lora_scale", self.lora_scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
+        if self.lora is not None:
+            self.lora = _lora_value(self.lora, self.lora_scale)
+            if not isinstance(self.lora, str):  # folded into the stack's scales
+                self.lora_scale = 1.0
         if self.sigmas is not None:
             self.sigmas = _sequence("sigmas", self.sigmas)
             for s in self.sigmas:
@@ -340,6 +345,15 @@ class SamplingParams:
                 )
 
     @property
+    def lora_stack(self) -> LoraStack:
+        """The request's adapters as (name or path, scale) pairs; () for none."""
+        if self.lora is None:
+            return ()
+        if isinstance(self.lora, str):
+            return ((self.lora, float(self.lora_scale)),)
+        return self.lora  # `lora_scale` is folded in
+
+    @property
     def task(self) -> Task:
         """What the request asks for, from the inputs it carries (see `Task`)."""
         if self.image is None:
@@ -378,8 +392,8 @@ class SamplingParamsKey:
     timesteps: tuple[int, ...] | None
     num_outputs_per_prompt: int
     output_type: str
-    lora: str | None  # adapter identity; None is its own bucket
-    lora_scale: float | None  # None exactly when lora is None
+    # NOTE: no LoRA field: each sample of a wave carries its own adapter stack into
+    # the one forward (`diffbatch.pipelines.lora_mixing`).
     extra: tuple[tuple[str, Any], ...]  # frozen, sorted model-specific kwargs
     # Requests of any size share a wave (mixed resolution: the pipeline packs them).
     any_size: bool = False
@@ -416,8 +430,6 @@ class SamplingParamsKey:
             timesteps=params.timesteps,
             num_outputs_per_prompt=params.num_outputs_per_prompt,
             output_type=params.output_type,
-            lora=params.lora,
-            lora_scale=float(params.lora_scale) if params.lora is not None else None,
             extra=_freeze(extra),
             any_size=reference_size is not None,
         )
@@ -440,12 +452,8 @@ class SamplingParamsKey:
         return max(1, min(int(steps * self.strength), steps))
 
     def short(self) -> str:
-        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1/lora=style@0.5`
-        (an edit adds its task and strength: `/i2i@0.8`, `/inpaint@1`).
-
-        The LoRA shows as its adapter name (the last part of its path), never the
-        path: `/metrics` is unauthenticated and must not reveal the server's folders.
-        """
+        """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1` (an edit
+        adds its task and strength: `/i2i@0.8`, `/inpaint@1`)."""
         guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
         steps = self.num_inference_steps or "*"
         size = "*x*" if self.any_size else f"{self.width}x{self.height}"
@@ -454,11 +462,53 @@ class SamplingParamsKey:
         if self.task != TEXT_TO_IMAGE:
             strength = "?" if self.strength is None else f"{self.strength:g}"
             text += f"/{_TASK_LABELS[self.task]}@{strength}"
-        if self.lora is not None:
-            text += f"/lora={lora_adapter_name(self.lora)}@{self.lora_scale:g}"
         return text
 
 
 def lora_adapter_name(lora: str) -> str:
     """The name a LoRA shows in logs and metrics: the last part of its path."""
     return os.path.basename(os.path.normpath(lora)) or "adapter"
+
+
+def _lora_value(lora: Any, lora_scale: float) -> str | LoraStack:
+    """`lora` checked: a name stays a string; a stack becomes a tuple of (name, scale)."""
+    if isinstance(lora, str):
+        if not lora:
+            raise InvalidRequestError("`lora` must be a non-empty string, a list or None, "
+                                      "got ''", param="lora")
+        check_text("lora", lora, allow_nul=False)
+        return lora
+    if not isinstance(lora, list | tuple) or not 1 <= len(lora) <= MAX_LORA_STACK:
+        raise InvalidRequestError(
+            f"`lora` must be an adapter name or a list of 1 to {MAX_LORA_STACK} "
+            f"{{\"name\", \"scale\"}} entries, got {lora!r:.200}", param="lora")
+    stack: list[tuple[str, float]] = []
+    for entry in lora:
+        if isinstance(entry, dict):
+            unknown = set(entry) - {"name", "scale"}
+            if unknown or "name" not in entry:
+                raise InvalidRequestError(
+                    f"each `lora` entry must have a \"name\" and may have a \"scale\", got "
+                    f"{entry!r:.200}", param="lora")
+            name, scale = entry["name"], entry.get("scale", 1.0)
+        elif isinstance(entry, list | tuple) and len(entry) == 2:
+            name, scale = entry
+        else:
+            raise InvalidRequestError(
+                f"each `lora` entry must be a {{\"name\", \"scale\"}} dict or a (name, scale) "
+                f"pair, got {entry!r:.200}", param="lora")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(
+                f"a `lora` entry's name must be a non-empty string, got {name!r:.200}",
+                param="lora")
+        check_text("lora", name, allow_nul=False)
+        _check_float("lora", scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
+        stack.append((name, float(scale)))
+    # An adapter named twice adds up (its delta is linear in the scale); `lora_scale`
+    # scales the whole stack.
+    merged: dict[str, float] = {}
+    for name, scale in stack:
+        merged[name] = merged.get(name, 0.0) + scale * float(lora_scale)
+    for scale in merged.values():
+        _check_float("lora", scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
+    return tuple(merged.items())

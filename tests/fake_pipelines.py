@@ -66,7 +66,9 @@ class FakeBatchPipeline(BasePipeline):
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.cache_refreshes = 0
-        self.lora_calls: list[tuple[str | None, float]] = []
+        self.lora_loads: list[str] = []  # adapter names loaded, in order
+        self.lora_unloads: list[str] = []
+        self.lora_waves: list[list[tuple[tuple[str, float], ...]]] = []  # per forward
         if os.environ.get("DIFFBATCH_FAKE_FAIL_LOAD"):
             raise RuntimeError("fake pipeline refused to load")
 
@@ -85,10 +87,14 @@ class FakeBatchPipeline(BasePipeline):
         self.cache_refreshes += 1
 
     def load_lora(self, name: str, path: str) -> None:
-        pass
+        self.lora_loads.append(name)
 
-    def set_lora(self, name: str | None, scale: float) -> None:
-        self.lora_calls.append((name, scale))
+    def unload_lora(self, name: str) -> None:
+        self.lora_unloads.append(name)
+
+    def set_lora_wave(self, stacks: Any, num_outputs_per_prompt: int) -> None:
+        if stacks is not None:  # None: the runner clearing the stacks after a forward
+            self.lora_waves.append(list(stacks))
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         type(self).wave_sizes.append(len(batch))

@@ -26,7 +26,6 @@ def key(cfg: bool = True, **overrides) -> SamplingParamsKey:
         {"guidance_scale": 7.5},
         {"num_outputs_per_prompt": 2},
         {"output_type": "pt"},
-        {"lora": "/a"},
         {"sigmas": (1.0, 0.5)},
         {"extra": {"eta": 0.5}},
     ],
@@ -35,14 +34,33 @@ def test_key_distinguishes_computation_fields(change):
     assert key() != key(**change)
 
 
-def test_key_distinguishes_cfg_on_off_lora_id_and_scale():
+def test_key_distinguishes_cfg_on_off():
     assert key(cfg=True) != key(cfg=False)
-    assert key(lora="/a") != key(lora="/b")
-    assert key(lora="/a", lora_scale=0.5) != key(lora="/a", lora_scale=1.0)
-    assert key(lora="/a", lora_scale=1.0) == key(lora="/a", lora_scale=1.0)
-    no_lora = key()
-    assert no_lora.lora is None and no_lora.lora_scale is None
-    assert no_lora != key(lora="/a")
+
+
+def test_key_leaves_the_lora_stack_out():
+    """Adapters are applied per sample inside the forward: requests that differ in
+    adapter, scale, stack or in using one at all share a wave."""
+    assert key(lora="/a") == key(lora="/b") == key() == key(lora="/a", lora_scale=0.5)
+    assert key(lora=[("/a", 0.5), ("/b", 1.0)]) == key()
+
+
+def test_lora_stacks_are_normalised_and_checked():
+    assert SamplingParams(lora="a", lora_scale=0.5).lora_stack == (("a", 0.5),)
+    assert SamplingParams().lora_stack == ()
+    given = [{"name": "a", "scale": 0.5}, {"name": "b"}, ("c", -1)]
+    params = SamplingParams(lora=given)
+    assert params.lora == (("a", 0.5), ("b", 1.0), ("c", -1.0)) == params.lora_stack
+    for bad, match in [([], "list of 1 to"), ([{"name": "a", "weight": 1}], "may have"),
+                       ([{"name": "a", "scale": 6}, {"name": "a", "scale": 6}], "between"),
+                       ([{"name": "a", "scale": 1e9}], "between"),
+                       ([{"name": ""}], "non-empty"), (["a"], "pair")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams(lora=bad)
+    # an adapter named twice adds up; lora_scale scales the stack (once: clone keeps it)
+    scaled = SamplingParams(lora=[("a", 1.0), ("b", 2.0), ("a", 0.5)], lora_scale=0.5)
+    assert scaled.lora_stack == (("a", 0.75), ("b", 1.0)) and scaled.lora_scale == 1.0
+    assert scaled.clone(seed=3).lora_stack == scaled.lora_stack
 
 
 def test_key_ignores_prompt_side_fields():
@@ -119,13 +137,9 @@ def test_an_unknown_option_is_refused_naming_it_and_the_closest_known_one():
 
 def test_short_form_names_shape_steps_guidance():
     assert key().short() == "64x64/s4/g5/n1"
-    assert "lora=a@0.5" in key(lora="/a", lora_scale=0.5).short()
-
-
-def test_short_form_names_the_adapter_never_its_folder():
-    # Metric labels and log lines use the short form; /metrics needs no key.
-    short = key(lora="/srv/private/loras/style/", lora_scale=0.5).short()
-    assert short == "64x64/s4/g5/n1/lora=style@0.5"
+    # Metric labels and log lines use the short form; /metrics needs no key, and an
+    # adapter (a server path) is never part of it.
+    assert key(lora="/srv/private/loras/style/", lora_scale=0.5).short() == "64x64/s4/g5/n1"
 
 
 def test_scales_at_their_bounds_are_valid():

@@ -35,8 +35,9 @@ from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
 from diffbatch.engine.batch_policy import BatchPolicy
 from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import EngineCore
+from diffbatch.engine.lora_registry import LoraRegistry
 from diffbatch.engine.partial_images import PartialImageRouter
-from diffbatch.engine.request_checks import check_against_model, check_task, resolve_lora
+from diffbatch.engine.request_checks import check_against_model, check_task
 from diffbatch.engine.step_core import StepDispatch
 from diffbatch.engine.wave_dispatch import WaveDispatch
 from diffbatch.engine.wave_log import WaveLog
@@ -110,6 +111,7 @@ class Engine:
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[DiffusionOutput]] = {}
         self._rng = random.Random(config.seed)
+        self.loras = LoraRegistry(config.lora_modules, config.lora_dir)  # served by name
         # 1. The model's name and the capability (a class attribute), before anything
         #    is loaded: a misspelt model fails here, not after a worker started.
         from diffbatch.pipelines.registry import check_diffusers_folder, check_model_spec
@@ -221,6 +223,17 @@ class Engine:
             self.close()
             raise PipelineError(f"engine start-up failed: the warm-up request failed: {message}")
 
+    # -- LoRA adapters served by name ------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` under `name` from now on (vLLM's
+        `load_lora_adapter`); the worker loads it when a request first uses it."""
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name` (False if it was not served by name); the worker
+        unloads it when it is the least recently used."""
+        return self.loras.remove(name)
+
     # -- requests --------------------------------------------------------------------
     def resolve_params(self, params: SamplingParams | None) -> SamplingParams:
         """Fill in pipeline defaults, a seed and the LoRA path; check the size."""
@@ -246,7 +259,7 @@ class Engine:
             guidance_scale=(info.default_guidance_scale if params.guidance_scale is None
                             else params.guidance_scale),
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
-            lora=resolve_lora(params.lora, self.config.lora_dir),
+            lora=self.loras.resolve(params),
             strength=strength,
         )
         check_against_model(info, resolved, self.max_request_work)

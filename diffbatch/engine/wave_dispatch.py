@@ -180,6 +180,9 @@ class WaveDispatch(Dispatch):
         if core.metrics is not None:
             core.metrics.observe_wave(wave.num_requests, wave.close_reason,
                                       admission_reason, forward_ms / 1000.0)
+            core.metrics.observe_loras(runner_output.num_lora_adapters,
+                                       runner_output.num_lora_loads,
+                                       runner_output.num_lora_evictions)
         if core.wave_log is not None:
             statuses = [r.status for r in wave.requests]  # final: update_from_output ran
             core.wave_log.record(

@@ -28,6 +28,7 @@ from diffbatch.config import add_cli_args
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "DIFFBATCH_API_KEY"
+RUNTIME_LORA_ENV = "DIFFBATCH_ALLOW_RUNTIME_LORA_UPDATING"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -146,6 +147,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         # `%(default)s`, not a literal: the formatter would add a second "(default: 1)".
         help="zlib level of PNG responses, 0-9: 1 encodes fastest, 9 smallest "
         "(default: %(default)s)",
+    )
+    server.add_argument(
+        "--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+        default=os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "routes: add or remove LoRA adapters by name and server path while serving; "
+        f"under --api-key like every /v1 route) (default: off, or ${RUNTIME_LORA_ENV})",
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
                         help="log level; debug adds one line per HTTP request")

@@ -33,6 +33,7 @@ import inspect
 import json
 import logging
 import os
+import warnings
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -49,6 +50,7 @@ from diffbatch.pipelines.diffusers_edit import (
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews
 from diffbatch.pipelines.execution_device import pin_execution_device
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
+from diffbatch.pipelines.lora_mixing import LoraMixer, RootLayout, Stack
 from diffbatch.pipelines.mixed_sizes import request_size, run_together, split_by_size
 from diffbatch.pipelines.model_folder import DEFAULTS_FILE, check_component_folders
 from diffbatch.pipelines.packed_tokens import TokenPacker, packing_layout
@@ -192,7 +194,7 @@ class DiffusersT2IPipeline(BasePipeline):
         self.defaults = dict(defaults or {})
         self._call_params = inspect.signature(type(pipe).__call__).parameters
         self._loras: dict[str, str] = {}  # adapter name -> path it was loaded from
-        self._lora_enabled = False
+        self._mixer: LoraMixer | None = None  # per-sample adapters, from the first load
         # task -> the diffusers pipeline that runs it; edits share `pipe`'s modules
         self.task_pipes: dict[str, Any] = {"text-to-image": pipe}
         self.task_pipes.update(edit_pipes(pipe, self._make_info().size_multiple))
@@ -633,7 +635,9 @@ class DiffusersT2IPipeline(BasePipeline):
 
     # -- LoRA ------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> None:
-        """Load the adapter at `path` under `name`, once per name."""
+        """Load the adapter at `path` under `name`, once per name, into the denoiser and
+        the text encoders it touches; each sample of a forward then picks its own
+        adapters (`set_lora_wave`, `lora_rows`; see `lora_mixing.py`)."""
         if name in self._loras:
             if self._loras[name] != path:
                 raise ValueError(
@@ -641,36 +645,88 @@ class DiffusersT2IPipeline(BasePipeline):
                     f"not {path!r}"
                 )
             return
-        if not hasattr(self.pipe, "load_lora_weights"):
-            raise NotImplementedError(f"{self._info.name} does not support LoRA adapters")
+        mixer = self._lora_mixer()
         try:
-            self.pipe.load_lora_weights(path, adapter_name=name)
+            with warnings.catch_warnings():
+                # PEFT warns that a model holding an adapter gets another: the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                if hasattr(self.pipe, "load_lora_weights"):
+                    self.pipe.load_lora_weights(path, adapter_name=name)
+                else:  # a pipeline without a loader (PixArt): PEFT into its transformer
+                    _inject_lora(self.pipe.transformer, _read_safetensors(path),
+                                 "transformer", name)
+            mixer.add(name)
         except Exception:
             # diffusers loads an adapter component by component and cleans up only the
-            # one that failed: take out what did load, and have the next `set_lora`
-            # disable adapters in any case
-            with contextlib.suppress(Exception):
-                self.pipe.delete_adapters(name)
-            self._lora_enabled = True
+            # one that failed: take out what did load
+            mixer.remove(name)
+            self._delete_adapter(name)
             raise
+        finally:
+            self._disable_peft_application()
         self._loras[name] = path
-        self._lora_enabled = True
 
-    def set_lora(self, name: str | None, scale: float) -> None:
-        """Activate adapter `name` at `scale`; None disables every adapter."""
-        if name is None:
-            if self._lora_enabled:
-                self.pipe.disable_lora()
-                self._lora_enabled = False
+    def unload_lora(self, name: str) -> None:
+        """Take adapter `name` out of the model (its memory is freed)."""
+        if self._loras.pop(name, None) is None:
             return
-        if name not in self._loras:
-            raise ModelNotFoundError(
-                f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._loras)}",
-                param="lora",
-            )
-        self.pipe.enable_lora()
-        self.pipe.set_adapters([name], [float(scale)])
-        self._lora_enabled = True
+        self._lora_mixer().remove(name)
+        self._delete_adapter(name)
+
+    def set_lora_wave(self, stacks: list[Stack] | None, num_outputs_per_prompt: int) -> None:
+        """The next forward's per-request adapter stacks, in wave order."""
+        if self._mixer is not None:
+            self._mixer.set_wave(stacks, num_outputs_per_prompt)
+        elif stacks and any(stacks):
+            raise KeyError("no LoRA adapter is loaded")
+
+    def lora_rows(self, calls: list[tuple[Stack, int]]) -> contextlib.AbstractContextManager[None]:
+        """Step mode: the fused module calls in this scope hold `calls`' rows."""
+        if self._mixer is None:
+            return contextlib.nullcontext()
+        return self._mixer.rows_for_calls(calls)
+
+    def _lora_mixer(self) -> LoraMixer:
+        if self._mixer is None:
+            if not hasattr(self.pipe, "load_lora_weights") and \
+                    getattr(self.pipe, "transformer", None) is None:
+                raise NotImplementedError(f"{self._info.name} does not support LoRA adapters")
+            roots: dict[str, tuple[Any, RootLayout]] = {}
+            for name in _DENOISERS:
+                if getattr(self.pipe, name, None) is not None:
+                    roots[name] = (getattr(self.pipe, name), "images")
+            for name in _TEXT_ENCODERS:
+                if getattr(self.pipe, name, None) is not None:
+                    roots[name] = (getattr(self.pipe, name), "prompts")
+            self._mixer = LoraMixer(roots)
+        return self._mixer
+
+    def _delete_adapter(self, name: str) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module_name in (*_DENOISERS, *_TEXT_ENCODERS):
+            module = getattr(self.pipe, module_name, None)
+            if module is None:
+                continue
+            for layer in module.modules():
+                if isinstance(layer, BaseTunerLayer) and name in getattr(layer, "lora_A", {}):
+                    with contextlib.suppress(Exception):
+                        layer.delete_adapter(name)
+            peft_config = getattr(module, "peft_config", None)
+            if isinstance(peft_config, dict):
+                peft_config.pop(name, None)
+
+    def _disable_peft_application(self) -> None:
+        """PEFT's own adapter application stays off: the mixer adds every delta."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module_name in (*_DENOISERS, *_TEXT_ENCODERS):
+            module = getattr(self.pipe, module_name, None)
+            if module is None:
+                continue
+            for layer in module.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.enable_adapters(False)
 
 
 class DiffusersPerRequestPipeline(DiffusersT2IPipeline):
@@ -687,6 +743,45 @@ class DiffusersPerRequestPipeline(DiffusersT2IPipeline):
                 "DiffusersT2IPipeline or max_num_seqs=1"
             )
         return super().forward(batch)
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors adapter file, or of the one a folder holds
+    (`pytorch_lora_weights.safetensors` first, as `save_lora_weights` names it)."""
+    from safetensors.torch import load_file
+
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not names:
+            raise ValueError("the adapter folder holds no .safetensors file")
+        preferred = "pytorch_lora_weights.safetensors"
+        path = os.path.join(path, preferred if preferred in names else names[0])
+    return load_file(path)
+
+
+def _inject_lora(module: Any, state_dict: dict[str, torch.Tensor], prefix: str,
+                 name: str) -> None:
+    """Load PEFT-format LoRA weights (`<prefix>.<layer>.lora_A.weight`, ...) into
+    `module` as adapter `name`, each layer at its own rank (alpha = rank)."""
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    weights = {k[len(prefix) + 1:]: v for k, v in state_dict.items()
+               if k.startswith(prefix + ".")}
+    ranks = {k.split(".lora_A.")[0]: int(v.shape[0]) for k, v in weights.items()
+             if ".lora_A." in k}
+    if not ranks or len(weights) != 2 * len(ranks):
+        raise ValueError(f"expected PEFT LoRA weights under `{prefix}.` (lora_A/lora_B "
+                         f"pairs), got {len(weights)} tensors for {len(ranks)} layers")
+    rank = max(ranks.values())
+    pattern = {layer: r for layer, r in ranks.items() if r != rank}
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(ranks),
+                        rank_pattern=pattern, alpha_pattern=dict(pattern))
+    inject_adapter_in_model(config, module, adapter_name=name)
+    result = set_peft_model_state_dict(module, weights, adapter_name=name)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(f"the adapter has {len(unexpected)} weights this model lacks, "
+                         f"e.g. {unexpected[0]!r}")
 
 
 def _dtype_kwarg() -> str:

@@ -30,6 +30,7 @@ methods) and are passed to the engine as a class or a dotted name.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -247,10 +248,23 @@ class BasePipeline(ABC):
         """Load a LoRA adapter under `name` (once); pipelines without LoRA raise."""
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
 
-    def set_lora(self, name: str | None, scale: float) -> None:
-        """Activate adapter `name` at `scale` for the next forward; None disables LoRA."""
-        if name is not None:
+    def unload_lora(self, name: str) -> None:  # noqa: B027 - nothing to unload by default
+        """Take adapter `name` out of the model; unknown names are ignored."""
+
+    def set_lora_wave(self, stacks: list[tuple[tuple[str, float], ...]] | None,
+                      num_outputs_per_prompt: int) -> None:
+        """Per-sample adapters of the next forward: each request's stack of loaded
+        adapter (name, scale) pairs, in wave order; None or all () runs the base model."""
+        if stacks and any(stacks):
             raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def lora_rows(self, calls: list[tuple[tuple[tuple[str, float], ...], int]]
+                  ) -> contextlib.AbstractContextManager[None]:
+        """Step mode: module calls fused within the scope hold, in order, each request's
+        (stack, number of rows)."""
+        if any(stack for stack, _ in calls):
+            raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+        return contextlib.nullcontext()
 
     def refresh_cache(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Called once per wave before `forward`; pipelines with step caches reset them."""

@@ -35,6 +35,7 @@ request mode already does): a request's image in step mode equals its solo run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -233,8 +234,12 @@ def _rebuild(template: dict[str, Any], values: dict[str, Any]) -> Any:
         return rebuilt
 
 
-def run_fused(calls: Sequence[ModuleCall],
-              module_ms: list[float] | None = None) -> list[tuple[bool, Any]]:
+# Entered around each module call run for `calls` (e.g. to set their per-sample LoRA rows).
+CallScope = Callable[[Sequence["ModuleCall"]], contextlib.AbstractContextManager[Any]]
+
+
+def run_fused(calls: Sequence[ModuleCall], module_ms: list[float] | None = None,
+              scope: CallScope | None = None) -> list[tuple[bool, Any]]:
     """Run calls of one point as few module calls as possible; one (ok, value) each.
 
     Fusable calls run as one; calls that cannot be concatenated run as one through
@@ -242,37 +247,46 @@ def run_fused(calls: Sequence[ModuleCall],
     in halves until it can (one call always can). A fused call that raises is bisected the same way
     (error isolation): the calls whose own run raises get (False, exception), the
     others their result, exactly as if they had run without the failing ones.
-    `module_ms`, if given, gets the wall time of each module call made.
+    `module_ms`, if given, gets the wall time of each module call made; `scope`, if
+    given, is entered around each module call with the calls it serves.
     """
+    def within(group: Sequence[ModuleCall]) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if scope is None else scope(group)
+
     if len(calls) == 1:
         call = calls[0]
         try:
-            return [(True, _timed(call.run, call.args, call.kwargs, module_ms))]
+            with within(calls):
+                return [(True, _timed(call.run, call.args, call.kwargs, module_ms))]
         except Exception as exc:
             return [(False, exc)]
     fuse = calls[0].point.fuse
     if fuse is not None:
         try:
-            return [(True, result) for result in fuse(calls)]
+            with within(calls):
+                return [(True, result) for result in fuse(calls)]
         except Exception:  # Unfusable, or a call that fails: each runs alone
-            return [outcome for call in calls for outcome in run_fused([call], module_ms)]
+            return [outcome for call in calls
+                    for outcome in run_fused([call], module_ms, scope)]
     try:
         args, kwargs = fuse_arguments(calls)
     except Exception as exc:
         pack = calls[0].point.pack
         if isinstance(exc, Unfusable) and pack is not None:
             try:
-                return [(True, r) for r in _timed(pack, (calls,), {}, module_ms)]
+                with within(calls):
+                    return [(True, r) for r in _timed(pack, (calls,), {}, module_ms)]
             except Exception:  # Unfusable, or a call that fails: split as below
                 pass
     else:
         try:
-            result = _timed(calls[0].run, args, kwargs, module_ms)
+            with within(calls):
+                result = _timed(calls[0].run, args, kwargs, module_ms)
             return [(True, part) for part in split_result(result, [c.batch_size for c in calls])]
         except Exception:
             pass
     mid = len(calls) // 2
-    return run_fused(calls[:mid], module_ms) + run_fused(calls[mid:], module_ms)
+    return run_fused(calls[:mid], module_ms, scope) + run_fused(calls[mid:], module_ms, scope)
 
 
 def _timed(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

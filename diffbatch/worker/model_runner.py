@@ -2,7 +2,9 @@
 
 Per request it makes the generators from the request's seed and maps the output,
 error or abort back to the request id. Once per wave it refreshes the pipeline's
-caches, activates the wave's single LoRA (adapter, scale), and calls
+caches, makes the wave's LoRA adapters resident (`lora_residency.py`; a request whose
+adapter does not load fails alone), hands the pipeline each request's adapter stack
+(`set_lora_wave`: requests with different adapters share the forward), and calls
 `pipeline.forward(batch)`. It checks the pipeline's side of the contract (exactly
 one `DiffusionOutput` per request, in order) and never raises for a failing
 pipeline: every request of the wave gets an output, with `error` set if need be.
@@ -20,23 +22,17 @@ its requests come back aborted.
 from __future__ import annotations
 
 import logging
-import os
 import time
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.errors import (
-    InvalidRequestError,
-    ModelNotFoundError,
-    PipelineError,
-    WaveInterrupted,
-)
+from diffbatch.errors import InvalidRequestError, PipelineError, WaveInterrupted
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage, RequestError
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.sched.output import SchedulerOutput
+from diffbatch.worker.lora_residency import LoraResidency
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -151,9 +147,7 @@ class ModelRunner:
             )
         self.pipeline = pipeline
         self._info = pipeline.info()
-        self._loaded_loras: set[str] = set()
-        # (adapter, scale) now active; None: not known (after a load that failed)
-        self._active_lora: tuple[str | None, float | None] | None = (None, None)
+        self.loras = LoraResidency(pipeline, config.max_loras)
         self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
         self._should_stop: Callable[[], bool] = lambda: False  # the current wave's
         # where the current wave's partial images go; None: nobody listens
@@ -187,34 +181,15 @@ class ModelRunner:
         self._on_partial_image = partial_image_sender(on_partial_image, requests)
         start = time.perf_counter()
         self._num_forwards = 0
+        loads, evictions = self.loras.num_loads, self.loras.num_evictions
         try:
-            outputs = self._run(requests)
+            outputs = self._run_wave(requests, scheduler_output.wave_id)
         except WaveInterrupted:
             logger.info("wave %d (%d requests) stopped early: none of its requests is wanted "
                         "any more", scheduler_output.wave_id, len(requests))
             aborted = BatchRunnerOutput.aborted(scheduler_output.req_ids)
             aborted.forward_time_ms = (time.perf_counter() - start) * 1000.0
             return aborted  # num_forwards 0: no forward finished, nothing for the cost model
-        except Exception as exc:  # the pipeline failed: the wave's requests fail, we don't
-            logger.warning(
-                "wave %d (%d requests) failed: %s: %s",
-                scheduler_output.wave_id, len(requests), type(exc).__name__, exc,
-            )
-            # NOTE: a broken output contract (PipelineError) is the pipeline's bug at any
-            # batch size; bisecting would only hide it, so only exceptions are isolated.
-            # An adapter that does not load fails every request of the wave alike (the
-            # LoRA is in the key): re-running halves would only load it again.
-            isolate = not isinstance(exc, PipelineError | LoraLoadError) and len(requests) > 1
-            if self.config.batch_error_isolation == "bisect" and isolate:
-                outputs = self._isolate(requests, exc)
-                logger.warning(
-                    "wave %d: isolated %d failing request(s) with %d extra forwards",
-                    scheduler_output.wave_id, sum(o.error is not None for o in outputs),
-                    self._num_forwards - 1,
-                )
-            else:
-                error = RequestError.from_exception(exc)
-                outputs = [DiffusionOutput.from_error(r.request_id, error) for r in requests]
         forward_ms = (time.perf_counter() - start) * 1000.0
         for out in outputs:
             out.execute_time_ms = forward_ms
@@ -223,7 +198,81 @@ class ModelRunner:
         return BatchRunnerOutput(
             outputs={out.request_id: out for out in outputs}, forward_time_ms=forward_ms,
             num_forwards=self._num_forwards, peak_memory_bytes=peak, free_memory_bytes=free,
+            num_lora_adapters=len({p for r in requests for p in self.loras.paths(r)}),
+            num_lora_loads=self.loras.num_loads - loads,
+            num_lora_evictions=self.loras.num_evictions - evictions,
         )
+
+    def _run_wave(self, requests: list[DiffusionRequest], wave_id: int) -> list[DiffusionOutput]:
+        """The wave's outputs, in order: its requests in parts of at most `max_loras`
+        distinct adapters (one part, one forward, in the common case), each part's
+        adapters made resident first; a request whose adapter does not load fails
+        alone, its mates run."""
+        results: dict[str, DiffusionOutput] = {}
+        for part in self._lora_parts(requests, results):
+            paths = [p for r in part for p in self.loras.paths(r)]
+            errors = self.loras.acquire(paths)
+            try:
+                runnable = []
+                for request in part:
+                    failed = [errors[p] for p in self.loras.paths(request) if p in errors]
+                    if failed:
+                        results[request.request_id] = DiffusionOutput.from_error(
+                            request.request_id, failed[0])
+                    else:
+                        runnable.append(request)
+                if runnable:
+                    for out in self._run_isolating(runnable, wave_id):
+                        results[out.request_id] = out
+            finally:
+                self.loras.release(p for p in paths if p not in errors)
+        return [results[r.request_id] for r in requests]
+
+    def _lora_parts(self, requests: list[DiffusionRequest],
+                    results: dict[str, DiffusionOutput]) -> list[list[DiffusionRequest]]:
+        """`requests` cut, in order, into parts needing at most `max_loras` adapters;
+        a request that alone needs more gets its error in `results`."""
+        parts: list[list[DiffusionRequest]] = [[]]
+        needed: set[str] = set()
+        limit = self.loras.max_loras
+        for request in requests:
+            own = set(self.loras.paths(request))
+            if len(own) > limit:
+                results[request.request_id] = DiffusionOutput.from_error(
+                    request.request_id, InvalidRequestError(
+                        f"the request stacks {len(own)} LoRA adapters, more than this server "
+                        f"loads at once (--max-loras {limit})", param="lora"))
+                continue
+            if parts[-1] and len(needed | own) > limit:
+                parts.append([])
+                needed = set()
+            parts[-1].append(request)
+            needed |= own
+        return [part for part in parts if part]
+
+    def _run_isolating(self, requests: list[DiffusionRequest],
+                       wave_id: int) -> list[DiffusionOutput]:
+        """One forward over `requests`; if it fails, the failing ones found by bisection
+        (or all of them failed alike, per `batch_error_isolation`)."""
+        try:
+            return self._run(requests)
+        except WaveInterrupted:
+            raise
+        except Exception as exc:  # the pipeline failed: the wave's requests fail, we don't
+            logger.warning("wave %d (%d requests) failed: %s: %s", wave_id, len(requests),
+                           type(exc).__name__, exc)
+            # NOTE: a broken output contract (PipelineError) is the pipeline's bug at any
+            # batch size; bisecting would only hide it, so only exceptions are isolated.
+            isolate = not isinstance(exc, PipelineError) and len(requests) > 1
+            if self.config.batch_error_isolation == "bisect" and isolate:
+                before = self._num_forwards
+                outputs = self._isolate(requests, exc)
+                logger.warning("wave %d: isolated %d failing request(s) with %d extra forwards",
+                               wave_id, sum(o.error is not None for o in outputs),
+                               self._num_forwards - before)
+                return outputs
+            error = RequestError.from_exception(exc)
+            return [DiffusionOutput.from_error(r.request_id, error) for r in requests]
 
     def _isolate(
         self, requests: list[DiffusionRequest], exc: Exception
@@ -255,22 +304,30 @@ class ModelRunner:
     def run_forward(
         self, requests: list[DiffusionRequest], *, should_stop: Callable[[], bool],
         on_partial_image: Callable[[PartialImage], None] | None = None,
+        lora_wave: bool = True,
     ) -> list[DiffusionOutput]:
         """One pipeline forward over `requests` (a wave, or step mode's single request)
-        and the per-request mapping of its outputs; raises what the forward raises."""
+        and the per-request mapping of its outputs; raises what the forward raises.
+        The requests' adapters are resident (`_run_wave`); with `lora_wave` the pipeline
+        is handed their stacks (step mode sets each fused call's rows itself)."""
         # 1. Per-request set-up: generators from each request's own seed.
         generators = make_generators(requests, self._info.device)
         batch = DiffusionRequestBatch(requests=requests, generators=generators,
                                       should_stop=should_stop,
                                       on_partial_image=on_partial_image)
-        # 2. Once per wave: cache refresh and the wave's single LoRA.
+        # 2. Once per wave: cache refresh and each request's adapter stack.
         self.pipeline.refresh_cache()
-        params = requests[0].sampling_params
-        self.activate_lora(params.lora, params.lora_scale)
+        if lora_wave:
+            self.pipeline.set_lora_wave([self.loras.stack_names(r) for r in requests],
+                                        batch.num_outputs_per_prompt)
         # 3. One forward for the whole wave, checked against the contract.
         self._num_forwards += 1
-        with torch.inference_mode():
-            outputs = self.pipeline.forward(batch)
+        try:
+            with torch.inference_mode():
+                outputs = self.pipeline.forward(batch)
+        finally:
+            if lora_wave:  # the stacks name adapters that may be evicted after the wave
+                self.pipeline.set_lora_wave(None, 1)
         check_outputs(self._info.name, batch, outputs)
         # 4. Per-request output mapping.
         for request, out in zip(requests, outputs, strict=True):
@@ -278,43 +335,6 @@ class ModelRunner:
             if out.error is None and not out.aborted:
                 out.images = to_output_type(out.images, request.sampling_params.output_type)
         return list(outputs)
-
-    def activate_lora(self, lora: str | None, scale: float) -> None:
-        """Load (once) and activate the wave's adapter; no LoRA disables adapters."""
-        wanted = (lora, scale if lora is not None else None)
-        if wanted == self._active_lora:
-            return
-        if lora is not None and lora not in self._loaded_loras:
-            path = lora
-            if not os.path.exists(path):
-                raise ModelNotFoundError(f"LoRA adapter {lora!r} not found", param="lora")
-            try:
-                self.pipeline.load_lora(_adapter_name(lora), path)
-            except Exception as exc:
-                # whatever part of it did load is not active any more: the next wave sets
-                # its own adapter (or none) again
-                self._active_lora = None
-                if not _is_the_adapters_fault(exc):
-                    raise
-                raise LoraLoadError(
-                    f"LoRA adapter {os.path.basename(os.path.normpath(lora))!r} could not be "
-                    f"loaded into this model: {type(exc).__name__}: {exc}", param="lora",
-                ) from exc
-            self._loaded_loras.add(lora)
-        self.pipeline.set_lora(_adapter_name(lora) if lora is not None else None, scale)
-        self._active_lora = wanted
-
-
-class LoraLoadError(InvalidRequestError):
-    """The request's LoRA adapter does not load into this model (the caller's 400)."""
-
-
-def _is_the_adapters_fault(exc: BaseException) -> bool:
-    """Whether a failed LoRA load is the adapter's fault (a corrupt file, weights for
-    another model), not the server's (no LoRA support, memory, file permissions)."""
-    return not isinstance(exc, NotImplementedError | MemoryError | PermissionError) \
-        and "OutOfMemory" not in type(exc).__name__
-
 
 def partial_image_sender(
     on_partial_image: Callable[[PartialImage], None] | None, requests: list[DiffusionRequest]
@@ -333,9 +353,3 @@ def partial_image_sender(
         on_partial_image(partial)
 
     return send
-
-
-def _adapter_name(path: str) -> str:
-    """A stable adapter name for a LoRA path (peft names may not contain dots)."""
-    name = os.path.basename(os.path.normpath(path)) or "adapter"
-    return "".join(c if c.isalnum() else "_" for c in name) + f"_{zlib.crc32(path.encode()):08x}"

@@ -7,10 +7,14 @@ pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
 
 1. admit: joined requests enter while there is room (`capacity`) and their key is
    the running batch's (a request of another key waits until the batch drained; the
-   engine stops sending joiners of the old key once it wants to switch);
+   engine stops sending joiners of the old key once it wants to switch), and while
+   the batch's distinct LoRA adapters stay within `--max-loras`; a joiner's adapters
+   are made resident (pinned until it leaves), and one whose adapter does not load
+   fails alone;
 2. boundary: the calls joiners make before their first step (text encoders) run,
    fused across the joiners, until every request waits at the denoiser;
-3. step: ONE fused denoiser call for every running request, each at its own timestep;
+3. step: ONE fused denoiser call for every running request, each at its own timestep
+   and with its own LoRA stack (each fused call's rows: `pipeline.lora_rows`);
 4. boundary again: requests past their last step decode, fused across the leavers,
    and leave at once (returned by `tick()`); their slots are free for the next tick.
 
@@ -30,13 +34,14 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.errors import ConfigError, WaveInterrupted
+from diffbatch.errors import ConfigError, InvalidRequestError, WaveInterrupted
 from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
 from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
 from diffbatch.worker.model_runner import partial_image_sender
@@ -60,6 +65,7 @@ class _Task:
     pending: ModuleCall | None = None
     output: DiffusionOutput | None = None
     max_batch: int = 1  # the largest denoiser batch this request was part of
+    pinned: list[str] = field(default_factory=list)  # adapter paths it holds resident
 
     @property
     def done(self) -> bool:
@@ -124,6 +130,7 @@ class StepRunner:
             if task.call_id == call_id:
                 self.running.remove(task)
                 self._unwind(task)
+                self._release(task)
                 # a leave between ticks: a record with no step (batch size 0)
                 self.ticks.append(TickStats(0, 0.0, 0.0, 0, 1))
                 return DiffusionOutput.make_aborted(task.request.request_id)
@@ -141,6 +148,7 @@ class StepRunner:
     def tick(self) -> list[tuple[int, DiffusionOutput]]:
         """Advance the batch by one step; returns (call id, output) of those that left."""
         start = time.perf_counter()
+        loads, evictions = self.runner.loras.num_loads, self.runner.loras.num_evictions
         with torch.inference_mode():
             joins = self._admit()
             self._run_boundaries()
@@ -154,6 +162,8 @@ class StepRunner:
                 self._run_boundaries()
         left = [t for t in self.running if t.done]
         self.running = [t for t in self.running if not t.done]
+        for task in left:
+            self._release(task)
         if not self.running:
             self.key = None
         finished = []
@@ -165,38 +175,64 @@ class StepRunner:
             finished.append((task.call_id, output))
         if batch or left or joins:
             self.num_ticks += 1
-            self.ticks.append(TickStats(len(batch), (time.perf_counter() - start) * 1000.0,
-                                        sum(module_ms), joins, len(left)))
+            adapters = {p for t in batch for p in self.runner.loras.paths(t.request)}
+            self.ticks.append(TickStats(
+                len(batch), (time.perf_counter() - start) * 1000.0, sum(module_ms), joins,
+                len(left), num_lora_adapters=len(adapters),
+                num_lora_loads=self.runner.loras.num_loads - loads,
+                num_lora_evictions=self.runner.loras.num_evictions - evictions))
         return finished
 
     def _admit(self) -> int:
         admitted: list[_Task] = []
+        loras = self.runner.loras
+        in_use = {p for t in self.running for p in t.pinned}
         while self.ready and len(self.running) + len(admitted) < self.capacity:
             task = self.ready[0]
             if (self.running or admitted) and task.key != self.key:
                 break  # another key waits for the running batch to drain
+            own = set(loras.paths(task.request))
+            if (self.running or admitted) and len(in_use | own) > loras.max_loras:
+                break  # its adapters wait for room among the resident ones
             self.ready.popleft()
             if not self.running and not admitted:
                 self.key = task.key
             admitted.append(task)
+            in_use |= own
         if not admitted:
             return 0
         if self._on_join is not None:  # before any of their code runs
             self._on_join([task.call_id for task in admitted])
-        lora_error = None
-        if not self.running:  # a new batch: its key's LoRA (then the batch's own)
-            params = admitted[0].request.sampling_params
-            try:
-                self.runner.activate_lora(params.lora, params.lora_scale)
-            except Exception as exc:
-                lora_error = exc
         for task in admitted:
-            if lora_error is not None:
-                task.output = DiffusionOutput.from_error(task.request.request_id, lora_error)
+            error = self._acquire(task)
+            if error is not None:
+                task.output = DiffusionOutput.from_error(task.request.request_id, error)
             else:
                 self._start(task)
             self.running.append(task)
         return len(admitted)
+
+    def _acquire(self, task: _Task) -> Exception | None:
+        """Make the task's adapters resident and pinned; the error if one fails."""
+        loras = self.runner.loras
+        paths = loras.paths(task.request)
+        if len(set(paths)) > loras.max_loras:
+            return InvalidRequestError(
+                f"the request stacks {len(set(paths))} LoRA adapters, more than this server "
+                f"loads at once (--max-loras {loras.max_loras})", param="lora")
+        try:
+            errors = loras.acquire(paths)
+        except Exception as exc:
+            return exc
+        if errors:
+            loras.release(p for p in paths if p not in errors)
+            return next(iter(errors.values()))
+        task.pinned = list(paths)
+        return None
+
+    def _release(self, task: _Task) -> None:
+        self.runner.loras.release(task.pinned)
+        task.pinned = []
 
     def _start(self, task: _Task) -> None:
         task.greenlet = TaskGreenlet(self._task_main)
@@ -208,9 +244,9 @@ class StepRunner:
         send = None if self._send_partial is None else \
             functools.partial(self._send_partial, task.call_id)
         try:
-            # the batch's LoRA is active already (`_admit`): the runner leaves it as it is
+            # its adapters are resident (`_admit`); each fused call sets its rows (`_resolve`)
             return self.runner.run_forward(
-                [request], should_stop=_never,
+                [request], should_stop=_never, lora_wave=False,
                 on_partial_image=partial_image_sender(send, [request]))[0]
         except WaveInterrupted:
             return DiffusionOutput.make_aborted(request.request_id)
@@ -246,8 +282,14 @@ class StepRunner:
         for task in tasks:
             assert task.pending is not None
             groups.setdefault(id(task.pending.point), []).append(task)
+        stacks = {id(t.pending): self.runner.loras.stack_names(t.request) for t in tasks}
+
+        def lora_rows(calls: Sequence[ModuleCall]) -> AbstractContextManager[Any]:
+            return self.pipeline.lora_rows([(stacks[id(c)], c.batch_size) for c in calls])
+
         for group in groups.values():
-            results = run_fused([t.pending for t in group], module_ms)  # type: ignore[misc]
+            results = run_fused([t.pending for t in group], module_ms,  # type: ignore[misc]
+                                lora_rows)
             for task, (ok, value) in zip(group, results, strict=True):
                 assert task.greenlet is not None
                 if ok:

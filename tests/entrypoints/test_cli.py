@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -352,3 +353,57 @@ def test_every_serve_flag_is_in_the_docs_flag_tables() -> None:
              if option.startswith("--") and option != "--help"
              and not option.startswith("--no-")}
     assert flags - documented == set()
+
+
+def _served_routes(monkeypatch: pytest.MonkeyPatch, *argv: str) -> set[str]:
+    """The routes `run_server` serves for `diffbatch serve ARGV` (nothing listens)."""
+    import diffbatch
+    from diffbatch.engine.async_engine import Engine
+    from diffbatch.entrypoints.openai import api_server
+    from tests.fake_pipelines import FakeBatchPipeline
+
+    engine = Engine(pipeline_class=FakeBatchPipeline, executor="inproc")
+    monkeypatch.setattr(diffbatch, "Engine",
+                        types.SimpleNamespace(from_config=lambda config: engine))
+    apps: list[Any] = []
+
+    class NoServer:
+        def __init__(self, config: Any, **kwargs: Any) -> None:
+            apps.append(config.app)
+            self.started = True
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(api_server, "DrainingServer", NoServer)
+    api_server.run_server(parse("serve", *argv))
+    from fastapi import FastAPI
+
+    (app,) = apps
+    while not isinstance(app, FastAPI):  # down through the middleware to the app
+        app = app.app
+    return set(app.openapi()["paths"])
+
+
+def test_allow_runtime_lora_updating_adds_the_load_and_unload_routes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    routes = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+    assert not set(routes) & _served_routes(monkeypatch)
+    assert set(routes) <= _served_routes(monkeypatch, "--allow-runtime-lora-updating")
+    monkeypatch.setenv(cli.RUNTIME_LORA_ENV, "true")
+    assert set(routes) <= _served_routes(monkeypatch)
+
+
+def test_lora_modules_and_max_loras_reach_the_engine_config(tmp_path: Path) -> None:
+    from diffbatch.config import EngineConfig
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    args = parse("serve", "--lora-modules", f"ink={tmp_path / 'a'}", f"oil={tmp_path / 'b'}",
+                 "--max-loras", "2")
+    config = EngineConfig.from_cli_args(args)
+    assert config.lora_modules == {"ink": str(tmp_path / "a"), "oil": str(tmp_path / "b")}
+    assert config.max_loras == 2
+    for bad in ("ink", f"a/b={tmp_path}", "ink=/no/such/path"):
+        with pytest.raises(SystemExit):
+            parse("serve", "--lora-modules", bad)

@@ -209,40 +209,6 @@ def test_mixed_keys_are_refused(load_tiny) -> None:
         pipeline.forward(make_batch([a, b]))
 
 
-def test_lora_changes_images_and_disabling_restores_them(load_tiny, tiny_lora: str) -> None:
-    pipeline, lora = load_tiny("tiny-sd"), tiny_lora
-    requests = _wave(pipeline, "tiny-sd")[:2]
-    base = pipeline.forward(make_batch(requests))
-    pipeline.load_lora("tiny_lora", lora)
-    pipeline.load_lora("tiny_lora", lora)  # once per name: a second load is a no-op
-    try:
-        pipeline.set_lora("tiny_lora", 1.0)
-        full = pipeline.forward(make_batch(requests))
-        pipeline.set_lora("tiny_lora", 0.5)
-        half = pipeline.forward(make_batch(requests))
-        alone = pipeline.forward(make_batch(requests[1:]))
-    finally:
-        pipeline.set_lora(None, 1.0)
-    after = pipeline.forward(make_batch(requests))
-    for i in range(2):
-        assert _max_diff(full[i].images, base[i].images) > 1e-2
-        assert _max_diff(half[i].images, full[i].images) > 1e-3
-        assert torch.equal(after[i].images, base[i].images)  # exactly unaffected
-    assert _max_diff(half[1].images, alone[0].images) <= TOLERANCE
-
-
-def test_lora_errors(load_tiny, tiny_lora: str, tmp_path: Path) -> None:
-    sd, lora = load_tiny("tiny-sd"), tiny_lora
-    with pytest.raises(ModelNotFoundError, match="not loaded"):
-        sd.set_lora("never_loaded", 1.0)
-    sd.load_lora("errors_lora", lora)
-    sd.set_lora(None, 1.0)
-    with pytest.raises(ValueError, match="already loaded"):
-        sd.load_lora("errors_lora", str(tmp_path / "other"))
-    with pytest.raises(NotImplementedError, match="PixArtSigmaPipeline"):
-        load_tiny("tiny-pixart").load_lora("x", lora)
-
-
 def test_per_request_pipeline_refuses_a_batch_of_two(model_cache_dir: str, load_tiny) -> None:
     pipeline = DiffusersPerRequestPipeline.from_pretrained(resolve_model_path("tiny-sd"))
     assert DiffusersPerRequestPipeline.supports_request_batch is False

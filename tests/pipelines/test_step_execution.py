@@ -113,25 +113,58 @@ def test_a_cancelled_request_leaves_at_the_next_boundary_and_its_slot_is_reused(
     assert diff.item() <= TOLERANCE
 
 
-def test_a_lora_that_fails_to_activate_fails_every_request_admitted_with_it(
-        load_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_adapter_that_fails_to_load_fails_only_the_request_that_uses_it(
+        load_tiny: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     pipeline = load_tiny("tiny-sd")
     runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
     steps = StepRunner(runner)
     reported: list[list[int]] = []
     steps.report_joins_to(reported.append)
 
-    def broken(lora: Any, scale: float) -> None:
+    def broken(name: str, path: str) -> None:
         raise RuntimeError("adapter weights do not fit this model")
 
-    monkeypatch.setattr(runner, "activate_lora", broken)
-    requests = [step_request(pipeline, i, 3)[0] for i in range(2)]
+    monkeypatch.setattr(pipeline, "load_lora", broken)
+    (tmp_path / "bad").mkdir()
+    requests = [step_request(pipeline, 0, 3, lora=str(tmp_path / "bad"))[0],
+                step_request(pipeline, 1, 3)[0]]
     join(steps, requests, 0, capacity=2)
     left = run_until_idle(steps)
     assert reported == [[0, 1]]  # both entered the batch together, reported before running
-    for request in requests:  # neither ran without the adapter it asked for
-        error = left[request.request_id][1].error
-        assert error is not None and "adapter weights do not fit" in error.message
+    error = left["r0"][1].error
+    assert error is not None and "adapter weights do not fit" in error.message
+    assert left["r1"][1].error is None  # its mate ran without it
+    assert runner.loras.resident == []
+
+
+def test_a_running_requests_adapter_is_never_evicted(load_tiny: Any, tmp_path: Any) -> None:
+    """--max-loras 1: a joiner on another adapter waits until the running request on
+    the resident one has left (loading its adapter would evict a running one's), then
+    runs; both images equal their solo runs."""
+    from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+    from diffbatch.pipelines.registry import resolve_model_path
+    from tests.lora_utils import make_tiny_lora
+
+    model = resolve_model_path("tiny-sd")
+    pipeline = DiffusersT2IPipeline.from_pretrained(model, device="cpu")  # adapters stay
+    paths = [make_tiny_lora(model, tmp_path / name, seed=i) for i, name in enumerate("ab")]
+    runner = ModelRunner(EngineConfig(model="tiny-sd", max_loras=1), pipeline=pipeline)
+    first, first_key = step_request(pipeline, 0, 4, lora=paths[0])
+    second, second_key = step_request(pipeline, 1, 2, lora=paths[1])
+    alone = [solo_image(runner, first, first_key), solo_image(runner, second, second_key)]
+    steps = StepRunner(runner)
+    joins: list[list[int]] = []
+    steps.report_joins_to(joins.append)
+    join(steps, [first, second], 0, capacity=2)
+    resident: list[list[str]] = []
+    left = run_until_idle(steps, on_tick=lambda tick: resident.append(runner.loras.resident))
+    assert joins == [[0], [1]]  # the second joined only after the first had left
+    assert left["r1"][0] > left["r0"][0]
+    assert all(len(r) <= 1 for r in resident)
+    for request, image in zip((first, second), alone, strict=True):
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        assert (output.images - image).abs().max().item() <= TOLERANCE
 
 
 class NaNCheckingSD(DiffusersT2IPipeline):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -127,19 +129,58 @@ def test_bisect_isolates_the_failing_request_and_keeps_the_others_images():
             assert out.outputs[f"r{i}"].batch_size == 8
 
 
-def test_cache_refresh_and_lora_activation_happen_once_per_wave(tmp_path):
+def test_cache_refresh_and_adapter_loads_happen_once_per_wave(tmp_path):
     pipeline = FakeBatchPipeline()
     runner = runner_with(pipeline)
-    adapter = str(tmp_path)
-    runner.execute_batch(wave(make_request("a", lora=adapter), make_request("b", lora=adapter)))
-    assert pipeline.cache_refreshes == 1
-    assert len(pipeline.lora_calls) == 1 and pipeline.lora_calls[0][1] == 1.0
-    runner.execute_batch(wave(make_request("c", lora=adapter)))
-    assert len(pipeline.lora_calls) == 1  # same adapter and scale: nothing to switch
-    runner.execute_batch(wave(make_request("d")))
-    assert pipeline.lora_calls[-1] == (None, 1.0)  # a wave without LoRA disables it
-    missing = runner.execute_batch(wave(make_request("e", lora=str(tmp_path / "nope"))))
-    assert "not found" in missing.outputs["e"].error.message
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for folder in (a, b):
+        os.mkdir(folder)
+    out = runner.execute_batch(wave(make_request("a", lora=a), make_request("b", lora=b),
+                                    make_request("c", lora=a), make_request("d")))
+    assert pipeline.cache_refreshes == 1 and out.num_forwards == 1
+    assert len(pipeline.lora_loads) == 2 and out.num_lora_loads == 2
+    assert out.num_lora_adapters == 2
+    # one forward, each request with its own stack (adapter names, scales), in order
+    (stacks,) = pipeline.lora_waves
+    assert [len(s) for s in stacks] == [1, 1, 1, 0]
+    assert stacks[0] == stacks[2] != stacks[1] and stacks[0][0][1] == 1.0
+    again = runner.execute_batch(wave(make_request("e", lora=a)))
+    assert len(pipeline.lora_loads) == 2 and again.num_lora_loads == 0  # still resident
+
+
+def test_a_missing_adapter_fails_only_its_requests(tmp_path):
+    pipeline = FakeBatchPipeline()
+    runner = runner_with(pipeline)
+    os.mkdir(tmp_path / "a")
+    out = runner.execute_batch(wave(make_request("a", lora=str(tmp_path / "a")),
+                                    make_request("m", lora=str(tmp_path / "nope")),
+                                    make_request("p")))
+    assert "not found" in out.outputs["m"].error.message
+    assert out.outputs["a"].ok and out.outputs["p"].ok and out.num_forwards == 1
+    assert [len(s) for s in pipeline.lora_waves[0]] == [1, 0]  # the forward ran without m
+
+
+def test_eviction_is_least_recently_used_and_a_wave_never_loses_its_adapters(tmp_path):
+    """--max-loras 2, four adapters: a wave needing three runs in two parts, each
+    part's adapters resident while it runs; evictions take the least recently used."""
+    pipeline = FakeBatchPipeline()
+    runner = ModelRunner(EngineConfig(executor="inproc", max_loras=2), pipeline=pipeline)
+    paths = []
+    for name in "abcd":
+        os.mkdir(tmp_path / name)
+        paths.append(str(tmp_path / name))
+    a, b, c, d = paths
+    runner.execute_batch(wave(make_request("1", lora=a), make_request("2", lora=b)))
+    runner.execute_batch(wave(make_request("3", lora=a)))  # a is now the most recent
+    out = runner.execute_batch(wave(make_request("4", lora=c), make_request("5", lora=a),
+                                    make_request("6", lora=d)))
+    assert all(o.ok for o in out.outputs.values())
+    assert out.num_forwards == 2  # parts [c, a] and [d]
+    assert out.num_lora_evictions == 2
+    names = pipeline.lora_loads
+    # b was the least recently used; then c, as part [d] runs once part [c, a] is done
+    assert pipeline.lora_unloads == [names[1], names[2]]
+    assert runner.loras.resident == [a, d]
 
 
 class StepCheckingPipeline(FakeBatchPipeline):

@@ -38,8 +38,10 @@ from diffbatch.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
     WaveInfo,
     WaveList,
 )
@@ -155,20 +157,23 @@ async def _generate(request: ImageGenerationRequest, params: SamplingParams,
 
 @router.get("/v1/models", response_model=ModelList, responses=_errors(401))
 async def list_models(raw_request: Request) -> ModelList:
-    """The served model, in OpenAI's list shape."""
-    return ModelList(data=[_model_card(raw_request)])
+    """The served model and its LoRA adapters (each with the model as `parent`), in
+    OpenAI's list shape."""
+    base = _model_card(raw_request)
+    return ModelList(data=[base, *_adapter_cards(raw_request, base)])
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_errors(401, 404))
 async def retrieve_model(model: str, raw_request: Request) -> Response:
-    """One model by name (OpenAI `models.retrieve`)."""
-    card = _model_card(raw_request)
-    if model != card.id:
-        return error_response(
-            404, f"model {model!r} is not served here; this server serves {card.id!r}",
-            param="model", code="model_not_found",
-        )
-    return JSONResponse(card.model_dump())
+    """One model (or LoRA adapter) by name (OpenAI `models.retrieve`)."""
+    base = _model_card(raw_request)
+    for card in (base, *_adapter_cards(raw_request, base)):
+        if card.id == model:
+            return JSONResponse(card.model_dump())
+    return error_response(
+        404, f"model {model!r} is not served here; this server serves {base.id!r} "
+        "(see GET /v1/models)", param="model", code="model_not_found",
+    )
 
 
 def _model_card(raw_request: Request) -> ModelCard:
@@ -179,6 +184,46 @@ def _model_card(raw_request: Request) -> ModelCard:
         created=raw_request.app.state.started_at,
         diffbatch=serving.model_accepts(),
     )
+
+
+def _adapter_cards(raw_request: Request, base: ModelCard) -> list[ModelCard]:
+    """The LoRA adapters served here (never their paths: `root` is the name)."""
+    loras = getattr(_engine(raw_request), "loras", None)
+    if loras is None:
+        return []
+    return [ModelCard(id=name, root=name, parent=base.id, created=base.created)
+            for name in loras.names() if name != base.id]
+
+
+# -- runtime LoRA updates (vLLM's routes; included only with the opt-in flag) ----------
+lora_admin_router = APIRouter()
+
+
+@lora_admin_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                        responses=_errors(400, 401, 404))
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    """Serve the adapter at `lora_path` under `lora_name` from now on."""
+    try:
+        await run_in_threadpool(_engine(raw_request).add_lora, request.lora_name,
+                                request.lora_path)
+    except DiffbatchError as exc:
+        return exception_response(exc)
+    logger.info("LoRA adapter %r added", request.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+
+@lora_admin_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                        responses=_errors(400, 401, 404))
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest,
+                              raw_request: Request) -> Response:
+    """Stop serving adapter `lora_name` (added at run time or by `--lora-modules`)."""
+    if not _engine(raw_request).remove_lora(request.lora_name):
+        return error_response(404, f"LoRA adapter {request.lora_name!r} is not served by "
+                              "name here (see GET /v1/models)", param="lora_name",
+                              code="model_not_found")
+    logger.info("LoRA adapter %r removed", request.lora_name)
+    return PlainTextResponse(
+        f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
 @router.get(f"{FILES_ROUTE}/{{file_id}}", response_class=Response, responses={

@@ -41,6 +41,7 @@ from diffbatch.entrypoints.openai.api_router import (
     PLAYGROUND_PATH,
     STATIC_DIR,
     SUBMITTED_STATE,
+    lora_admin_router,
     router,
 )
 from diffbatch.entrypoints.openai.errors import install_exception_handlers
@@ -124,6 +125,7 @@ def build_app(
     close_engine_on_shutdown: bool = True,
     shutdown_grace_s: float | None = None,
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """Build the FastAPI app that serves `engine`.
 
@@ -149,6 +151,9 @@ def build_app(
             last waves, then the worker); None = the engine's own bounds.
         body_timeout_s: Longest pause in a request body (no bytes arriving) before a
             408 that closes the connection; None = no limit.
+        allow_runtime_lora_updating: Serve `POST /v1/load_lora_adapter` and
+            `/v1/unload_lora_adapter` (vLLM's routes; under the API key like every
+            `/v1` route); without it they are 404s.
 
     Returns:
         The app; serve it with uvicorn (see `run_server`).
@@ -210,11 +215,14 @@ def build_app(
         public_url=public_url,
     )
     app.include_router(router)
+    if allow_runtime_lora_updating:
+        app.include_router(lora_admin_router)
     app.mount(PLAYGROUND_PATH, StaticFiles(directory=STATIC_DIR), name="playground")
     install_exception_handlers(app)
     install_openapi(
         app, size_rule=app.state.serving_images.size_rule,
-        lora_enabled=engine.config.lora_dir is not None, api_key_required=api_key is not None,
+        lora_enabled=_lora_enabled(engine) or allow_runtime_lora_updating,
+        api_key_required=api_key is not None,
         max_request_work=getattr(engine, "max_request_work", None),
         default_steps=engine.info.default_num_inference_steps,
         max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
@@ -334,6 +342,12 @@ def check_can_listen(host: str, port: int) -> None:
                           "(--host, --port)", param="port") from None
 
 
+def _lora_enabled(engine: Engine) -> bool:
+    """Whether requests may name LoRA adapters here (a folder, or adapters by name)."""
+    loras = getattr(engine, "loras", None)
+    return loras.enabled if loras is not None else engine.config.lora_dir is not None
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine from CLI `args`, then serve it with uvicorn until interrupted."""
     from diffbatch import Engine, EngineConfig
@@ -358,6 +372,7 @@ def run_server(args: argparse.Namespace) -> None:
             image_url_ttl_s=args.image_url_ttl,
             public_url=args.public_url,
             body_timeout_s=args.body_timeout,
+            allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
         )
     except BaseException:
         engine.close()

@@ -214,7 +214,10 @@ def _specialise_fields(
     properties["size"]["description"] = _size_description(size_rule, auto)
     if lora_enabled:
         lora = properties["lora"]
-        lora["anyOf"][0]["pattern"] = lora.pop("pattern")
+        pattern = lora.pop("pattern")
+        for branch in lora["anyOf"]:
+            if branch.get("type") == "string":
+                branch["pattern"] = pattern
     else:
         del properties["lora"]
 
@@ -235,6 +238,11 @@ def _declare_edit_body(
         auto=f"the image's size, scaled down to fit the pixel cap and the work limit, sides "
         f"rounded down to multiples of {size_rule.multiple}",
     )
+    if "lora" in properties:  # a form field is text: one adapter name, not a stack
+        lora = properties["lora"]
+        lora["anyOf"] = [b for b in lora["anyOf"] if b.get("type") != "array"]
+        lora["description"] = "a LoRA adapter served here (a name; a stack of several " \
+            "needs the JSON body of /v1/images/generations)"
     for name in list(properties):
         field = _without_null(properties[name])
         if field is None:  # a field that can only be null (`style`): not a form field

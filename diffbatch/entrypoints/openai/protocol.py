@@ -28,6 +28,7 @@ from diffbatch.request import MAX_PROMPT_CHARS, validate_prompt
 from diffbatch.sampling_params import (
     MAX_ABS_LORA_SCALE,
     MAX_GUIDANCE_SCALE,
+    MAX_LORA_STACK,
     MAX_NUM_INFERENCE_STEPS,
 )
 
@@ -145,6 +146,21 @@ def _integral_to_int(value: Any) -> Any:
     return value
 
 
+class LoraEntry(BaseModel):
+    """One adapter of a request's LoRA stack."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, json_schema_extra={"pattern": LORA_NAME_PATTERN})
+    scale: float = Field(default=1.0, ge=-MAX_ABS_LORA_SCALE, le=MAX_ABS_LORA_SCALE,
+                         strict=True, allow_inf_nan=False)
+
+    @field_validator("scale", mode="before")
+    @classmethod
+    def _integral_scale(cls, value: Any) -> Any:
+        return float(value) if type(value) is int else value
+
+
 # Fields with a non-null default, which `null` stands for.
 _DEFAULTED = ("n", "output_format", "lora_scale", "priority")
 
@@ -161,7 +177,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
 
     Args:
         prompt: One non-empty prompt (lists are rejected: batching is across requests).
-        model: The served model name; None serves the default model.
+        model: The served model name, or a LoRA adapter's (vLLM: it selects the
+            adapter); None serves the default model.
         n: Images to generate for this prompt, 1-10.
         size: "<width>x<height>" or "auto"/None for the model's default size.
         response_format: "b64_json" (default) or "url": links to the images, kept by
@@ -173,10 +190,11 @@ class ImageGenerationRequest(OpenAIBaseModel):
         num_inference_steps: Extension: denoising steps (None = the model's default).
         guidance_scale: Extension: classifier-free guidance scale (None = default).
         seed: Extension: seed of this request's noise; equal seeds give equal images.
-        lora: Extension: name of a LoRA adapter inside the server's `--lora-dir`.
+        lora: Extension: a LoRA adapter's name (`--lora-modules`, or inside the server's
+            `--lora-dir`), or a stack of several: a list of {"name", "scale"}.
         priority: Extension: lower runs first under `--scheduling-policy grouped`
             (ignored by `fifo`, which keeps arrival order exactly).
-        lora_scale: Extension: strength of the LoRA adapter.
+        lora_scale: Extension: strength of the LoRA adapter given by name.
         stream: Answer as server-sent events (OpenAI's image streaming): partial
             images, then the completed image. Only with n = 1 (as OpenAI) and base64.
         partial_images: Previews to stream before the image, 0-3 (with `stream`).
@@ -190,7 +208,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         min_length=1, max_length=MAX_PROMPT_CHARS, pattern=NOT_BLANK_PATTERN,
         description=f"One prompt: at most {MAX_PROMPT_CHARS} characters, not only whitespace.",
     )
-    model: str | None = Field(default=None, description="The served model (see /v1/models).")
+    model: str | None = Field(
+        default=None,
+        description="The served model, or one of its LoRA adapters (see /v1/models).")
     n: int = Field(default=1, ge=1, le=MAX_N, strict=True, json_schema_extra=_or_null)
     size: str | None = Field(
         default=None,
@@ -236,9 +256,10 @@ class ImageGenerationRequest(OpenAIBaseModel):
         default=None, ge=0.0, le=MAX_GUIDANCE_SCALE, strict=True, allow_inf_nan=False
     )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
-    lora: str | None = Field(
-        default=None, min_length=1,
-        description="an adapter inside the server's --lora-dir (a relative name)",
+    lora: str | list[LoraEntry] | None = Field(
+        default=None,
+        description="a LoRA adapter served here (--lora-modules, or a relative name inside "
+        "--lora-dir), or a stack of several, each with its own scale",
         json_schema_extra={"pattern": LORA_NAME_PATTERN},
     )
     lora_scale: float = Field(
@@ -317,6 +338,19 @@ class ImageGenerationRequest(OpenAIBaseModel):
                 f"`{info.field_name}` {value!r} is not supported by this server; {fix}",
                 param=info.field_name,
             )
+        return value
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _check_lora(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise InvalidRequestError(
+                "`lora` must be an adapter name or a list of at least 1 {\"name\", "
+                f"\"scale\"}} entry, got {value!r}", param="lora")
+        if isinstance(value, list) and len(value) > MAX_LORA_STACK:
+            raise InvalidRequestError(
+                f"`lora` may stack at most {MAX_LORA_STACK} adapters, got {len(value)}",
+                param="lora")
         return value
 
     @field_validator("guidance_scale", "lora_scale", mode="before")
@@ -499,14 +533,33 @@ class ModelAccepts(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One entry of `GET /v1/models`."""
+    """One entry of `GET /v1/models` (a LoRA adapter has the base model as `parent`)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "diffbatch"
-    root: str | None = None  # what the model was loaded from
+    root: str | None = None  # what the model was loaded from (an adapter: its name)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     diffbatch: ModelAccepts | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """Body of `POST /v1/load_lora_adapter` (vLLM's fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=200,
+                           json_schema_extra={"pattern": r"^[^/=\x00.\s][^/=\x00]*$"})
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """Body of `POST /v1/unload_lora_adapter` (vLLM's fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=200)
 
 
 class ModelList(BaseModel):

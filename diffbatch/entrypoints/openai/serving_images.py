@@ -4,11 +4,12 @@ one engine request.
 A request runs in stages: `prepare_image` (`prepare_edit` for an edit) runs 1-2,
 `generate` runs 3-5, and the route calls one after the other:
 
-1. check what this server decides alone: the model name, `response_format`, `lora`
-   without `--lora-dir`, whether the model can run an edit at all (before its
-   uploads are decoded), and the size against the server's own limits (see
-   `check_size`); what depends on the model (its size multiple and pixel cap, the call
-   arguments it takes) is the engine's, checked once, when the request is added;
+1. check what this server decides alone: the model name (or a LoRA adapter's, which
+   selects it), `response_format`, `lora` names this server does not serve, whether
+   the model can run an edit at all (before its uploads are decoded), and the size
+   against the server's own limits (see `check_size`); what depends on the model (its
+   size multiple and pixel cap, the call arguments it takes) is the engine's, checked
+   once, when the request is added;
 2. build `SamplingParams` (an edit first decodes its uploaded image and mask,
    `uploads.py`, in a worker thread);
 3. await `Engine.generate_async` alone, under the request timeout. Nothing else is
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diffbatch import request_work
+from diffbatch.engine.request_checks import resolve_lora
 from diffbatch.entrypoints.openai.errors import request_error_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore, max_file_bytes
 from diffbatch.entrypoints.openai.protocol import (
@@ -58,6 +60,7 @@ from diffbatch.entrypoints.openai.protocol import (
 from diffbatch.entrypoints.openai.serving_stream import EventKind, ImageStream, StreamedImages
 from diffbatch.entrypoints.openai.uploads import decode_edit_inputs
 from diffbatch.errors import (
+    DiffbatchError,
     InvalidRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
@@ -207,6 +210,7 @@ class OpenAIServingImages:
             {p for p in (lora_dir, lora_dir and os.path.realpath(lora_dir)) if p},
             key=len, reverse=True,
         )
+        self._private_modules = engine.loras.modules  # name -> path, read when redacting
 
     def model_accepts(self) -> ModelAccepts:
         """What the model takes here (`GET /v1/models`): its sizes (square ones, the side
@@ -304,25 +308,66 @@ class OpenAIServingImages:
                 "\"b64_json\"",
                 param="response_format",
             )
-        if request.model is not None and request.model != self.served_model_name:
+        if request.model is not None and request.model != self.served_model_name \
+                and not self._is_adapter(request.model):
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this server serves "
-                f"{self.served_model_name!r} (see GET /v1/models)",
+                f"{self.served_model_name!r} and its LoRA adapters (see GET /v1/models)",
                 param="model",
             )
         self._check_prompt_length(request)
-        if request.lora is not None and self.engine.config.lora_dir is None:
-            # Without a LoRA folder the engine would take `lora` as a filesystem path.
+        if request.lora is None:
+            return
+        loras = self.engine.loras
+        if not loras.enabled:
             raise InvalidRequestError(
-                "`lora` is not available: this server was started without `--lora-dir`",
-                param="lora",
+                "`lora` is not available: this server was started without `--lora-dir` "
+                "or `--lora-modules`", param="lora",
             )
+        if loras.lora_dir is None:
+            # Without a LoRA folder the engine would take an unknown name as a path.
+            names = [request.lora] if isinstance(request.lora, str) \
+                else [entry.name for entry in request.lora]
+            served = loras.modules()
+            for name in names:
+                if name not in served:
+                    raise ModelNotFoundError(
+                        f"LoRA adapter {name!r} is not served here (see GET /v1/models)",
+                        param="lora")
+
+    def _is_adapter(self, model: str) -> bool:
+        """Whether `model` names a LoRA adapter this server serves (vLLM: a request
+        selects an adapter by passing its name as `model`)."""
+        loras = self.engine.loras
+        if model in loras.modules():
+            return True
+        if loras.lora_dir is None:
+            return False
+        try:
+            resolve_lora(model, loras.lora_dir)
+        except DiffbatchError:
+            return False
+        return True
+
+    def lora_of(self, request: ImageGenerationRequest) -> tuple[Any, float]:
+        """The engine-side `lora` and `lora_scale` of `request`: the adapter its `model`
+        names (if any) stacked before its `lora`; `lora_scale` scales them all."""
+        lora: Any = request.lora
+        if isinstance(lora, list):
+            lora = [(entry.name, entry.scale) for entry in lora]
+        if request.model is None or request.model == self.served_model_name:
+            return lora, request.lora_scale
+        if lora is None:
+            return request.model, request.lora_scale
+        return [(request.model, 1.0), *([(lora, 1.0)] if isinstance(lora, str) else lora)], \
+            request.lora_scale
 
     def sampling_params(
         self, request: ImageGenerationRequest, width: int, height: int
     ) -> SamplingParams:
         """Stage 2: the engine-side parameters of `request` (validated again there)."""
         self._check_store_room(request, width, height)
+        lora, lora_scale = self.lora_of(request)
         return SamplingParams(
             height=height,
             width=width,
@@ -332,8 +377,8 @@ class OpenAIServingImages:
             num_outputs_per_prompt=request.n,
             seed=request.seed,
             output_type="pil",
-            lora=request.lora,
-            lora_scale=request.lora_scale,
+            lora=lora,
+            lora_scale=lora_scale,
             partial_images=request.partial_images or 0,
         )
 
@@ -382,6 +427,8 @@ class OpenAIServingImages:
         """`message` without the server's folder names (a pipeline error may hold them)."""
         for path in self._private_paths:
             message = message.replace(path, "<lora-dir>")
+        for name, path in self._private_modules().items():
+            message = message.replace(path, f"<lora {name}>")
         return message
 
     def prepare_image(self, request: ImageGenerationRequest) -> SamplingParams:

@@ -191,9 +191,11 @@ async def test_api_docs_load_nothing_from_another_host(keyed_client, page: str) 
 async def test_models(client) -> None:
     body = (await client.get("/v1/models")).json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["fake"]
+    # the model, then the adapters of its --lora-dir, each with the model as parent
+    assert [(m["id"], m["parent"]) for m in body["data"]] == [("fake", None), ("style", "fake")]
     assert body["data"][0]["object"] == "model"
     assert (await client.get("/v1/models/fake")).json()["id"] == "fake"
+    assert (await client.get("/v1/models/style")).json()["parent"] == "fake"
     assert_openai_error(await client.get("/v1/models/other"), 404, "model")
 
 
