@@ -7,7 +7,10 @@ pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
 
 1. admit: joined requests enter while there is room (`capacity`) and their key is
    the running batch's (a request of another key waits until the batch drained; the
-   engine stops sending joiners of the old key once it wants to switch);
+   engine stops sending joiners of the old key once it wants to switch). Requests of
+   an isolated join (re-run after the worker died under them) form a group that
+   enters only an empty batch and that nothing else joins, as a re-run wave of
+   request mode runs on its own;
 2. boundary: the calls joiners make before their first step (text encoders) run,
    fused across the joiners, until every request waits at the denoiser;
 3. step: ONE fused denoiser call for every running request, each at its own timestep;
@@ -55,6 +58,7 @@ class _Task:
     call_id: int
     request: DiffusionRequest
     key: SamplingParamsKey | None
+    group: int | None = None  # an isolated join's first call id; None: ordinary traffic
     joined: float = field(default_factory=time.perf_counter)
     greenlet: TaskGreenlet | None = None
     pending: ModuleCall | None = None
@@ -89,6 +93,7 @@ class StepRunner:
         self.running: list[_Task] = []
         self.capacity = 1
         self.key: SamplingParamsKey | None = None  # the running batch's key
+        self.group: int | None = None  # the running batch's isolated group, if any
         self.ticks: list[TickStats] = []  # since the caller last took them
         self.num_ticks = 0  # ticks that did work, ever (the heartbeat reports it)
         # where partial images go: (the request's call id, the image); None: nowhere
@@ -108,8 +113,9 @@ class StepRunner:
     # -- the engine's side -----------------------------------------------------------
     def join(self, join: StepJoin) -> None:
         self.capacity = max(1, join.capacity)
+        group = join.call_ids[0] if join.isolated else None
         for call_id, request in zip(join.call_ids, join.wave.requests, strict=True):
-            self.ready.append(_Task(call_id, request, join.wave.key))
+            self.ready.append(_Task(call_id, request, join.wave.key, group))
 
     def call_ids(self) -> set[int]:
         return {t.call_id for t in self.ready} | {t.call_id for t in self.running}
@@ -155,7 +161,7 @@ class StepRunner:
         left = [t for t in self.running if t.done]
         self.running = [t for t in self.running if not t.done]
         if not self.running:
-            self.key = None
+            self.key = self.group = None
         finished = []
         for task in left:
             output = task.output
@@ -173,11 +179,11 @@ class StepRunner:
         admitted: list[_Task] = []
         while self.ready and len(self.running) + len(admitted) < self.capacity:
             task = self.ready[0]
-            if (self.running or admitted) and task.key != self.key:
-                break  # another key waits for the running batch to drain
+            if (self.running or admitted) and (task.key, task.group) != (self.key, self.group):
+                break  # another key (or group) waits for the running batch to drain
             self.ready.popleft()
             if not self.running and not admitted:
-                self.key = task.key
+                self.key, self.group = task.key, task.group
             admitted.append(task)
         if not admitted:
             return 0
