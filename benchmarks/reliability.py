@@ -24,6 +24,13 @@ queue, `--worker-stall-timeout` and `--shutdown-timeout`), then runs, in order:
    within `--shutdown-timeout` plus the worker's stop grace and a margin (5 s), and
    every client gets an answer: 200, or 503 in OpenAI JSON.
 
+The campaign runs once per mode of `--modes` (request mode, then step mode,
+`--step-execution`), each on a server of its own, with the same scenarios and checks;
+in step mode a crash's re-runs are counted by `diffbatch_worker_batch_reruns_total`
+(a crashed running batch is re-run in halves) instead of the waves re-run.
+`--only` runs some scenarios; `--kill-when-running N` makes each kill wait for N
+requests running (8 with `--max-num-seqs 8`: a kill under a full batch).
+
 Prints one table (and writes the JSON report). `--quick` shrinks everything to run
 in under two minutes on a small machine: 300-request burst, 40 disconnects, 15 s soak.
 
@@ -287,8 +294,8 @@ def under_load(url: str, args: argparse.Namespace, fault: Any) -> tuple[Any, lis
     return asyncio.run(run()), results
 
 
-def wait_for_a_running_wave(client: httpx.Client, url: str) -> None:
-    wait_until(lambda: metrics(client, url)["diffbatch_num_requests_running"] > 0,
+def wait_for_a_running_wave(client: httpx.Client, url: str, running: int = 1) -> None:
+    wait_until(lambda: metrics(client, url)["diffbatch_num_requests_running"] >= running,
                "a wave to run", poll_s=0.005)
 
 
@@ -306,7 +313,7 @@ def kills(url: str, args: argparse.Namespace, client: httpx.Client,
             wait_until(lambda done=done: outcome(metrics(client, url), "completed")
                        >= done + 2 * args.clients, "waves after the recovery")
             killed = worker_pid(server_pid)
-            wait_for_a_running_wave(client, url)
+            wait_for_a_running_wave(client, url, args.kill_when_running)
             os.kill(killed, signal.SIGKILL)
             start = time.monotonic()
             wait_until(lambda old=killed: worker_pid(server_pid) not in (None, old)
@@ -317,8 +324,9 @@ def kills(url: str, args: argparse.Namespace, client: httpx.Client,
     recoveries, results = under_load(url, args, fault)
     after = metrics(client, url)
     failed = [r for r in results if not isinstance(r, httpx.Response) or r.status_code != 200]
-    reruns = (after.get("diffbatch_waves_rerun_total", 0.0)
-              - before.get("diffbatch_waves_rerun_total", 0.0))
+    counter = ("diffbatch_worker_batch_reruns_total" if args.mode == "step"
+               else "diffbatch_waves_rerun_total")
+    reruns = after.get(counter, 0.0) - before.get(counter, 0.0)
     checks = {
         "only crashed waves affected (none failed)": not failed,
         "every crash re-run": reruns >= args.kills,
@@ -434,14 +442,15 @@ def sigterm(url: str, args: argparse.Namespace, client: httpx.Client,
 
 # -- the run ------------------------------------------------------------------------------
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| scenario | requests | answers | result | checks |", "|---|---|---|---|---|"]
+    lines = ["| mode | scenario | requests | answers | result | checks |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(row.get("answers", {}).items()))
         checks = "; ".join(f"{name} {'ok' if passed else 'FAIL'}"
                            for name, passed in row["checks"].items())
         verdict = "PASS" if all(row["checks"].values()) else "FAIL"
-        lines.append(f"| {row['scenario']} | {row['requests']} | {answers} | {row['figure']} | "
-                     f"{verdict}: {checks} |")
+        lines.append(f"| {row['mode']} | {row['scenario']} | {row['requests']} | {answers} | "
+                     f"{row['figure']} | {verdict}: {checks} |")
     return "\n".join(lines)
 
 
@@ -452,7 +461,8 @@ def server_spec(args: argparse.Namespace) -> harness.ServerSpec:
             "--max-queue-size", str(args.max_queue_size),
             "--worker-stall-timeout", str(args.stall_timeout),
             "--shutdown-timeout", str(args.shutdown_timeout),
-            "--log-level", args.server_log_level])
+            "--log-level", args.server_log_level,
+            *(["--step-execution"] if args.mode == "step" else [])])
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -477,10 +487,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 ("sigterm", lambda: sigterm(url, args, client, server)),
             ]
             for name, step in steps:
+                if args.only and name not in args.only:
+                    continue
                 start = time.monotonic()
                 row = step()
+                row["mode"] = args.mode
                 row["elapsed_s"] = time.monotonic() - start
-                print(f"{name}: {row['figure']} ({row['elapsed_s']:.1f} s)", flush=True)
+                print(f"{args.mode} {name}: {row['figure']} ({row['elapsed_s']:.1f} s)",
+                      flush=True)
                 rows.append(row)
     except Exception:
         print(f"server log tail:\n{server.log_tail()}", file=sys.stderr)
@@ -492,7 +506,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def plot(report: dict[str, Any], path: str) -> None:
     plt = harness.pyplot()
-    soak_row = next(r for r in report["results"] if r["scenario"] == "soak")
+    soak_row = next((r for r in report["results"] if r["scenario"] == "soak"), None)
+    if soak_row is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.plot([t for t, _ in soak_row["rss_mib"]], [m for _, m in soak_row["rss_mib"]])
     ax.set_xlabel("soak time (s)")
@@ -530,6 +546,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's --shutdown-timeout")
     parser.add_argument("--server-log-level", default="warning",
                         help="the server's --log-level (its log is kept in a temp folder)")
+    parser.add_argument("--modes", default="request,step",
+                        help="comma-separated: request (the default engine), step "
+                        "(--step-execution); each runs the whole campaign on its own server")
+    parser.add_argument("--only", default="",
+                        help="comma-separated scenarios to run (burst, disconnects, kills, "
+                        "freeze, soak, sigterm); all when empty")
+    parser.add_argument("--kill-when-running", type=int, default=1,
+                        help="each kill waits for this many requests running")
     parser.add_argument("--out", default="benchmarks/results/reliability.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
@@ -537,9 +561,15 @@ def main(argv: list[str] | None = None) -> int:
                               ("soak_s", 300.0, 15.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    args.only = [name for name in args.only.split(",") if name]
     report = harness.report_header("reliability", args)
     start = time.perf_counter()
-    rows = run(args)
+    rows = []
+    for mode in args.modes.split(","):
+        if mode not in ("request", "step"):
+            parser.error(f"--modes takes request and step, got {mode!r}")
+        args.mode = mode
+        rows += run(args)
     report["results"] = rows
     report["pass"] = all(all(r["checks"].values()) for r in rows)
     report["elapsed_s"] = time.perf_counter() - start

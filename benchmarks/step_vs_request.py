@@ -38,6 +38,20 @@ compute a cancelled request no longer burns shows where request mode falls behin
 its arrivals (the higher loads).
 
     .venv/bin/python benchmarks/step_vs_request.py --out benchmarks/results/step_vs_request.json
+
+`--parity` runs the parity check instead, on three servers: request mode, a twin of
+it (the same flags: its spread against the first is the noise floor) and step mode.
+Per round, in an order that rotates: (1) saturated throughput, a closed loop of
+`--parity-clients` (16) clients sending identical `--steps`-step requests
+(`--steps 0`: the model's default), `--parity-requests` of them on each server;
+(2) mixed step counts (4/8/16/32) under Poisson arrivals at 0.8x request mode's
+capacity of that mix (measured in the round), mean latency on each server. Ratios
+against request mode, median over `--repeats` rounds. Bars: step/request throughput
+>= 0.9x (>= 0.95x at default steps), mean latency <= 0.5x; a miss inside the twin's
+spread is noise.
+
+    .venv/bin/python benchmarks/step_vs_request.py --parity --steps 4 --repeats 5 \
+        --out benchmarks/results/step_parity.json
 """
 
 from __future__ import annotations
@@ -57,6 +71,7 @@ from peers_servers import harness
 from diffbatch.bench.serve import BenchConfig, run_benchmark
 
 MIX = (4, 8, 16, 30)
+PARITY_MIX = (4, 8, 16, 32)
 CANCEL_MIX = tuple(4 * steps for steps in MIX)
 LOADS = (0.5, 0.8, 0.95)
 WORKLOADS = ("uniform", "mixed", "cancel")
@@ -102,6 +117,8 @@ def capacity(server: harness.Server, args: argparse.Namespace, steps: int | None
 def steps_of(workload: str, rng: random.Random, args: argparse.Namespace) -> int:
     if workload == "uniform":
         return args.steps
+    if workload == "parity-mix":
+        return rng.choice(PARITY_MIX)
     return rng.choice(CANCEL_MIX if workload in ("cancel", "long") else MIX)
 
 
@@ -264,6 +281,64 @@ def run_round(servers: dict[str, harness.Server], args: argparse.Namespace,
     return {"capacity_req_per_s": caps, "rows": rows}
 
 
+def parity_specs(args: argparse.Namespace) -> list[harness.ServerSpec]:
+    request, step = server_specs(args)
+    twin = harness.diffbatch_defaults_spec(
+        args.model, name="twin", extra_args=request.cmd[request.cmd.index("--max-num-seqs"):])
+    return [request, twin, step]
+
+
+def parity_round(servers: dict[str, harness.Server], args: argparse.Namespace,
+                 round_index: int) -> dict[str, Any]:
+    """One round of the parity check (see the module docstring)."""
+    seed = 1000 * round_index
+    modes = ["request", "twin", "step"]
+    order = modes[round_index % 3:] + modes[:round_index % 3]
+    saturated = {}
+    for mode in order:
+        report = run_benchmark(BenchConfig(
+            base_url=servers[mode].base_url, num_prompts=args.parity_requests,
+            max_concurrency=args.parity_clients, width=args.size, height=args.size,
+            steps=args.steps or None, seed=seed, disable_tqdm=True))
+        saturated[mode] = float(report["request_throughput"])
+    cap = asyncio.run(poisson_run(servers["request"].base_url, args, rate=float("inf"),
+                                  workload="parity-mix", seed=seed + 1,
+                                  concurrency=args.saturation_concurrency,
+                                  num=args.capacity_requests))["completed_per_s"]
+    mixed = {mode: asyncio.run(poisson_run(servers[mode].base_url, args, rate=0.8 * cap,
+                                           workload="parity-mix", seed=seed + 2))
+             for mode in order}
+    row = {
+        "order": order, "saturated_req_per_s": saturated, "mix_capacity_req_per_s": cap,
+        "mixed": mixed,
+        "throughput": {m: ratio(saturated[m], saturated["request"]) for m in ("twin", "step")},
+        "mean_latency": {m: ratio(mixed[m]["mean_ms"], mixed["request"]["mean_ms"])
+                         for m in ("twin", "step")},
+    }
+    print(f"round {round_index} ({', '.join(order)}): saturated " + ", ".join(
+        f"{m} {saturated[m]:.2f}/s" for m in modes) + f"; mix @0.8 x {cap:.2f}/s mean " +
+        ", ".join(f"{m} {mixed[m]['mean_ms'] or 0:.0f} ms" for m in modes), flush=True)
+    return row
+
+
+def parity_verdict(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    def spread(what: str, mode: str) -> list[float]:
+        return sorted(r[what][mode] for r in rounds if r[what][mode] is not None)
+
+    throughput_bar = 0.9 if args.steps else 0.95
+    figures = {}
+    for what, bar, upper in (("throughput", throughput_bar, False),
+                             ("mean_latency", 0.5, True)):
+        step, twin = spread(what, "step"), spread(what, "twin")
+        median = statistics.median(step) if step else None
+        figures[what] = {
+            "step_median": median, "step_all": step, "twin_median":
+            statistics.median(twin) if twin else None, "twin_range": [twin[0], twin[-1]]
+            if twin else None, "bar": bar,
+            "pass": median is not None and (median <= bar if upper else median >= bar)}
+    return figures
+
+
 def verdict(rounds: list[dict[str, Any]], overhead: dict[str, Any]) -> dict[str, Any]:
     def median(row: str, what: str) -> float | None:
         values = [r["rows"][row]["ratio"][what] for r in rounds
@@ -313,10 +388,27 @@ def main(argv: list[str] | None = None) -> None:
                         help="per cancel run, and for the cancel workload's capacity")
     parser.add_argument("--overhead-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="rounds")
+    parser.add_argument("--parity", action="store_true",
+                        help="the parity check instead (see the module docstring)")
+    parser.add_argument("--parity-clients", type=int, default=16)
+    parser.add_argument("--parity-requests", type=int, default=96)
     parser.add_argument("--out", default="benchmarks/results/step_vs_request.json")
     args = parser.parse_args(argv)
     report = harness.report_header("step_vs_request", args)
     start = time.perf_counter()
+    if args.parity:
+        with harness.running(parity_specs(args), startup_timeout_s=STARTUP_TIMEOUT_S,
+                             one_at_a_time=True) as servers:
+            rounds = [parity_round(servers, args, i) for i in range(args.repeats)]
+        report.update(rounds=rounds, verdict=parity_verdict(rounds, args),
+                      elapsed_s=time.perf_counter() - start)
+        for what, figure in report["verdict"].items():
+            twin = figure["twin_range"]
+            print(f"{what}: step/request median {figure['step_median']:.3f} (bar "
+                  f"{figure['bar']:g}: {'PASS' if figure['pass'] else 'MISS'}); twin/request "
+                  f"median {figure['twin_median']:.3f}, range {twin[0]:.3f}-{twin[1]:.3f}")
+        harness.write_report(report, args.out)
+        return
     overhead = tick_overhead(args)
     print(f"tick overhead at batch {overhead['batch']}: {overhead['overhead_share']:.1%} "
           f"(tick {overhead['median_tick_ms']:.1f} ms)", flush=True)

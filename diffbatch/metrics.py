@@ -102,6 +102,9 @@ class _WorkerHealth(Collector):
             ("diffbatch_worker_stuck_waves", "stuck_waves", "Of those, workers killed because "
              "a wave ran past its stall bound while the heartbeat lived (a hung forward)."),
             ("diffbatch_worker_restarts", "restarts", "Replacement worker processes started."),
+            ("diffbatch_worker_batch_reruns", "batch_reruns", "Step mode: groups of a "
+             "running batch re-run on a replacement worker after the worker died under it "
+             "(a crashed batch is re-run in halves)."),
         ):
             yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
 

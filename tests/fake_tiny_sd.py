@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
+from typing import Any
 
 from diffbatch.outputs import DiffusionOutput
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
@@ -51,3 +53,40 @@ class MarkedTinySD(DiffusersT2IPipeline):
 
             batch = dataclasses.replace(batch, should_stop=should_stop)
         return super().forward(batch)
+
+
+class StepFaultTinySD(DiffusersT2IPipeline):
+    """The real diffusers adapter (step contract included) with faults after a given
+    denoising step of a request, in that request's own per-step hook, so in step mode
+    they strike mid-tick with its batch mates in the running batch. The prompt's first
+    word chooses (NAME: the last word, a marker file in $DIFFBATCH_FAKE_MARKER_DIR):
+
+    - "crash-after-K ...": kill the worker (SIGKILL) after step K, every time;
+    - "hang-after-K NAME": after step K, if NAME does not exist, touch it and hang (a
+      tick for a test to kill or freeze the worker in); once it exists, run on (the
+      re-run). The hook runs after the step's partial images were sent.
+    """
+
+    def _step_hooks(self, batch: DiffusionRequestBatch, pipe: Any, previews: Any, *,
+                    interrupt: bool = True) -> dict[str, Any]:
+        hooks = super()._step_hooks(batch, pipe, previews, interrupt=interrupt)
+        words = batch.prompts[0].split()
+        fault, _, after = words[0].rpartition("-after-")
+        if fault not in ("crash", "hang") or not after.isdigit():
+            return hooks
+        marker = os.path.join(os.environ.get("DIFFBATCH_FAKE_MARKER_DIR", ""), words[-1])
+        inner = hooks.get("callback_on_step_end")
+
+        def on_step_end(pipe: Any, step: int, timestep: Any,
+                        callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            if inner is not None:
+                callback_kwargs = inner(pipe, step, timestep, callback_kwargs)
+            if step + 1 == int(after):
+                if fault == "crash":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif not os.path.exists(marker):
+                    touch(marker)
+                    threading.Event().wait()
+            return callback_kwargs
+
+        return {**hooks, "callback_on_step_end": on_step_end}

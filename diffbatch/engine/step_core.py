@@ -22,9 +22,10 @@ This only decides who may join:
 Joiners are handed over with the batch's stall bound (`StallBounds.step_s`):
 while they are in it, the batch finishing no step for that long means a stuck worker,
 which the executor kills like a frozen one (the heartbeat carries the tick count).
-The worker dying under the batch fails the requests it held with a clear error
-(step mode does not re-run them: any of them may have caused the crash); requests
-refused while a replacement starts are queued again. Every tick's statistics come
+The worker dying under the batch is the executor's to handle: it re-runs the
+batch's requests on the replacement in halves (`diffbatch.executor.multiproc`), so
+their futures stay pending here; requests refused while a replacement starts are
+queued again. Every tick's statistics come
 back with the outputs and feeds the step metrics. With "auto", the batch's capacity
 is learned from the ticks (`BatchPolicy.step_capacity`: the start-up calibration's
 capacity first, then the tick curve, trying the next doubling while more requests
@@ -154,8 +155,9 @@ class StepDispatch(Dispatch):
 
     def after_death(self, record: InFlightWave,
                     exc: WorkerDiedError) -> BatchRunnerOutput | None:
-        """A request the worker held fails (any of the batch may have caused the crash);
-        one refused while a replacement started is queued again (None)."""
+        """A request the worker held, which the executor could not re-run (no
+        replacement), fails; one refused while a replacement started is queued again
+        (None)."""
         core, wave = self.core, record.wave
         if not exc.started:
             with core.cond:
@@ -165,7 +167,7 @@ class StepDispatch(Dispatch):
             return None
         return BatchRunnerOutput.failed(wave.req_ids, RequestError(
             "the worker process died while this request was in the running batch "
-            f"({exc.message}); it was not re-run"))
+            f"({exc.message}) and could not be re-run"))
 
     def _observe_ticks(self, key: SamplingParamsKey | None,
                        runner_output: BatchRunnerOutput) -> None:

@@ -37,14 +37,24 @@ worker's life, as the serving worker of one executor:
   hangs ("stuck"). Either way the reader kills it (SIGKILL) and handles the death
   below;
 - a worker that dies fails every pending call with `WorkerDiedError` at once (the
-  oldest with `started=True`: it was running; in step mode, every request the worker
-  reported joining its batch (`WorkerJoined`); the rest never started, and calls
+  oldest with `started=True`: it was running; the rest never started, and calls
   submitted while a replacement starts are refused the same way); the executor
   turns unhealthy (`is_restarting`), sweeps the dead worker's segments and starts a
   replacement in the background (again after a pause if that start fails, up to
   three attempts); `check_health()` passes again once it is ready,
   and the ready listener (`set_ready_listener`) is called, so the engine can hold
-  its queue meanwhile and re-run what the dead worker was running.
+  its queue meanwhile and re-run what the dead worker was running;
+- step mode: the requests the worker reported joining its running batch
+  (`WorkerJoined`) are not failed but held, and re-run from their start on the
+  replacement in halves, as the engine re-runs a crashed wave of request mode: each
+  half is an isolated join (a batch of its own, which nothing else joins), sent
+  before anything the engine sends the replacement, and a half the worker dies under
+  again is split again. Only a request that kills a worker again when re-run alone
+  fails. Their futures stay the engine's, so the engine sees a request finish as if
+  no crash had happened (a stream's previews are sent again, and the engine's
+  partial-image router drops the indices already sent). The requests still in the
+  worker's queue never started and fail `started=False` (the engine queues them
+  again), except those of an isolated join, which are held with their group.
 
 Threads: any thread may submit (sends are serialised per worker); futures are
 resolved on the reader thread, so their callbacks must not block. `_lock` guards
@@ -64,6 +74,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +103,7 @@ from diffbatch.ipc.messages import (
     heartbeat_interval_s,
     recv_message,
 )
-from diffbatch.outputs import BatchRunnerOutput
+from diffbatch.outputs import BatchRunnerOutput, RequestError
 from diffbatch.worker.threads import choose_threads, cpu_contention, usable_cpu_count
 
 if TYPE_CHECKING:
@@ -177,6 +188,10 @@ class MultiprocExecutor(Executor):
         self.num_deaths = 0  # serving workers that died (killed as frozen included)
         self.num_frozen = 0  # workers killed as stalled (silent heartbeat or stuck wave)
         self.num_stuck_waves = 0  # of those, killed because a wave ran past its bound
+        self.num_batch_reruns = 0  # step mode: halves of running batches re-run
+        # step mode: groups of requests a worker died under, to re-run on the
+        # replacement in this order (see the module docstring); guarded by `_lock`
+        self._held: list[list[PendingCall]] = []
 
         worker, ready = self._start_worker()
         assert ready.info is not None
@@ -214,12 +229,15 @@ class MultiprocExecutor(Executor):
             "frozen": float(self.num_frozen),
             "stuck_waves": float(self.num_stuck_waves),
             "restarts": float(self.num_restarts),
+            "batch_reruns": float(self.num_batch_reruns),
             "torch_threads": float(worker.torch_threads if worker else 0),
         }
 
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:
         with self._lock:
             worker = self._worker
+            held = self._take_held(lambda call: call.future is future)
+        _answer_aborted(held)
         call_id = worker.call_id_of(future) if worker is not None else None
         if call_id is None:  # answered already, or its worker is gone
             return
@@ -234,6 +252,8 @@ class MultiprocExecutor(Executor):
         """Nobody waits for any call the worker has: stop them all (`cancel`)."""
         with self._lock:
             worker = self._worker
+            held = self._take_held(lambda _call: True)
+        _answer_aborted(held)
         if worker is None:
             return
         with worker.pending_lock:
@@ -305,10 +325,14 @@ class MultiprocExecutor(Executor):
             self._closed = True
             worker, starting = self._worker, self._starting
             thread = self._restart_thread
+            held = self._take_held(lambda _call: True)
             self._worker = None
             self._dead_reason = "the executor is shut down"
             self._health.notify_all()
         _live_executors.discard(self)
+        for call in held:
+            call.future.set_exception(
+                EngineClosedError(f"the executor was shut down before it re-ran {call.what}"))
         if starting is not None:
             with contextlib.suppress(ProcessLookupError):  # the restart thread cleans up
                 starting.process.terminate()
@@ -357,7 +381,8 @@ class MultiprocExecutor(Executor):
             return convert
 
         pendings = [PendingCall(f"request {r.request_id}", converter(r.request_id), Future(),
-                                stall_after_s, in_batch=True)
+                                stall_after_s, in_batch=True,
+                                rejoin=replace(wave, requests=[r]), capacity=capacity)
                     for r in wave.requests]
         self._submit_calls("join", lambda ids: StepJoin(wave, ids, capacity), pendings)
         return [p.future for p in pendings]
@@ -532,7 +557,11 @@ class MultiprocExecutor(Executor):
         if worker.stalled is not None:
             exit_text = f"{worker.stalled}, killed"
         worker.cleanup()
+        pending = worker.close_pending()
+        running = [c.what for c in pending if c.in_batch and c.joined] or \
+            [c.what for c in pending[:1] if not c.in_batch]
         thread = None
+        repeat: list[PendingCall] = []  # step mode: killed a worker again when re-run alone
         with self._lock:
             closed = self._closed
             first = self._worker is worker
@@ -541,6 +570,9 @@ class MultiprocExecutor(Executor):
                 self.num_deaths += 1
                 self._dead_reason = f"worker process {worker.pid} died ({exit_text})"
                 if self._restart_on_death and not closed:
+                    groups, num_halves, repeat, pending = _split_for_rerun(pending)
+                    self._held.extend(groups)
+                    self.num_batch_reruns += num_halves
                     thread = threading.Thread(
                         target=self._restart, name="diffbatch-worker-restart", daemon=True
                     )
@@ -548,11 +580,20 @@ class MultiprocExecutor(Executor):
                     self._restart_thread = thread
                     thread.start()
                 self._health.notify_all()
-        pending = worker.close_pending()
         if first and not closed:
-            during = f"while running {pending[0].what}" if pending else "while idle"
+            during = f"while running {', '.join(running)}" if running else "while idle"
             logger.error("worker process %d died (%s) %s%s", worker.pid, exit_text, during,
                          "; starting a replacement" if thread is not None else "")
+            if self._held and thread is not None:
+                logger.warning("re-running %d request(s) of its running batch in %d "
+                               "group(s) on the replacement",
+                               sum(len(group) for group in self._held), len(self._held))
+        for call in repeat:  # as request mode answers a wave of one that crashes again
+            assert call.rejoin is not None
+            call.future.set_result(BatchRunnerOutput.failed(call.rejoin.req_ids, RequestError(
+                "the worker process died while running this request, and again when it "
+                f"was re-run on its own on a replacement (worker process died ({exit_text}) "
+                f"while running {call.what})")))
         # The worker runs calls in order: the oldest was running, the others waited. In
         # step mode the requests the worker said joined its batch were running; the
         # others waited in its queue.
@@ -592,12 +633,20 @@ class MultiprocExecutor(Executor):
                     if not self._closed:
                         self._dead_reason += f"; starting a replacement failed: {exc}"
                     self._restart_thread = None
+                    held = self._take_held(lambda _call: True)
+                    reason = self._dead_reason
                     self._health.notify_all()
+                for call in held:
+                    call.future.set_exception(WorkerDiedError(
+                        f"{reason}; {call.what} could not be re-run", started=True))
                 self._notify_ready()  # dead for good: held work fails now
                 return
         with self._lock:
             closed = self._closed
             if not closed:
+                # the held groups go first: nothing the engine sends can pass them
+                groups, self._held = self._held, []
+                self._rejoin(worker, groups)
                 self._worker = worker
                 self.num_restarts += 1
                 if ready.info != self.info:
@@ -610,10 +659,82 @@ class MultiprocExecutor(Executor):
         else:
             self._notify_ready()
 
+    def _take_held(self, which: Callable[[PendingCall], bool]) -> list[PendingCall]:
+        """(Holding `_lock`.) Take the held calls `which` selects out of their groups."""
+        taken = [call for group in self._held for call in group if which(call)]
+        if taken:
+            self._held = [kept for group in self._held
+                          if (kept := [call for call in group if not which(call)])]
+        return taken
+
+    def _rejoin(self, worker: WorkerProcess, groups: list[list[PendingCall]]) -> None:
+        """(Holding `_lock`.) Send each held group to `worker` as an isolated join; a
+        request finished meanwhile (aborted) is answered as aborted instead."""
+        for group in groups:
+            finished = [c for c in group if c.rejoin is None or c.rejoin.requests[0].is_finished]
+            _answer_aborted(finished)
+            group = [c for c in group if c not in finished]
+            if not group:
+                continue
+            call_ids = [next(self._call_ids) for _ in group]
+            now = time.monotonic()
+            for call_id, call in zip(call_ids, group, strict=True):
+                call.joined, call.sent, call.group = False, now, call_ids[0]
+                worker.add_pending(call_id, call)
+            first = group[0].rejoin
+            assert first is not None
+            wave = replace(first, requests=[c.rejoin.requests[0] for c in group if c.rejoin])
+            join = StepJoin(wave, call_ids, max(c.capacity for c in group), isolated=True)
+            try:
+                worker.send(WorkerCall(call_ids[0], "join", join))
+            except (BrokenPipeError, EOFError, OSError):
+                pass  # the replacement is gone too: its reader handles these calls
+            except Exception as exc:  # nothing was sent (it went once, so unlikely)
+                logger.error("could not re-send %d request(s) to the worker: %s",
+                             len(group), exc)
+                for call_id, call in zip(call_ids, group, strict=True):
+                    if worker.pop_pending(call_id) is call:
+                        call.resolve(WorkerReply(call_id,
+                                                 error=WorkerError.from_exception(exc)))
+
     def _dead_message(self) -> str:
         if self._restart_thread is not None:
             return f"{self._dead_reason}; a replacement worker is starting"
         return self._dead_reason
+
+
+def _split_for_rerun(
+    pending: list[PendingCall],
+) -> tuple[list[list[PendingCall]], int, list[PendingCall], list[PendingCall]]:
+    """Step mode, a dead worker's unanswered calls: (the groups to re-run on the
+    replacement, in order; how many of them are new halves; the calls that killed a
+    worker again when re-run alone; the rest, failed as before).
+
+    The requests in the running batch split in halves (as `EngineCore` splits a
+    crashed wave); a request that was the only one left of its re-run group fails.
+    Isolated groups that had not joined yet keep their group.
+    """
+    crashed = [c for c in pending if c.in_batch and c.joined and c.rejoin is not None]
+    waiting: dict[int, list[PendingCall]] = {}
+    for call in pending:
+        if call.in_batch and not call.joined and call.group and call.rejoin is not None:
+            waiting.setdefault(call.group, []).append(call)
+    held = {id(c) for c in crashed} | {id(c) for g in waiting.values() for c in g}
+    rest = [c for c in pending if id(c) not in held]
+    if len(crashed) == 1 and crashed[0].crashes > 0:
+        return list(waiting.values()), 0, crashed, rest
+    for call in crashed:
+        call.crashes += 1
+    mid = len(crashed) // 2
+    halves = [half for half in (crashed[:mid], crashed[mid:]) if half]
+    return [*halves, *waiting.values()], len(halves), [], rest
+
+
+def _answer_aborted(calls: list[PendingCall]) -> None:
+    """Answer held calls whose requests nobody waits for any more as aborted."""
+    for call in calls:
+        if call.rejoin is not None:
+            call.future.set_result(BatchRunnerOutput.aborted(call.rejoin.req_ids))
 
 
 # Executors that were never shut down are shut down at interpreter exit, so their

@@ -42,6 +42,7 @@ from diffbatch.ipc.messages import (
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
+    from diffbatch.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class PendingCall:
     # (no tick finished for that long), not on its own run time
     in_batch: bool = False
     joined: bool = False  # step mode: the worker said it entered the running batch
+    # step mode: what re-running the request on a replacement worker needs
+    rejoin: SchedulerOutput | None = None  # a wave of this one request, to join again
+    capacity: int = 1  # the capacity it joined with
+    crashes: int = 0  # running batches of a worker that died under it
+    group: int = 0  # the isolated join it was re-sent in (its first call id); 0: none
 
     def resolve(self, reply: WorkerReply) -> None:
         try:

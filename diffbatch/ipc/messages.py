@@ -108,12 +108,16 @@ class StepJoin:
     """The argument of a "join" call: requests to add to the running batch.
 
     Each request has a call id of its own: its reply comes when it finishes, not when
-    its batch mates do.
+    its batch mates do. An `isolated` join re-runs requests a worker died under (one
+    half of that batch, as request mode re-runs a crashed wave): they run as a batch
+    of their own, entering only an empty batch, and nothing else joins them until they
+    have all left.
     """
 
     wave: SchedulerOutput  # the joining requests, all of one key
     call_ids: list[int]  # one per request, in order
     capacity: int  # most requests in the running batch for this key
+    isolated: bool = False  # a batch of their own (see above)
 
 
 @dataclass
@@ -121,9 +125,9 @@ class WorkerJoined:
     """Worker -> engine, step mode: these calls' requests entered the running batch.
 
     Sent before any of their code runs, so a request that crashes the worker counts
-    as started (its death is not re-run); one still waiting in the worker's queue has
-    not started, and is queued again if the worker dies, or answered at once on
-    shutdown."""
+    as started (the executor re-runs it, in halves of the batch); one still waiting in
+    the worker's queue has not started, and is queued again if the worker dies, or
+    answered at once on shutdown."""
 
     call_ids: list[int]
 

@@ -10,7 +10,9 @@ pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
    engine stops sending joiners of the old key once it wants to switch), and while
    the batch's distinct LoRA adapters stay within `--max-loras`; a joiner's adapters
    are made resident (pinned until it leaves), and one whose adapter does not load
-   fails alone;
+   fails alone. Requests of an isolated join (re-run after the worker died under
+   them) form a group that enters only an empty batch and that nothing else joins,
+   as a re-run wave of request mode runs on its own;
 2. boundary: the calls joiners make before their first step (text encoders) run,
    fused across the joiners, until every request waits at the denoiser;
 3. step: ONE fused denoiser call for every running request, each at its own timestep
@@ -60,6 +62,7 @@ class _Task:
     call_id: int
     request: DiffusionRequest
     key: SamplingParamsKey | None
+    group: int | None = None  # an isolated join's first call id; None: ordinary traffic
     joined: float = field(default_factory=time.perf_counter)
     greenlet: TaskGreenlet | None = None
     pending: ModuleCall | None = None
@@ -95,6 +98,7 @@ class StepRunner:
         self.running: list[_Task] = []
         self.capacity = 1
         self.key: SamplingParamsKey | None = None  # the running batch's key
+        self.group: int | None = None  # the running batch's isolated group, if any
         self.ticks: list[TickStats] = []  # since the caller last took them
         self.num_ticks = 0  # ticks that did work, ever (the heartbeat reports it)
         # where partial images go: (the request's call id, the image); None: nowhere
@@ -114,8 +118,9 @@ class StepRunner:
     # -- the engine's side -----------------------------------------------------------
     def join(self, join: StepJoin) -> None:
         self.capacity = max(1, join.capacity)
+        group = join.call_ids[0] if join.isolated else None
         for call_id, request in zip(join.call_ids, join.wave.requests, strict=True):
-            self.ready.append(_Task(call_id, request, join.wave.key))
+            self.ready.append(_Task(call_id, request, join.wave.key, group))
 
     def call_ids(self) -> set[int]:
         return {t.call_id for t in self.ready} | {t.call_id for t in self.running}
@@ -165,7 +170,7 @@ class StepRunner:
         for task in left:
             self._release(task)
         if not self.running:
-            self.key = None
+            self.key = self.group = None
         finished = []
         for task in left:
             output = task.output
@@ -189,14 +194,14 @@ class StepRunner:
         in_use = {p for t in self.running for p in t.pinned}
         while self.ready and len(self.running) + len(admitted) < self.capacity:
             task = self.ready[0]
-            if (self.running or admitted) and task.key != self.key:
-                break  # another key waits for the running batch to drain
+            if (self.running or admitted) and (task.key, task.group) != (self.key, self.group):
+                break  # another key (or group) waits for the running batch to drain
             own = set(loras.paths(task.request))
             if (self.running or admitted) and len(in_use | own) > loras.max_loras:
                 break  # its adapters wait for room among the resident ones
             self.ready.popleft()
             if not self.running and not admitted:
-                self.key = task.key
+                self.key, self.group = task.key, task.group
             admitted.append(task)
             in_use |= own
         if not admitted:

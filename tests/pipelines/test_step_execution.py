@@ -113,6 +113,33 @@ def test_a_cancelled_request_leaves_at_the_next_boundary_and_its_slot_is_reused(
     assert diff.item() <= TOLERANCE
 
 
+def test_an_isolated_join_runs_as_a_batch_of_its_own(load_tiny: Any) -> None:
+    """A re-run after a worker death (an isolated join) enters only an empty batch, and
+    nothing joins it until it has left, whatever the capacity: a request that may have
+    killed the worker shares no step with requests that did not run with it."""
+    pipeline = load_tiny("tiny-sd")
+    runner = ModelRunner(EngineConfig(model="tiny-sd"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    made = [step_request(pipeline, i, n) for i, n in enumerate((4, 2, 2, 3))]
+    requests = [r for r, _ in made]
+    join(steps, requests[:1], 0, capacity=4)  # ordinary traffic, running
+    steps.tick()
+    steps.join(StepJoin(SchedulerOutput(1, requests[1:3], requests[1].key), [1, 2], 4,
+                        isolated=True))
+    join(steps, requests[3:], 3, capacity=4)  # ordinary traffic behind the isolated group
+    batches: list[set[str]] = []
+    left = run_until_idle(steps, lambda _tick: batches.append(
+        {t.request.request_id for t in steps.running}))
+    runs = [b for b in batches if b]
+    assert {"r1", "r2"} in runs  # the group ran together...
+    for running in runs:  # ...and alone: no step shared with another request
+        assert running <= {"r1", "r2"} or not running & {"r1", "r2"}
+    assert left["r3"][0] > max(left["r1"][0], left["r2"][0])  # it waited behind them
+    for (request, key), request_id in zip(made, ("r0", "r1", "r2", "r3"), strict=True):
+        diff = (left[request_id][1].images - solo_image(runner, request, key)).abs().max()
+        assert diff.item() <= TOLERANCE
+
+
 def test_an_adapter_that_fails_to_load_fails_only_the_request_that_uses_it(
         load_tiny: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     pipeline = load_tiny("tiny-sd")
