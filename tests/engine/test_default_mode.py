@@ -10,8 +10,7 @@ import pytest
 
 from diffbatch import Engine
 from diffbatch.config import EngineConfig
-from diffbatch.engine.core import EngineCore
-from diffbatch.engine.step_core import StepEngineCore
+from diffbatch.engine.wave_dispatch import WaveDispatch
 from tests.fake_pipelines import FakeBatchPipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,5 +32,5 @@ def test_an_engine_without_options_runs_request_mode(model, pipeline_class, has_
     with Engine(model, pipeline_class=pipeline_class, executor="inproc", warmup=False,
                 max_num_seqs=2) as engine:
         assert engine.info.supports_step_execution is has_contract
-        assert type(engine.core) is EngineCore and not isinstance(engine.core, StepEngineCore)
+        assert type(engine.core.dispatch) is WaveDispatch
         assert engine.generate(["a cat"], use_tqdm=False)[0].ok
