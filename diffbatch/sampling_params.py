@@ -13,7 +13,6 @@ import difflib
 import functools
 import math
 import operator
-import os
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -463,11 +462,6 @@ class SamplingParamsKey:
             strength = "?" if self.strength is None else f"{self.strength:g}"
             text += f"/{_TASK_LABELS[self.task]}@{strength}"
         return text
-
-
-def lora_adapter_name(lora: str) -> str:
-    """The name a LoRA shows in logs and metrics: the last part of its path."""
-    return os.path.basename(os.path.normpath(lora)) or "adapter"
 
 
 def _lora_value(lora: Any, lora_scale: float) -> str | LoraStack:

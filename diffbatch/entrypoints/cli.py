@@ -185,6 +185,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"diffbatch serve: error: {', '.join(ignored)} appl"
               f"{'ies' if len(ignored) == 1 else 'y'} only with --ray", file=sys.stderr)
         return 2
+    if args.ray and getattr(args, "allow_runtime_lora_updating", False):
+        # each replica keeps its own adapter names: a load would reach one of them
+        print("diffbatch serve: error: --allow-runtime-lora-updating applies only "
+              "without --ray (serve adapters with --lora-modules there)", file=sys.stderr)
+        return 2
     if args.ray:
         from diffbatch.entrypoints.ray.server import run_ray_server
 

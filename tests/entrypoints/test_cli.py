@@ -407,3 +407,9 @@ def test_lora_modules_and_max_loras_reach_the_engine_config(tmp_path: Path) -> N
     for bad in ("ink", f"a/b={tmp_path}", "ink=/no/such/path"):
         with pytest.raises(SystemExit):
             parse("serve", "--lora-modules", bad)
+
+
+def test_runtime_lora_updating_is_refused_with_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each Ray replica keeps its own adapter names: a load would reach only one."""
+    assert cli._cmd_serve(parse("serve", "--ray", "--allow-runtime-lora-updating")) == 2
+    assert "applies only without --ray" in capsys.readouterr().err
