@@ -150,6 +150,14 @@ async def check_served_model_name(served: Served) -> None:
                 ).status_code == 200
 
 
+async def check_runtime_lora_updating(served: Served) -> None:
+    """The unload route answers (without the flag it does not exist: a bare 404)."""
+    async with served.client() as client:
+        response = await client.post("/v1/unload_lora_adapter", json={"lora_name": "none"})
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["param"] == "lora_name", response.text
+
+
 async def check_api_key(served: Served) -> None:
     async with served.client() as client:
         assert (await client.get("/v1/models")).status_code == 401
@@ -329,6 +337,8 @@ SERVER_FLAGS: dict[str, FlagCase] = {
     "--max-ongoing-requests": ray(RAY + "test_serve_flags_become_args"),
     "--num-cpus-per-replica": ray(RAY + "test_serve_flags_become_args"),
     "--num-gpus-per-replica": ray(RAY + "test_serve_flags_become_args"),
+    "--allow-runtime-lora-updating": case("--allow-runtime-lora-updating",
+                                          check=check_runtime_lora_updating),
     "--ray-router": ray("tests/entrypoints/ray/test_routing.py::"
                         "test_ray_router_flag_reaches_the_deployment"),
 }
@@ -361,7 +371,13 @@ MULTIPROC = "tests/executor/test_multiproc.py::"
 ENGINE_OPTIONS: dict[str, OptionCase] = {
     "mixed_resolution": option(True, "tests/test_e2e_mixed_resolution.py::"
                                "test_the_flag_lets_transformer_waves_mix_sizes_and_unets_split_"
-                               "by_size"),
+                               "by_size", text=""),
+    "lora_modules": option({"style": str(ROOT / "tests")},
+                           "tests/entrypoints/openai/test_lora_adapters.py::"
+                           "test_model_and_lora_select_adapters_through_the_openai_client",
+                           text=f"style={ROOT / 'tests'}"),
+    "max_loras": option(2, "tests/test_e2e_lora.py::"
+                        "test_four_adapters_under_max_loras_two_lose_no_request"),
     "model": option("tiny-sd", E2E + "test_batch_invariance_each_image_equals_its_solo_run"),
     "pipeline_class": option("tests.fake_pipelines:FakeSinglePipeline",
                              ENGINE + "test_non_batch_pipeline_takes_the_per_request_path"),
@@ -393,7 +409,7 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
     "max_queue_size": option(
         1, "tests/entrypoints/test_serve_flags.py::test_max_queue_size_refuses_beyond_the_queue"),
     "lora_dir": option(str(ROOT / "tests"), "tests/test_e2e_lora.py::"
-                       "test_lora_changes_images_and_waves_split_by_adapter_and_scale"),
+                       "test_a_mixed_wave_equals_each_request_alone"),
     "warmup": option(False, ENGINE + "test_warmup_failure_fails_start_up", text=""),
     "scheduling_policy": option(
         "grouped", "tests/test_e2e_grouped_policy.py::"
