@@ -44,9 +44,9 @@ def added(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[DiffusionRequ
     seen: list[DiffusionRequest] = []
     add = engine._add
 
-    def watched(requests: list[DiffusionRequest], notice: Any = None) -> Any:
+    def watched(requests: list[DiffusionRequest]) -> Any:
         seen.extend(requests)
-        return add(requests, notice)
+        return add(requests)
 
     monkeypatch.setattr(engine, "_add", watched)
     return seen
