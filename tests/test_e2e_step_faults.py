@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from diffbatch import Engine, SamplingParams
+from tests.test_e2e_step_execution import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +28,6 @@ FAULTS = "tests.fake_tiny_sd.StepFaultTinySD"
 
 def pt(seed: int, steps: int = 6) -> SamplingParams:
     return SamplingParams(num_inference_steps=steps, seed=seed, output_type="pt")
-
-
-def wait_until(condition, timeout_s: float = 120.0) -> None:
-    """Wait for a condition the engine or the worker reports (re-checked every 10 ms)."""
-    pause = threading.Event()
-    for _ in range(int(timeout_s * 100)):
-        if condition():
-            return
-        pause.wait(0.01)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture(scope="module")
