@@ -169,9 +169,10 @@ class EngineConfig:
         True, rule=Flag(),
         help="run one small request through the whole path at start-up")
     scheduling_policy: SchedulingPolicy = option(
-        "fifo", rule=OneOf(SCHEDULING_POLICIES),
-        help="fifo: waves from the queue head, an incompatible head blocks; grouped: waves "
-        "from the best compatible group, by priority and age (see sched/grouped.py)")
+        "grouped", rule=OneOf(SCHEDULING_POLICIES),
+        help="grouped: each wave takes the waiting requests of the best request's key "
+        "(by priority, then age), passing requests of other keys; fifo: waves from the "
+        "queue head, a request of another key at the head ends the wave")
     step_execution: bool = option(
         False, rule=Flag(),
         help="step mode: requests join and leave the running batch between denoising "

@@ -1,6 +1,6 @@
-"""The `grouped` scheduling policy end to end, against `fifo`, with the real tiny-sd
-pipeline: a queue of alternating sizes runs one request per wave under `fifo`
-(head-of-line blocking, as designed) and in full waves under `grouped`.
+"""The scheduling policies end to end with the real tiny-sd pipeline: a queue of
+alternating sizes runs in full waves under `grouped` (the default) and one request per
+wave under `fifo` (head-of-line blocking, as designed).
 
 Waves are made deterministic by queueing a whole `generate()` call at once: the first
 wave sees every request.
@@ -28,16 +28,16 @@ def _mixed_sizes() -> tuple[list[str], list[SamplingParams]]:
 
 def test_fifo_runs_an_alternating_size_queue_one_request_per_wave():
     prompts, params = _mixed_sizes()
-    with Engine("tiny-sd", max_num_seqs=8, executor="mp", torch_num_threads=1) as engine:
+    with Engine("tiny-sd", max_num_seqs=8, executor="mp", torch_num_threads=1,
+                scheduling_policy="fifo") as engine:
         outs = engine.generate(prompts, params, use_tqdm=False)
     assert all(o.ok for o in outs)
     assert [o.batch_size for o in outs] == [1] * 16  # head-of-line blocking, as designed
 
 
-def test_grouped_serves_a_mixed_size_queue_in_full_waves():
+def test_the_default_policy_serves_a_mixed_size_queue_in_full_waves():
     prompts, params = _mixed_sizes()
-    with Engine("tiny-sd", max_num_seqs=8, executor="inproc", torch_num_threads=1,
-                scheduling_policy="grouped") as engine:
+    with Engine("tiny-sd", max_num_seqs=8, executor="inproc", torch_num_threads=1) as engine:
         outs = engine.generate(prompts, params, use_tqdm=False)
         assert all(o.ok for o in outs), [o.error for o in outs]
         assert [o.batch_size for o in outs] == [8] * 16

@@ -31,7 +31,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def sd_engine():
-    """tiny-sd in a worker process, `fifo`, waves of up to 8."""
+    """tiny-sd in a worker process, waves of up to 8."""
     with Engine("tiny-sd", max_num_seqs=8, executor="mp", torch_num_threads=1) as engine:
         yield engine
 

@@ -19,7 +19,7 @@ def make_scheduler(
     config: EngineConfig, clock: Callable[[], float] = time.monotonic,
     capacity_of: WaveCapacity | None = None,
 ) -> SchedulerInterface:
-    """`fifo`: conservative FIFO waves (the default); `grouped`: best compatible group.
+    """`grouped` (the default): waves from the best compatible group; `fifo`: FIFO waves.
 
     Waves hold at most `config.capacity_limit` requests, and per key at most what
     `capacity_of(key, num_waiting)` says (the engine's `BatchPolicy.capacity`).

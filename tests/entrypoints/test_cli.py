@@ -257,11 +257,11 @@ def test_a_model_folder_that_does_not_load_is_one_error_line_not_a_traceback(
 def test_scheduling_flags() -> None:
     args = parse("serve")
     assert (args.scheduling_policy, args.max_head_wait_ms, args.max_wave_pixels,
-            args.batch_error_isolation) == ("fifo", 2000.0, None, "bisect")
-    args = parse("serve", "--scheduling-policy", "grouped", "--max-head-wait-ms", "250",
+            args.batch_error_isolation) == ("grouped", 2000.0, None, "bisect")
+    args = parse("serve", "--scheduling-policy", "fifo", "--max-head-wait-ms", "250",
                  "--max-wave-pixels", "65536", "--batch-error-isolation", "none")
     assert (args.scheduling_policy, args.max_head_wait_ms, args.max_wave_pixels,
-            args.batch_error_isolation) == ("grouped", 250.0, 65536, "none")
+            args.batch_error_isolation) == ("fifo", 250.0, 65536, "none")
     for bad in (["--scheduling-policy", "lifo"], ["--max-wave-pixels", "0"],
                 ["--max-head-wait-ms", "-1"], ["--batch-error-isolation", "maybe"]):
         with pytest.raises(SystemExit):

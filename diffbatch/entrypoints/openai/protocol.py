@@ -192,8 +192,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
         seed: Extension: seed of this request's noise; equal seeds give equal images.
         lora: Extension: a LoRA adapter's name (`--lora-modules`, or inside the server's
             `--lora-dir`), or a stack of several: a list of {"name", "scale"}.
-        priority: Extension: lower runs first under `--scheduling-policy grouped`
-            (ignored by `fifo`, which keeps arrival order exactly).
+        priority: Extension: lower runs first (ignored under `--scheduling-policy
+            fifo`, which keeps arrival order exactly).
         lora_scale: Extension: strength of the LoRA adapter given by name.
         stream: Answer as server-sent events (OpenAI's image streaming): partial
             images, then the completed image. Only with n = 1 (as OpenAI) and base64.
