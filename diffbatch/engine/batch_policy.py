@@ -1,28 +1,26 @@
 """How big a wave may be and how long to wait for it: `BatchPolicy`.
 
-With fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) it hands them
-to the scheduler and the admission wait as they are. With "auto" (the default):
+Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through as they
+are. With "auto" (the default):
 
-- **capacity** per shape is the knee of the learned cost curve
-  (`WaveCostModel.capacity`), bounded by memory and `--max-num-seqs-limit`. The next
-  doubling is probed only while a backlog persists: once `PERSIST_WAVES` waves in a
-  row started with more requests waiting than that doubling, waves of it run until it
-  has `MIN_SAMPLES` observations, and the curve then says whether it pays.
-- **the admission wait** runs only while the worker is idle, and not at all when it
-  was busy `BUSY_SHARE` of the last `LOAD_WINDOW_S` (sustained load: the queue refills
-  while each wave runs). With `q` waiting, arrivals at rate `r` and wave times `t(B)`,
-  waiting `d = k / r` for `k` more runs one wave of `q + k`; starting now runs the `q`
-  and then the `k`. Each request's mean time to its answer, arrivals spread over `d`:
+- **capacity** per shape is the knee of the learned cost curve (`cost_model`), bounded
+  by memory and `--max-num-seqs-limit`. The next doubling is probed only while a
+  backlog persists: after `PERSIST_WAVES` waves in a row that started with more
+  requests waiting than it, until it has `MIN_SAMPLES` waves; the curve then says
+  whether it pays.
+- **the admission wait** runs only at an idle worker, and not under sustained load (busy
+  `BUSY_SHARE` of the last `LOAD_WINDOW_S`: the queue refills while each wave runs).
+  With `q` waiting, arrivals at rate `r` and wave times `t(B)`, waiting `d = k / r` for
+  `k` more runs one wave of `q + k`; starting now runs the `q`, then the `k`. Each
+  request's mean time to its answer, arrivals spread over `d`:
 
       wait:       (q * (d + T) + k * (d/2 + T)) / (q + k),   T = max(t(q+k), t(q))
       start now:  (q * t(q) + k * (max(t(q), d) + t(k) - d/2)) / (q + k)
 
-  The engine waits for the `k` that saves the most, if any, never longer than the
-  shape's single-request wave time (at most `MAX_WAIT_MS`): at low load `d` is long
-  and waiting never pays; for a burst at an idle worker it pays until the wave is full.
+  It waits for the `k` that saves the most, if any, at most one request's wave time
+  (and `MAX_WAIT_MS`): at low load `d` is long and waiting never pays.
 
-`capacity` and `plan_wait` are queries; the engine reports what happens through
-`observe_arrivals`, `observe_backlog` (once per wave it schedules) and `observe_wave`.
+`capacity` and `plan_wait` are queries; the engine reports through the `observe_*`.
 """
 
 from __future__ import annotations
@@ -92,22 +90,14 @@ def choose_wait(num_waiting: int, rate_per_s: float, wave_ms: Callable[[int], fl
 
 class BatchPolicy:
     """Capacity and admission wait per batch key, fixed or learned; thread-safe.
-
-    Args:
-        config: the engine's config (`max_num_seqs`, `request_batch_max_wait_ms`,
-            their "auto" values and the auto limit).
-        info: the loaded pipeline's info (its default shape seeds the cost model).
-        supports_request_batch: False pins the capacity to 1.
-        limit: the largest wave "auto" may choose (default: the config's limit).
-        clock: monotonic seconds (tests drive it).
-    """
+    `supports_request_batch=False` pins the capacity to 1; tests drive `clock`."""
 
     def __init__(self, config: EngineConfig, info: PipelineInfo, *,
-                 supports_request_batch: bool, limit: int | None = None,
+                 supports_request_batch: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.batching = supports_request_batch
-        self.limit = 1 if not supports_request_batch else max(1, limit or config.capacity_limit)
+        self.limit = max(1, config.capacity_limit) if supports_request_batch else 1
         self.default_shape = Shape(info.default_height, info.default_width, 1,
                                    info.cfg_threshold is not None
                                    and info.default_guidance_scale > info.cfg_threshold)
@@ -119,7 +109,7 @@ class BatchPolicy:
         self._lock = threading.Lock()
         self._arrivals: deque[tuple[float, int]] = deque()  # (time, count), last window
         self._busy: deque[tuple[float, float]] = deque()  # (end, forward s), last window
-        self._backlog_waves: dict[tuple[Shape, int], int] = {}  # waves in a row (above)
+        self._backlog_waves: dict[SamplingParamsKey, int] = {}  # waves in a row (above)
         # Waves teach the cost model only once the engine serves: the warm-up wave
         # (first call, cold caches) would skew it.
         self.serving = False
@@ -140,61 +130,56 @@ class BatchPolicy:
         """Most requests in the next wave of `key` with `num_waiting` waiting: the
         learned knee, or the doubling above it while that is probed and the backlog
         fills it (module docstring). A query."""
+        if not self.batching or not self.config.auto_capacity or key is None:
+            return self._fixed_capacity()
+        knee, probe = self._knee_and_probe(key)
+        with self._lock:
+            probing = self._backlog_waves.get(key, 0) >= PERSIST_WAVES
+        return probe if probe and probing and num_waiting >= probe else knee
+
+    def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
+        """Step mode: most requests in the running batch of `key` with `demand` running
+        or waiting: the knee, or up to the doubling above it as far as the demand goes
+        while that doubling is being measured. A query."""
+        if not self.batching or not self.config.auto_capacity or key is None:
+            return self._fixed_capacity()
+        knee, probe = self._knee_and_probe(key)
+        return min(probe, demand) if probe and demand > knee else knee
+
+    def _fixed_capacity(self) -> int:
+        """The capacity without a key or a learned choice to make."""
         if not self.batching:
             return 1
-        if not self.config.auto_capacity:
-            return self.config.capacity_limit
-        if key is None:
-            return self.limit
-        knee = self.cost.capacity(Shape.of(key), key.num_denoising_steps or None)
-        probe = self._probe_size(key, knee)
-        with self._lock:
-            probing = self._backlog_waves.get(_curve(key), 0) >= PERSIST_WAVES
-        return probe if probe is not None and probing and num_waiting >= probe else knee
+        return self.limit if self.config.auto_capacity else self.config.capacity_limit
 
-    def _probe_size(self, key: SamplingParamsKey, knee: int) -> int | None:
-        """The doubling above `knee` while it has fewer than `MIN_SAMPLES` waves."""
-        size = knee * 2
-        if size > self.limit or self.cost.num_samples(
-                Shape.of(key), size, key.num_denoising_steps or None) >= MIN_SAMPLES:
-            return None
-        return size
+    def _knee(self, shape: Shape, steps: int) -> int:
+        """The knee of the tick curve once it knows two sizes (step mode), else that of
+        the wave curve at `steps` (0: the step count it is known best at)."""
+        if self.step_cost.num_sizes(shape, 1) >= 2:
+            return self.step_cost.capacity(shape, 1)
+        return self.cost.capacity(shape, steps)
+
+    def _knee_and_probe(self, key: SamplingParamsKey) -> tuple[int, int | None]:
+        """The knee of `key`'s curve and the doubling above it while that has fewer than
+        `MIN_SAMPLES` waves (ticks in step mode, whose keys have step count 0)."""
+        shape, steps = Shape.of(key), key.num_denoising_steps
+        knee = self._knee(shape, steps)
+        model, at = (self.cost, steps) if steps else (self.step_cost, 1)
+        probe = knee * 2
+        measured = probe > self.limit or model.num_samples(shape, probe, at) >= MIN_SAMPLES
+        return knee, None if measured else probe
 
     def observe_backlog(self, key: SamplingParamsKey | None, num_waiting: int) -> None:
         """The engine is about to schedule a wave of `key` with `num_waiting` waiting:
         count the waves in a row that found a backlog beyond the probe size."""
         if key is None or not self.learns or not self.config.auto_capacity:
             return
-        knee = self.cost.capacity(Shape.of(key), key.num_denoising_steps or None)
-        probe = self._probe_size(key, knee)
+        probe = self._knee_and_probe(key)[1]
         with self._lock:
-            count = self._backlog_waves.get(_curve(key), 0)
-            persists = probe is not None and num_waiting > probe
-            self._backlog_waves[_curve(key)] = count + 1 if persists else 0
-
-    def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
-        """Step mode: most requests in the running batch of `key` with `demand` running
-        or waiting: the knee of the tick curve once it knows two sizes (the wave curve's
-        before), or the next doubling, up to the demand, while it has fewer than
-        `MIN_SAMPLES` ticks and the demand exceeds the knee. A query."""
-        if not self.batching:
-            return 1
-        if not self.config.auto_capacity:
-            return self.config.capacity_limit
-        if key is None:
-            return self.limit
-        shape = Shape.of(key)
-        knee = self._step_knee(shape)
-        probe = knee * 2
-        if demand > knee and probe <= self.limit \
-                and self.step_cost.num_samples(shape, probe) < MIN_SAMPLES:
-            return min(probe, demand)
-        return knee
-
-    def _step_knee(self, shape: Shape) -> int:
-        """The knee of the tick curve once it knows two sizes, the wave curve's before."""
-        ticks_known = self.step_cost.num_sizes(shape) >= 2
-        return (self.step_cost if ticks_known else self.cost).capacity(shape)
+            if probe is not None and num_waiting > probe:
+                self._backlog_waves[key] = self._backlog_waves.get(key, 0) + 1
+            else:
+                self._backlog_waves.pop(key, None)
 
     # -- admission wait --------------------------------------------------------------
     def plan_wait(self, key: SamplingParamsKey | None, num_waiting: int) -> WaitPlan:
@@ -207,29 +192,21 @@ class BatchPolicy:
             fixed = float(self.config.request_batch_max_wait_ms)
             return WaitPlan(target=capacity, max_wait_ms=fixed,
                             stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
-        if key is None:
-            return WaitPlan.start_now(num_waiting)
-        wave_ms = self._wave_ms(key)
-        bound = self.wait_bound_ms(key)
         now = self._clock()
-        if bound <= 0 or self._busy_share(now) >= BUSY_SHARE:
+        if key is None or self._busy_share(now) >= BUSY_SHARE:
             return WaitPlan.start_now(num_waiting)
-        return choose_wait(num_waiting, self._rate_per_s(now), wave_ms, capacity, bound)
-
-    def wait_bound_ms(self, key: SamplingParamsKey) -> float:
-        """The longest auto wait for `key`: its single-request wave time, at most
-        `MAX_WAIT_MS` (0 while nothing is known of it)."""
-        one = self._wave_ms(key)(1)
-        return min(one, MAX_WAIT_MS) if math.isfinite(one) else 0.0
-
-    def _wave_ms(self, key: SamplingParamsKey) -> Callable[[int], float]:
-        """The learned wave time of `key` by size (inf where nothing is known)."""
         shape, steps = Shape.of(key), key.num_denoising_steps
+        bound = self.wait_bound_ms(shape, steps)
+        if bound <= 0:
+            return WaitPlan.start_now(num_waiting)
+        return choose_wait(num_waiting, self._rate_per_s(now),
+                           lambda size: self.cost.estimate_ms(shape, size, steps) or math.inf,
+                           capacity, bound)
 
-        def wave_ms(size: int) -> float:
-            estimate = self.cost.estimate_ms(shape, size, steps)
-            return math.inf if estimate is None else estimate
-        return wave_ms
+    def wait_bound_ms(self, shape: Shape, steps: int) -> float:
+        """The longest auto wait: one request's wave time, at most `MAX_WAIT_MS` (0 while
+        nothing is known of it)."""
+        return min(self.cost.estimate_ms(shape, 1, steps) or 0.0, MAX_WAIT_MS)
 
     def _rate_per_s(self, now: float) -> float:
         """Requests per second that arrived after the first arrival of the window, over
@@ -287,26 +264,16 @@ class BatchPolicy:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per curve label: per-image ms by wave size, capacity and the longest wait
-        (the auto wait's bound, or the fixed wait; for metrics); empty with fixed
-        settings."""
+        (for metrics); empty with fixed settings."""
         if not self.learns:
             return {}
-        per_image = self.cost.per_image_ms()
-        out: dict[str, dict[str, object]] = {}
-        for shape, steps in self.cost.curves():
-            one = self.cost.estimate_ms(shape, 1, steps) or 0.0
-            wait = (min(one, MAX_WAIT_MS) if self.config.auto_wait
-                    else float(self.config.request_batch_max_wait_ms))
-            out[shape.label(steps)] = {"per_image_ms": per_image[shape.label(steps)],
-                                       "capacity": self.step_cost.capacity(shape)
-                                       if self.step_cost.num_sizes(shape) >= 2
-                                       else self.cost.capacity(shape, steps),
-                                       "wait_ms": wait}
-        return out
-
-
-def _curve(key: SamplingParamsKey) -> tuple[Shape, int]:
-    return Shape.of(key), key.num_denoising_steps
+        fixed_wait = None if self.config.auto_wait else float(
+            self.config.request_batch_max_wait_ms)
+        return {shape.label(steps): {
+            "per_image_ms": {size: ms / size for size, ms in table.items()},
+            "capacity": self._knee(shape, steps),
+            "wait_ms": self.wait_bound_ms(shape, steps) if fixed_wait is None else fixed_wait,
+        } for (shape, steps), table in self.cost.tables().items()}
 
 
 __all__ = ["MAX_WAIT_MS", "BatchPolicy", "WaitPlan", "choose_wait"]

@@ -137,10 +137,10 @@ def test_capacity_asked_twice_answers_the_same_and_changes_nothing():
     backlog it is told of."""
     p = policy()
     teach(p, sizes=(1, 2, 4))
-    before = (dict(p._backlog_waves), p.cost.curves(), p.cost.num_samples(p.default_shape, 8, 4))
+    before = (dict(p._backlog_waves), p.cost.tables(), p.cost.num_samples(p.default_shape, 8, 4))
     answers = [p.capacity(key(), num_waiting=100) for _ in range(2 * PERSIST_WAVES)]
     assert set(answers) == {4}
-    assert (dict(p._backlog_waves), p.cost.curves(),
+    assert (dict(p._backlog_waves), p.cost.tables(),
             p.cost.num_samples(p.default_shape, 8, 4)) == before
     assert p.plan_wait(key(), 1) == p.plan_wait(key(), 1)
 
@@ -225,7 +225,8 @@ def test_never_waits_past_its_bound(gap_s):
     assert plan.max_wait_ms <= MAX_WAIT_MS
     assert plan.stable_window_ms <= plan.max_wait_ms
     teach(p)
-    assert p.plan_wait(key(), 3).max_wait_ms <= p.wait_bound_ms(key()) == tiny_sd_like(1)
+    bound = p.wait_bound_ms(Shape.of(key()), 4)
+    assert p.plan_wait(key(), 3).max_wait_ms <= bound == tiny_sd_like(1)
 
 
 def test_a_lone_request_at_low_load_starts_at_once():
@@ -261,10 +262,10 @@ def test_arrivals_before_serving_do_not_count():
 def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
     p = policy()
     p.observe_wave(key(), 4, 100.0)  # the warm-up, before serving
-    assert p.cost.curves() == []
+    assert p.cost.tables() == {}
     p.serving = True
     p.observe_wave(key(), 4, 100.0, num_forwards=3)  # a bisected wave: not one forward
-    assert p.cost.curves() == []
+    assert p.cost.tables() == {}
     p.observe_wave(key(), 4, 100.0)
     assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
     snapshot = p.snapshot()["64x64/s4/n1/cfg"]
@@ -352,7 +353,7 @@ def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():
         p.observe_tick(step_key, TickStats(1, 50.0, 5.0, 1, 1))  # encode and decode
         p.observe_tick(step_key, TickStats(2, 90.0, 6.0, 2, 2))  # dominate the tick
         p.observe_tick(step_key, TickStats(0, 0.0, 0.0, 0, 1))  # a leave between ticks
-    assert p.step_cost.num_sizes(Shape.of(step_key)) == 2
+    assert p.step_cost.num_sizes(Shape.of(step_key), 1) == 2
     assert p.step_capacity(step_key) == 2  # per request 5 -> 3 ms
     assert p.step_capacity(step_key, demand=6) == 4  # 2 paid: the next doubling
 
