@@ -107,8 +107,8 @@ class BatchPolicy:
         self.stalls = StallBounds(config, self.cost)  # when a worker counts as stuck
         self._clock = clock
         self._lock = threading.Lock()
-        self._arrivals: deque[tuple[float, int]] = deque()  # (time, count), last window
-        self._busy: deque[tuple[float, float]] = deque()  # (end, forward s), last window
+        # the last window's (time, requests that arrived, forward s of a wave that ended)
+        self._events: deque[tuple[float, int, float]] = deque()
         self._backlog_waves: dict[SamplingParamsKey, int] = {}  # waves in a row (above)
         # Waves teach the cost model only once the engine serves: the warm-up wave
         # (first call, cold caches) would skew it.
@@ -130,27 +130,32 @@ class BatchPolicy:
         """Most requests in the next wave of `key` with `num_waiting` waiting: the
         learned knee, or the doubling above it while that is probed and the backlog
         fills it (module docstring). A query."""
-        if not self.batching or not self.config.auto_capacity or key is None:
-            return self._fixed_capacity()
         knee, probe = self._knee_and_probe(key)
+        if probe is None or num_waiting < probe:
+            return knee
         with self._lock:
-            probing = self._backlog_waves.get(key, 0) >= PERSIST_WAVES
-        return probe if probe and probing and num_waiting >= probe else knee
+            return probe if self._backlog_waves.get(key, 0) >= PERSIST_WAVES else knee
 
     def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
         """Step mode: most requests in the running batch of `key` with `demand` running
         or waiting: the knee, or up to the doubling above it as far as the demand goes
         while that doubling is being measured. A query."""
-        if not self.batching or not self.config.auto_capacity or key is None:
-            return self._fixed_capacity()
         knee, probe = self._knee_and_probe(key)
         return min(probe, demand) if probe and demand > knee else knee
 
-    def _fixed_capacity(self) -> int:
-        """The capacity without a key or a learned choice to make."""
-        if not self.batching:
-            return 1
-        return self.limit if self.config.auto_capacity else self.config.capacity_limit
+    def _knee_and_probe(self, key: SamplingParamsKey | None) -> tuple[int, int | None]:
+        """The knee of `key`'s curve and the doubling above it while that has fewer than
+        `MIN_SAMPLES` waves (ticks in step mode, whose keys have step count 0); with
+        nothing to choose, the fixed capacity and no probe."""
+        if not self.batching or not self.config.auto_capacity or key is None:
+            fixed = self.limit if self.config.auto_capacity else self.config.capacity_limit
+            return (fixed if self.batching else 1), None
+        shape, steps = Shape.of(key), key.num_denoising_steps
+        knee = self._knee(shape, steps)
+        model, at = (self.cost, steps) if steps else (self.step_cost, 1)
+        probe = knee * 2
+        measured = probe > self.limit or model.num_samples(shape, probe, at) >= MIN_SAMPLES
+        return knee, None if measured else probe
 
     def _knee(self, shape: Shape, steps: int) -> int:
         """The knee of the tick curve once it knows two sizes (step mode), else that of
@@ -159,21 +164,9 @@ class BatchPolicy:
             return self.step_cost.capacity(shape, 1)
         return self.cost.capacity(shape, steps)
 
-    def _knee_and_probe(self, key: SamplingParamsKey) -> tuple[int, int | None]:
-        """The knee of `key`'s curve and the doubling above it while that has fewer than
-        `MIN_SAMPLES` waves (ticks in step mode, whose keys have step count 0)."""
-        shape, steps = Shape.of(key), key.num_denoising_steps
-        knee = self._knee(shape, steps)
-        model, at = (self.cost, steps) if steps else (self.step_cost, 1)
-        probe = knee * 2
-        measured = probe > self.limit or model.num_samples(shape, probe, at) >= MIN_SAMPLES
-        return knee, None if measured else probe
-
     def observe_backlog(self, key: SamplingParamsKey | None, num_waiting: int) -> None:
         """The engine is about to schedule a wave of `key` with `num_waiting` waiting:
         count the waves in a row that found a backlog beyond the probe size."""
-        if key is None or not self.learns or not self.config.auto_capacity:
-            return
         probe = self._knee_and_probe(key)[1]
         with self._lock:
             if probe is not None and num_waiting > probe:
@@ -212,7 +205,7 @@ class BatchPolicy:
         """Requests per second that arrived after the first arrival of the window, over
         the time since it (0 with fewer than two arrivals)."""
         with self._lock:
-            recent = [(at, n) for at, n in self._arrivals if at >= now - LOAD_WINDOW_S]
+            recent = [(at, n) for at, n, _ in self._events if n and at >= now - LOAD_WINDOW_S]
         if len(recent) < 2:
             return 0.0
         return sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-6)
@@ -222,20 +215,22 @@ class BatchPolicy:
         since = now - LOAD_WINDOW_S
         with self._lock:
             busy = sum(max(0.0, end - max(since, end - forward_s))
-                       for end, forward_s in self._busy if end > since)
+                       for end, _, forward_s in self._events if end > since)
         return busy / LOAD_WINDOW_S
 
     # -- observations ----------------------------------------------------------------
+    def _record(self, arrivals: int, forward_s: float) -> None:
+        now = self._clock()
+        with self._lock:
+            self._events.append((now, arrivals, forward_s))
+            while self._events[0][0] < now - LOAD_WINDOW_S:
+                self._events.popleft()
+
     def observe_arrivals(self, count: int) -> None:
         """`count` requests arrived together (only while serving: the warm-up request
         is no arrival)."""
-        if not self.serving or count < 1:
-            return
-        now = self._clock()
-        with self._lock:
-            self._arrivals.append((now, count))
-            while self._arrivals and self._arrivals[0][0] < now - LOAD_WINDOW_S:
-                self._arrivals.popleft()
+        if self.serving and count >= 1:
+            self._record(count, 0.0)
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:
@@ -244,11 +239,7 @@ class BatchPolicy:
         curve bounds a wave's stall, `StallBounds`)."""
         if not self.serving:
             return
-        now = self._clock()
-        with self._lock:
-            self._busy.append((now, forward_ms / 1000.0))
-            while self._busy and self._busy[0][0] < now - LOAD_WINDOW_S:
-                self._busy.popleft()
+        self._record(0, forward_ms / 1000.0)
         if key is not None and num_forwards == 1:
             self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms)
 
