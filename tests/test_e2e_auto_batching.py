@@ -98,4 +98,4 @@ def test_step_mode_learns_its_batch_from_the_ticks_without_a_calibration():
         outs = asyncio.run(burst())
         assert all(out.ok for out in outs)
         assert max(out.batch_size for out in outs) > 1
-        assert engine.policy.step_cost.num_sizes(shape, 1) >= 2  # learned from the ticks
+        assert len(engine.policy.step_cost.num_samples(shape, 1)) >= 2  # learned from the ticks

@@ -1,26 +1,22 @@
 """How big a wave may be and how long to wait for it: `BatchPolicy`.
 
-Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through as they
-are. With "auto" (the default):
+Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through. "auto":
 
-- **capacity** per shape is the knee of the learned cost curve (`cost_model`), bounded
-  by memory and `--max-num-seqs-limit`. The next doubling is probed only while a
-  backlog persists: after `PERSIST_WAVES` waves in a row that started with more
-  requests waiting than it, until it has `MIN_SAMPLES` waves; the curve then says
-  whether it pays.
-- **the admission wait** runs only at an idle worker, and not under sustained load (busy
+- **capacity** per shape is the knee of the learned cost curve, bounded by memory and
+  `--max-num-seqs-limit`. The next doubling is probed only while a backlog persists
+  (`PERSIST_WAVES` waves in a row started with more waiting than it), until it has
+  `MIN_SAMPLES` waves and the curve says whether it pays.
+- **the admission wait** runs only at an idle worker not under sustained load (busy
   `BUSY_SHARE` of the last `LOAD_WINDOW_S`: the queue refills while each wave runs).
-  With `q` waiting, arrivals at rate `r` and wave times `t(B)`, waiting `d = k / r` for
-  `k` more runs one wave of `q + k`; starting now runs the `q`, then the `k`. Each
-  request's mean time to its answer, arrivals spread over `d`:
+  With `q` waiting, arrivals at rate `r` and wave times `t(B)`, waiting `d = k / r`
+  for `k` more runs one wave of `q + k`; starting now runs the `q`, then the `k`.
+  Each request's mean time to its answer, arrivals spread over `d`:
 
       wait:       (q * (d + T) + k * (d/2 + T)) / (q + k),   T = max(t(q+k), t(q))
       start now:  (q * t(q) + k * (max(t(q), d) + t(k) - d/2)) / (q + k)
 
   It waits for the `k` that saves the most, if any, at most one request's wave time
   (and `MAX_WAIT_MS`): at low load `d` is long and waiting never pays.
-
-`capacity` and `plan_wait` are queries; the engine reports through the `observe_*`.
 """
 
 from __future__ import annotations
@@ -110,9 +106,7 @@ class BatchPolicy:
         # the last window's (time, requests that arrived, forward s of a wave that ended)
         self._events: deque[tuple[float, int, float]] = deque()
         self._backlog_waves: dict[SamplingParamsKey, int] = {}  # waves in a row (above)
-        # Waves teach the cost model only once the engine serves: the warm-up wave
-        # (first call, cold caches) would skew it.
-        self.serving = False
+        self.serving = False  # waves teach only once serving (the warm-up would skew them)
 
     @property
     def learns(self) -> bool:
@@ -154,13 +148,13 @@ class BatchPolicy:
         knee = self._knee(shape, steps)
         model, at = (self.cost, steps) if steps else (self.step_cost, 1)
         probe = knee * 2
-        measured = probe > self.limit or model.num_samples(shape, probe, at) >= MIN_SAMPLES
+        measured = probe > self.limit or model.num_samples(shape, at).get(probe, 0) >= MIN_SAMPLES
         return knee, None if measured else probe
 
     def _knee(self, shape: Shape, steps: int) -> int:
         """The knee of the tick curve once it knows two sizes (step mode), else that of
         the wave curve at `steps` (0: the step count it is known best at)."""
-        if self.step_cost.num_sizes(shape, 1) >= 2:
+        if len(self.step_cost.num_samples(shape, 1)) >= 2:
             return self.step_cost.capacity(shape, 1)
         return self.cost.capacity(shape, steps)
 
@@ -179,44 +173,40 @@ class BatchPolicy:
         """What the admission wait should do with `num_waiting` requests of `key` waiting
         at an idle worker (module docstring). A query."""
         capacity = self.capacity(key)
-        if not self.batching or capacity <= 1:
+        if capacity <= 1:
             return WaitPlan.start_now(1)
         if not self.config.auto_wait:
             fixed = float(self.config.request_batch_max_wait_ms)
             return WaitPlan(target=capacity, max_wait_ms=fixed,
                             stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
-        now = self._clock()
-        if key is None or self._busy_share(now) >= BUSY_SHARE:
+        rate_per_s, busy_share = self._load()
+        if key is None or busy_share >= BUSY_SHARE:
             return WaitPlan.start_now(num_waiting)
         shape, steps = Shape.of(key), key.num_denoising_steps
-        bound = self.wait_bound_ms(shape, steps)
-        if bound <= 0:
-            return WaitPlan.start_now(num_waiting)
-        return choose_wait(num_waiting, self._rate_per_s(now),
+        return choose_wait(num_waiting, rate_per_s,
                            lambda size: self.cost.estimate_ms(shape, size, steps) or math.inf,
-                           capacity, bound)
+                           capacity, self.wait_bound_ms(shape, steps))
 
     def wait_bound_ms(self, shape: Shape, steps: int) -> float:
-        """The longest auto wait: one request's wave time, at most `MAX_WAIT_MS` (0 while
-        nothing is known of it)."""
+        """The longest wait: the fixed one, or one request's wave time, at most
+        `MAX_WAIT_MS` (0 while nothing is known of it)."""
+        if not self.config.auto_wait:
+            return float(self.config.request_batch_max_wait_ms)
         return min(self.cost.estimate_ms(shape, 1, steps) or 0.0, MAX_WAIT_MS)
 
-    def _rate_per_s(self, now: float) -> float:
-        """Requests per second that arrived after the first arrival of the window, over
-        the time since it (0 with fewer than two arrivals)."""
-        with self._lock:
-            recent = [(at, n) for at, n, _ in self._events if n and at >= now - LOAD_WINDOW_S]
-        if len(recent) < 2:
-            return 0.0
-        return sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-6)
-
-    def _busy_share(self, now: float) -> float:
-        """The share of the last `LOAD_WINDOW_S` the worker spent on waves."""
+    def _load(self) -> tuple[float, float]:
+        """Of the last `LOAD_WINDOW_S`: the requests per second that arrived after its
+        first arrival, over the time since it (0 with fewer than two arrivals), and the
+        share of it the worker spent on waves."""
+        now = self._clock()
         since = now - LOAD_WINDOW_S
         with self._lock:
-            busy = sum(max(0.0, end - max(since, end - forward_s))
-                       for end, _, forward_s in self._events if end > since)
-        return busy / LOAD_WINDOW_S
+            arrivals = [(at, n) for at, n, _ in self._events if n and at >= since]
+            busy_s = sum(max(0.0, end - max(since, end - forward_s))
+                         for end, _, forward_s in self._events if end > since)
+        rate = 0.0 if len(arrivals) < 2 else (
+            sum(n for _, n in arrivals[1:]) / max(now - arrivals[0][0], 1e-6))
+        return rate, busy_s / LOAD_WINDOW_S
 
     # -- observations ----------------------------------------------------------------
     def _record(self, arrivals: int, forward_s: float) -> None:
@@ -250,21 +240,17 @@ class BatchPolicy:
             return
         shape = Shape.of(key)
         self.stalls.observe_tick(shape, tick.step_ms)
-        if self.learns and tick.forward_ms > 0:
+        if self.learns:
             self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per curve label: per-image ms by wave size, capacity and the longest wait
         (for metrics); empty with fixed settings."""
-        if not self.learns:
-            return {}
-        fixed_wait = None if self.config.auto_wait else float(
-            self.config.request_batch_max_wait_ms)
         return {shape.label(steps): {
             "per_image_ms": {size: ms / size for size, ms in table.items()},
             "capacity": self._knee(shape, steps),
-            "wait_ms": self.wait_bound_ms(shape, steps) if fixed_wait is None else fixed_wait,
-        } for (shape, steps), table in self.cost.tables().items()}
+            "wait_ms": self.wait_bound_ms(shape, steps),
+        } for (shape, steps), table in self.cost.tables().items() if self.learns}
 
 
 __all__ = ["MAX_WAIT_MS", "BatchPolicy", "WaitPlan", "choose_wait"]

@@ -1,17 +1,13 @@
 """The learned cost curve: how long a wave of B requests takes, per shape and step count.
 
-Every clean wave is one observation. Per size the model keeps the last `WINDOW` times
-and estimates with their lower quartile, so a wave slowed by other work on the machine
-does not teach that big waves stopped paying; between measured sizes it interpolates.
-
-Where a curve has no waves of its own it follows a guide, anchored at its nearest
-measured size: the same shape at the step count known at most sizes (times scale with
-steps), else the default shape's curve with a request priced as the default-size
-requests of as many pixels (a 128x128 request on a 64x64 model counts as four).
-
-The **capacity** of a curve is its knee (`knee`): walking the sizes from the smallest
-measured one by doublings up to the largest (or the limit), keep each size whose cost
-per image is at least `MIN_GAIN` below that of the last size kept.
+Per size it keeps the last `WINDOW` forward times and estimates with their lower
+quartile, so a wave slowed by other work does not teach that big waves stopped paying;
+between measured sizes it interpolates. Elsewhere a curve follows a guide, anchored at
+its nearest measured size: the same shape at the step count known at most sizes (times
+scale with steps), else the default shape's curve, a request priced as default-size
+requests of as many pixels. The **capacity** is the knee: from the smallest measured
+size, by doublings up to the largest (or the limit), keep each size whose cost per
+image is at least `MIN_GAIN` below that of the last size kept.
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParamsKey
 
-# A doubling must cut the cost per image by this much to be worth its longer wave: what
-# a bigger wave could still add is then within 5% of throughput.
-MIN_GAIN = 0.05
+MIN_GAIN = 0.05  # a doubling must cut the cost per image this much to be worth it
 WINDOW = 16  # observations kept per shape, step count and wave size
 MIN_SAMPLES = 4  # a size with fewer observations is still being measured
 
@@ -92,8 +86,6 @@ class WaveCostModel:
     """Learned wave cost per shape and step count; thread-safe (module docstring)."""
 
     def __init__(self, limit: int, default_shape: Shape | None = None) -> None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit  # no capacity above this (memory, --max-num-seqs-limit)
         self.default_shape = default_shape
         self._samples: dict[tuple[Shape, int], dict[int, deque[float]]] = {}
@@ -125,15 +117,10 @@ class WaveCostModel:
         sizes, estimate = curve
         return knee({size: estimate(size) for size in sizes}, self.limit)
 
-    def num_samples(self, shape: Shape, size: int, steps: int) -> int:
-        """Observations kept of a wave of `size` of `shape` at `steps`."""
+    def num_samples(self, shape: Shape, steps: int) -> dict[int, int]:
+        """Wave size -> observations kept of `shape` at `steps`."""
         with self._lock:
-            return len(self._samples.get((shape, steps), {}).get(size, ()))
-
-    def num_sizes(self, shape: Shape, steps: int) -> int:
-        """How many wave sizes of `shape` have been measured at `steps`."""
-        with self._lock:
-            return len(self._samples.get((shape, steps), {}))
+            return {b: len(w) for b, w in self._samples.get((shape, steps), {}).items()}
 
     def tables(self) -> dict[tuple[Shape, int], Table]:
         """Each (shape, step count) with waves of its own: its estimates by size."""
@@ -146,30 +133,23 @@ class WaveCostModel:
         curve = self._samples.get((shape, steps), {})
         return {b: sorted(w)[(len(w) - 1) // 4] for b, w in sorted(curve.items())}
 
-    def _guide(self, shape: Shape, steps: int, proxy: bool) -> tuple[Table, float, float] | None:
-        """The curve `shape` at `steps` follows (module docstring): its table, how many
-        of its requests one of `shape` counts as, and the step ratio; None if none."""
-        default = self.default_shape
+    def _curve(self, shape: Shape, steps: int,
+               proxy: bool) -> tuple[set[int], Callable[[float], float]] | None:
+        """`shape` at `steps` (module docstring): the sizes known, its own and its
+        guide's, and size -> forward ms; None if nothing is known."""
+        own, default = self._table(shape, steps), self.default_shape
         for guide in (shape, default if proxy and default != shape else None):
             known = [(len(c), -abs(n - steps), n) for (s, n), c in self._samples.items()
                      if s == guide and (s, n) != (shape, steps)]
             if known and guide is not None:
-                n = max(known)[2]
-                return self._table(guide, n), shape.pixels / guide.pixels, (steps or n) / n
-        return None
-
-    def _curve(self, shape: Shape, steps: int,
-               proxy: bool) -> tuple[set[int], Callable[[float], float]] | None:
-        """`shape` at `steps`: the sizes known (its own and its guide's) and size ->
-        forward ms; None if nothing is known."""
-        own = self._table(shape, steps)
-        guide = self._guide(shape, steps, proxy)
-        if guide is None:
+                n = max(known)[2]  # most sizes, then the nearest step count
+                table, pixels = self._table(guide, n), shape.pixels / guide.pixels
+                break
+        else:
             return (set(own), lambda size: interpolate(own, size)) if own else None
-        table, pixels, scale = guide
 
-        def borrowed(size: float) -> float:
-            return interpolate(table, size * pixels) * scale
+        def borrowed(size: float) -> float:  # a request of `shape` counts `pixels` of guide's
+            return interpolate(table, size * pixels) * (steps or n) / n
 
         if not own:
             return set(table), borrowed

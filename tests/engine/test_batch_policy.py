@@ -137,11 +137,11 @@ def test_capacity_asked_twice_answers_the_same_and_changes_nothing():
     backlog it is told of."""
     p = policy()
     teach(p, sizes=(1, 2, 4))
-    before = (dict(p._backlog_waves), p.cost.tables(), p.cost.num_samples(p.default_shape, 8, 4))
+    before = (dict(p._backlog_waves), p.cost.tables(), p.cost.num_samples(p.default_shape, 4))
     answers = [p.capacity(key(), num_waiting=100) for _ in range(2 * PERSIST_WAVES)]
     assert set(answers) == {4}
     assert (dict(p._backlog_waves), p.cost.tables(),
-            p.cost.num_samples(p.default_shape, 8, 4)) == before
+            p.cost.num_samples(p.default_shape, 4)) == before
     assert p.plan_wait(key(), 1) == p.plan_wait(key(), 1)
 
 
@@ -353,7 +353,7 @@ def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():
         p.observe_tick(step_key, TickStats(1, 50.0, 5.0, 1, 1))  # encode and decode
         p.observe_tick(step_key, TickStats(2, 90.0, 6.0, 2, 2))  # dominate the tick
         p.observe_tick(step_key, TickStats(0, 0.0, 0.0, 0, 1))  # a leave between ticks
-    assert p.step_cost.num_sizes(Shape.of(step_key), 1) == 2
+    assert len(p.step_cost.num_samples(Shape.of(step_key), 1)) == 2
     assert p.step_capacity(step_key) == 2  # per request 5 -> 3 ms
     assert p.step_capacity(step_key, demand=6) == 4  # 2 paid: the next doubling
 

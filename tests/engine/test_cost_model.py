@@ -78,7 +78,7 @@ def test_keeps_only_the_last_window_of_observations():
     for _ in range(WINDOW):
         model.observe(DEFAULT, 4, 4, 100.0)
     assert model.estimate_ms(DEFAULT, 4, 4) == pytest.approx(100.0)
-    assert model.num_samples(DEFAULT, 4, 4) == WINDOW
+    assert model.num_samples(DEFAULT, 4) == {4: WINDOW}
 
 
 def test_ignores_observations_that_say_nothing():
