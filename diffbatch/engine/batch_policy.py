@@ -3,9 +3,9 @@
 Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through. "auto":
 
 - **capacity** per shape is the knee of the learned cost curve, bounded by memory and
-  `--max-num-seqs-limit`. The next doubling is probed only while a backlog persists
-  (`PERSIST_WAVES` waves in a row started with more waiting than it), until it has
-  `MIN_SAMPLES` waves and the curve says whether it pays.
+  `--max-num-seqs-limit`. The next doubling is probed only while a backlog persists:
+  after `PERSIST_WAVES` waves in a row started with more waiting than it, until it has
+  `MIN_SAMPLES` waves; the curve then says whether it pays.
 - **the admission wait** runs only at an idle worker not under sustained load (busy
   `BUSY_SHARE` of the last `LOAD_WINDOW_S`: the queue refills while each wave runs).
   With `q` waiting, arrivals at rate `r` and wave times `t(B)`, waiting `d = k / r`
@@ -88,8 +88,7 @@ class BatchPolicy:
     """Capacity and admission wait per batch key, fixed or learned; thread-safe.
     `supports_request_batch=False` pins the capacity to 1; tests drive `clock`."""
 
-    def __init__(self, config: EngineConfig, info: PipelineInfo, *,
-                 supports_request_batch: bool,
+    def __init__(self, config: EngineConfig, info: PipelineInfo, *, supports_request_batch: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.batching = supports_request_batch
@@ -145,13 +144,13 @@ class BatchPolicy:
             fixed = self.limit if self.config.auto_capacity else self.config.capacity_limit
             return (fixed if self.batching else 1), None
         shape, steps = Shape.of(key), key.num_denoising_steps
-        knee = self._knee(shape, steps)
+        knee = self.curve_capacity(shape, steps)
         model, at = (self.cost, steps) if steps else (self.step_cost, 1)
         probe = knee * 2
         measured = probe > self.limit or model.num_samples(shape, at).get(probe, 0) >= MIN_SAMPLES
         return knee, None if measured else probe
 
-    def _knee(self, shape: Shape, steps: int) -> int:
+    def curve_capacity(self, shape: Shape, steps: int) -> int:
         """The knee of the tick curve once it knows two sizes (step mode), else that of
         the wave curve at `steps` (0: the step count it is known best at)."""
         if len(self.step_cost.num_samples(shape, 1)) >= 2:
@@ -170,8 +169,7 @@ class BatchPolicy:
 
     # -- admission wait --------------------------------------------------------------
     def plan_wait(self, key: SamplingParamsKey | None, num_waiting: int) -> WaitPlan:
-        """What the admission wait should do with `num_waiting` requests of `key` waiting
-        at an idle worker (module docstring). A query."""
+        """The admission wait for `num_waiting` of `key` at an idle worker. A query."""
         capacity = self.capacity(key)
         if capacity <= 1:
             return WaitPlan.start_now(1)
@@ -224,9 +222,8 @@ class BatchPolicy:
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:
-        """A wave of `size` ended just now after `forward_ms`: it counts as busy time;
-        a clean single forward also teaches the curve (fixed settings learn too: the
-        curve bounds a wave's stall, `StallBounds`)."""
+        """A wave of `size` ended just now after `forward_ms`: busy time; a clean single
+        forward also teaches the curve (fixed settings too: it bounds stalls)."""
         if not self.serving:
             return
         self._record(0, forward_ms / 1000.0)
@@ -242,15 +239,6 @@ class BatchPolicy:
         self.stalls.observe_tick(shape, tick.step_ms)
         if self.learns:
             self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
-
-    def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per curve label: per-image ms by wave size, capacity and the longest wait
-        (for metrics); empty with fixed settings."""
-        return {shape.label(steps): {
-            "per_image_ms": {size: ms / size for size, ms in table.items()},
-            "capacity": self._knee(shape, steps),
-            "wait_ms": self.wait_bound_ms(shape, steps),
-        } for (shape, steps), table in self.cost.tables().items() if self.learns}
 
 
 __all__ = ["MAX_WAIT_MS", "BatchPolicy", "WaitPlan", "choose_wait"]

@@ -14,6 +14,7 @@ from diffbatch.engine.batch_policy import (
     choose_wait,
 )
 from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
+from diffbatch.metrics import learned_batching
 from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -113,7 +114,7 @@ def test_a_fixed_wait_beside_an_auto_capacity_is_what_the_metrics_show():
     teach(p, wave_ms=lambda size: 10.0 + 10.0 * size)
     plan = p.plan_wait(key(), 1)
     assert plan.max_wait_ms == 20.0 and plan.target == 16
-    assert p.snapshot()[Shape.of(key()).label(4)]["wait_ms"] == 20.0
+    assert learned_batching(p)[Shape.of(key()).label(4)]["wait_ms"] == 20.0
 
 
 def test_a_pipeline_that_cannot_batch_gets_waves_of_one():
@@ -268,7 +269,7 @@ def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
     assert p.cost.tables() == {}
     p.observe_wave(key(), 4, 100.0)
     assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
-    snapshot = p.snapshot()["64x64/s4/n1/cfg"]
+    snapshot = learned_batching(p)["64x64/s4/n1/cfg"]
     assert snapshot["per_image_ms"] == {4: 25.0} and snapshot["capacity"] == 4
 
 
@@ -339,7 +340,7 @@ def test_step_capacity_grows_from_the_ticks_past_a_calibration_that_said_one():
     run_ticks(8)  # 8 costs more per request than 4: tried enough, not kept
     assert p.step_capacity(step_key) == 4
     assert p.step_capacity(step_key, demand=20) == 4
-    assert p.snapshot()[p.default_shape.label(4)]["capacity"] == 4
+    assert learned_batching(p)[p.default_shape.label(4)]["capacity"] == 4
 
 
 def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():
