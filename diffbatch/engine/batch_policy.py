@@ -131,8 +131,7 @@ class BatchPolicy:
 
     def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
         """Step mode: most requests in the running batch of `key` with `demand` running
-        or waiting: the knee, or up to the doubling above it as far as the demand goes
-        while that doubling is being measured. A query."""
+        or waiting: the knee, or toward the doubling above it while it is measured. A query."""
         knee, probe = self._knee_and_probe(key)
         return min(probe, demand) if probe and demand > knee else knee
 

@@ -162,4 +162,5 @@ class WaveCostModel:
             return own[nearest] * borrowed(size) / borrowed(nearest)
         return {*own, *table}, anchored
 
+
 __all__ = ["MIN_GAIN", "MIN_SAMPLES", "Shape", "WaveCostModel", "interpolate", "knee"]
