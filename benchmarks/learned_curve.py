@@ -19,6 +19,7 @@ import time
 from peers_servers import harness
 
 from diffbatch import Engine, SamplingParams
+from diffbatch.metrics import learned_batching
 
 
 def learn(model: str, num_requests: int, device: str | None = None) -> dict:
@@ -26,7 +27,7 @@ def learn(model: str, num_requests: int, device: str | None = None) -> dict:
     start = time.perf_counter()
     with Engine(model, device=device) as engine:
         startup_s = time.perf_counter() - start
-        calibrated = engine.policy.snapshot()
+        calibrated = learned_batching(engine.policy)
 
         async def burst():
             return await asyncio.gather(*(
@@ -34,7 +35,7 @@ def learn(model: str, num_requests: int, device: str | None = None) -> dict:
                 for i in range(num_requests)))
 
         outs = asyncio.run(burst())
-        learned = engine.policy.snapshot()
+        learned = learned_batching(engine.policy)
     return {
         "model": model, "startup_s": startup_s, "limit": engine.policy.limit,
         "calibrated": calibrated, "after_burst": learned,

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from diffbatch.engine.batch_policy import BatchPolicy
     from diffbatch.outputs import TickStats
 
 OUTCOMES = ("completed", "error", "aborted", "rejected")
@@ -41,11 +42,23 @@ class _WaitingByKey(Collector):
         yield family
 
 
+def learned_batching(policy: BatchPolicy) -> dict[str, dict[str, Any]]:
+    """Per curve label of the policy's cost model: per-image ms by wave size, capacity
+    and the longest wait; empty with fixed settings."""
+    if not policy.learns:
+        return {}
+    return {shape.label(steps): {
+        "per_image_ms": {size: ms / size for size, ms in table.items()},
+        "capacity": policy.curve_capacity(shape, steps),
+        "wait_ms": policy.wait_bound_ms(shape, steps),
+    } for (shape, steps), table in policy.cost.tables().items()}
+
+
 class _LearnedBatching(Collector):
     """The batch policy's learned curve, capacity and wait per shape, read on scrape."""
 
-    def __init__(self, read: Callable[[], dict[str, dict[str, Any]]]) -> None:
-        self.read = read
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.policy = policy
 
     def collect(self):  # type: ignore[no-untyped-def]
         cost = GaugeMetricFamily(
@@ -62,7 +75,7 @@ class _LearnedBatching(Collector):
             "Longest admission wait per shape and step count (ms): the auto wait's bound "
             "(one request's wave time, at most 1 s) or the fixed wait.",
             labels=["shape"])
-        for shape, entry in sorted(self.read().items()):
+        for shape, entry in sorted(learned_batching(self.policy).items()):
             for size, ms in entry["per_image_ms"].items():
                 cost.add_metric([shape, str(size)], ms)
             capacity.add_metric([shape], entry["capacity"])
@@ -117,7 +130,7 @@ class EngineMetrics:
         num_waiting: Callable[[], int],
         num_running: Callable[[], int],
         waiting_by_key: Callable[[], dict[str, int]] | None = None,
-        learned_batching: Callable[[], dict[str, dict[str, Any]]] | None = None,
+        policy: BatchPolicy | None = None,
         worker_health: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
@@ -195,8 +208,8 @@ class EngineMetrics:
             r.register(_WorkerHealth(worker_health))
         if waiting_by_key is not None:
             r.register(_WaitingByKey(waiting_by_key))
-        if learned_batching is not None:
-            r.register(_LearnedBatching(learned_batching))
+        if policy is not None:
+            r.register(_LearnedBatching(policy))
 
     def observe_wave(
         self, size: int, close_reason: str, admission: str, forward_s: float

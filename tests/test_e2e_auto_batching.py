@@ -45,11 +45,9 @@ def test_defaults_are_auto_and_calibrated(engine):
     # machine tiny-sd at 64x64 gains from waves, but a calibration that ran while the
     # cores were busy can measure no gain (capacity 1); the burst below still runs
     # waves larger than one: what waits when a wave ends goes in the next one.
-    [(calibrated, steps)] = engine.policy.cost.curves()  # one step count, its own curve
+    [((calibrated, steps), curve)] = engine.policy.cost.tables().items()  # its own curve
     assert calibrated == shape
-    curve = engine.policy.cost.per_image_ms()[shape.label(steps)]
-    assert engine.policy.cost.capacity(shape, steps) == knee(
-        {size: ms * size for size, ms in curve.items()}, engine.policy.limit)
+    assert engine.policy.cost.capacity(shape, steps) == knee(curve, engine.policy.limit)
     text = engine.metrics.registry.get_sample_value(
         "diffbatch_capacity_requests", {"shape": shape.label(steps)})
     assert text == engine.policy.cost.capacity(shape, steps)
@@ -64,13 +62,13 @@ def test_a_burst_forms_waves_larger_than_one(engine):
     assert all(out.ok for out in outs)
     assert max(out.batch_size for out in outs) > 1
     # the learned curve per size, on /metrics (a wave of more than one too)
-    learned = engine.policy.cost.per_image_ms()
+    learned = engine.policy.cost.tables()
     assert any(size > 1 for table in learned.values() for size in table)
-    for label, table in learned.items():
+    for (shape, steps), table in learned.items():
         for size, ms in table.items():
             assert engine.metrics.registry.get_sample_value(
                 "diffbatch_learned_cost_per_image_ms",
-                {"shape": label, "wave_size": str(size)}) == pytest.approx(ms)
+                {"shape": shape.label(steps), "wave_size": str(size)}) == pytest.approx(ms / size)
 
 
 def test_low_load_runs_waves_of_one_without_waiting(engine):
@@ -100,4 +98,4 @@ def test_step_mode_learns_its_batch_from_the_ticks_without_a_calibration():
         outs = asyncio.run(burst())
         assert all(out.ok for out in outs)
         assert max(out.batch_size for out in outs) > 1
-        assert engine.policy.step_cost.num_sizes(shape) >= 2  # learned from the ticks
+        assert len(engine.policy.step_cost.num_samples(shape, 1)) >= 2  # learned from the ticks

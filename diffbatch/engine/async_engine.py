@@ -160,7 +160,7 @@ class Engine:
         me = weakref.ref(self)
         self.metrics = EngineMetrics(
             lambda: me().core.num_waiting, lambda: me().core.num_running,
-            lambda: me().core.num_waiting_by_key(), self.policy.snapshot,
+            lambda: me().core.num_waiting_by_key(), self.policy,
             worker_health=self.executor.health_stats,
         )
         self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`

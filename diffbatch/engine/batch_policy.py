@@ -1,28 +1,22 @@
 """How big a wave may be and how long to wait for it: `BatchPolicy`.
 
-With fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) it hands them
-to the scheduler and the admission wait as they are. With "auto" (the default):
+Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through. "auto":
 
-- **capacity** per shape is the knee of the learned cost curve
-  (`WaveCostModel.capacity`), bounded by memory and `--max-num-seqs-limit`. The next
-  doubling is probed only while a backlog persists: once `PERSIST_WAVES` waves in a
-  row started with more requests waiting than that doubling, waves of it run until it
-  has `MIN_SAMPLES` observations, and the curve then says whether it pays.
-- **the admission wait** runs only while the worker is idle, and not at all when it
-  was busy `BUSY_SHARE` of the last `LOAD_WINDOW_S` (sustained load: the queue refills
-  while each wave runs). With `q` waiting, arrivals at rate `r` and wave times `t(B)`,
-  waiting `d = k / r` for `k` more runs one wave of `q + k`; starting now runs the `q`
-  and then the `k`. Each request's mean time to its answer, arrivals spread over `d`:
+- **capacity** per shape is the knee of the learned cost curve, bounded by memory and
+  `--max-num-seqs-limit`. The next doubling is probed only while a backlog persists:
+  after `PERSIST_WAVES` waves in a row started with more waiting than it, until it has
+  `MIN_SAMPLES` waves; the curve then says whether it pays.
+- **the admission wait** runs only at an idle worker not under sustained load (busy
+  `BUSY_SHARE` of the last `LOAD_WINDOW_S`: the queue refills while each wave runs).
+  With `q` waiting, arrivals at rate `r` and wave times `t(B)`, waiting `d = k / r`
+  for `k` more runs one wave of `q + k`; starting now runs the `q`, then the `k`.
+  Each request's mean time to its answer, arrivals spread over `d`:
 
       wait:       (q * (d + T) + k * (d/2 + T)) / (q + k),   T = max(t(q+k), t(q))
       start now:  (q * t(q) + k * (max(t(q), d) + t(k) - d/2)) / (q + k)
 
-  The engine waits for the `k` that saves the most, if any, never longer than the
-  shape's single-request wave time (at most `MAX_WAIT_MS`): at low load `d` is long
-  and waiting never pays; for a burst at an idle worker it pays until the wave is full.
-
-`capacity` and `plan_wait` are queries; the engine reports what happens through
-`observe_arrivals`, `observe_backlog` (once per wave it schedules) and `observe_wave`.
+  It waits for the `k` that saves the most, if any, at most one request's wave time
+  (and `MAX_WAIT_MS`): at low load `d` is long and waiting never pays.
 """
 
 from __future__ import annotations
@@ -92,22 +86,13 @@ def choose_wait(num_waiting: int, rate_per_s: float, wave_ms: Callable[[int], fl
 
 class BatchPolicy:
     """Capacity and admission wait per batch key, fixed or learned; thread-safe.
+    `supports_request_batch=False` pins the capacity to 1; tests drive `clock`."""
 
-    Args:
-        config: the engine's config (`max_num_seqs`, `request_batch_max_wait_ms`,
-            their "auto" values and the auto limit).
-        info: the loaded pipeline's info (its default shape seeds the cost model).
-        supports_request_batch: False pins the capacity to 1.
-        limit: the largest wave "auto" may choose (default: the config's limit).
-        clock: monotonic seconds (tests drive it).
-    """
-
-    def __init__(self, config: EngineConfig, info: PipelineInfo, *,
-                 supports_request_batch: bool, limit: int | None = None,
+    def __init__(self, config: EngineConfig, info: PipelineInfo, *, supports_request_batch: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.batching = supports_request_batch
-        self.limit = 1 if not supports_request_batch else max(1, limit or config.capacity_limit)
+        self.limit = max(1, config.capacity_limit) if supports_request_batch else 1
         self.default_shape = Shape(info.default_height, info.default_width, 1,
                                    info.cfg_threshold is not None
                                    and info.default_guidance_scale > info.cfg_threshold)
@@ -117,12 +102,10 @@ class BatchPolicy:
         self.stalls = StallBounds(config, self.cost)  # when a worker counts as stuck
         self._clock = clock
         self._lock = threading.Lock()
-        self._arrivals: deque[tuple[float, int]] = deque()  # (time, count), last window
-        self._busy: deque[tuple[float, float]] = deque()  # (end, forward s), last window
-        self._backlog_waves: dict[tuple[Shape, int], int] = {}  # waves in a row (above)
-        # Waves teach the cost model only once the engine serves: the warm-up wave
-        # (first call, cold caches) would skew it.
-        self.serving = False
+        # the last window's (time, requests that arrived, forward s of a wave that ended)
+        self._events: deque[tuple[float, int, float]] = deque()
+        self._backlog_waves: dict[SamplingParamsKey, int] = {}  # waves in a row (above)
+        self.serving = False  # waves teach only once serving (the warm-up would skew them)
 
     @property
     def learns(self) -> bool:
@@ -140,138 +123,109 @@ class BatchPolicy:
         """Most requests in the next wave of `key` with `num_waiting` waiting: the
         learned knee, or the doubling above it while that is probed and the backlog
         fills it (module docstring). A query."""
-        if not self.batching:
-            return 1
-        if not self.config.auto_capacity:
-            return self.config.capacity_limit
-        if key is None:
-            return self.limit
-        knee = self.cost.capacity(Shape.of(key), key.num_denoising_steps or None)
-        probe = self._probe_size(key, knee)
+        knee, probe = self._knee_and_probe(key)
+        if probe is None or num_waiting < probe:
+            return knee
         with self._lock:
-            probing = self._backlog_waves.get(_curve(key), 0) >= PERSIST_WAVES
-        return probe if probe is not None and probing and num_waiting >= probe else knee
+            return probe if self._backlog_waves.get(key, 0) >= PERSIST_WAVES else knee
 
-    def _probe_size(self, key: SamplingParamsKey, knee: int) -> int | None:
-        """The doubling above `knee` while it has fewer than `MIN_SAMPLES` waves."""
-        size = knee * 2
-        if size > self.limit or self.cost.num_samples(
-                Shape.of(key), size, key.num_denoising_steps or None) >= MIN_SAMPLES:
-            return None
-        return size
+    def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
+        """Step mode: most requests in the running batch of `key` with `demand` running
+        or waiting: the knee, or toward the doubling above it while it is measured. A query."""
+        knee, probe = self._knee_and_probe(key)
+        return min(probe, demand) if probe and demand > knee else knee
+
+    def _knee_and_probe(self, key: SamplingParamsKey | None) -> tuple[int, int | None]:
+        """The knee of `key`'s curve and the doubling above it while that has fewer than
+        `MIN_SAMPLES` waves (ticks in step mode, whose keys have step count 0); with
+        nothing to choose, the fixed capacity and no probe."""
+        if not self.batching or not self.config.auto_capacity or key is None:
+            fixed = self.limit if self.config.auto_capacity else self.config.capacity_limit
+            return (fixed if self.batching else 1), None
+        shape, steps = Shape.of(key), key.num_denoising_steps
+        knee = self.curve_capacity(shape, steps)
+        model, at = (self.cost, steps) if steps else (self.step_cost, 1)
+        probe = knee * 2
+        measured = probe > self.limit or model.num_samples(shape, at).get(probe, 0) >= MIN_SAMPLES
+        return knee, None if measured else probe
+
+    def curve_capacity(self, shape: Shape, steps: int) -> int:
+        """The knee of the tick curve once it knows two sizes (step mode), else that of
+        the wave curve at `steps` (0: the step count it is known best at)."""
+        if len(self.step_cost.num_samples(shape, 1)) >= 2:
+            return self.step_cost.capacity(shape, 1)
+        return self.cost.capacity(shape, steps)
 
     def observe_backlog(self, key: SamplingParamsKey | None, num_waiting: int) -> None:
         """The engine is about to schedule a wave of `key` with `num_waiting` waiting:
         count the waves in a row that found a backlog beyond the probe size."""
-        if key is None or not self.learns or not self.config.auto_capacity:
-            return
-        knee = self.cost.capacity(Shape.of(key), key.num_denoising_steps or None)
-        probe = self._probe_size(key, knee)
+        probe = self._knee_and_probe(key)[1]
         with self._lock:
-            count = self._backlog_waves.get(_curve(key), 0)
-            persists = probe is not None and num_waiting > probe
-            self._backlog_waves[_curve(key)] = count + 1 if persists else 0
-
-    def step_capacity(self, key: SamplingParamsKey | None, demand: int = 0) -> int:
-        """Step mode: most requests in the running batch of `key` with `demand` running
-        or waiting: the knee of the tick curve once it knows two sizes (the wave curve's
-        before), or the next doubling, up to the demand, while it has fewer than
-        `MIN_SAMPLES` ticks and the demand exceeds the knee. A query."""
-        if not self.batching:
-            return 1
-        if not self.config.auto_capacity:
-            return self.config.capacity_limit
-        if key is None:
-            return self.limit
-        shape = Shape.of(key)
-        knee = self._step_knee(shape)
-        probe = knee * 2
-        if demand > knee and probe <= self.limit \
-                and self.step_cost.num_samples(shape, probe) < MIN_SAMPLES:
-            return min(probe, demand)
-        return knee
-
-    def _step_knee(self, shape: Shape) -> int:
-        """The knee of the tick curve once it knows two sizes, the wave curve's before."""
-        ticks_known = self.step_cost.num_sizes(shape) >= 2
-        return (self.step_cost if ticks_known else self.cost).capacity(shape)
+            if probe is not None and num_waiting > probe:
+                self._backlog_waves[key] = self._backlog_waves.get(key, 0) + 1
+            else:
+                self._backlog_waves.pop(key, None)
 
     # -- admission wait --------------------------------------------------------------
     def plan_wait(self, key: SamplingParamsKey | None, num_waiting: int) -> WaitPlan:
-        """What the admission wait should do with `num_waiting` requests of `key` waiting
-        at an idle worker (module docstring). A query."""
+        """The admission wait for `num_waiting` of `key` at an idle worker. A query."""
         capacity = self.capacity(key)
-        if not self.batching or capacity <= 1:
+        if capacity <= 1:
             return WaitPlan.start_now(1)
         if not self.config.auto_wait:
             fixed = float(self.config.request_batch_max_wait_ms)
             return WaitPlan(target=capacity, max_wait_ms=fixed,
                             stable_window_ms=min(MAX_STABLE_WINDOW_MS, fixed / 5.0))
-        if key is None:
+        rate_per_s, busy_share = self._load()
+        if key is None or busy_share >= BUSY_SHARE:
             return WaitPlan.start_now(num_waiting)
-        wave_ms = self._wave_ms(key)
-        bound = self.wait_bound_ms(key)
-        now = self._clock()
-        if bound <= 0 or self._busy_share(now) >= BUSY_SHARE:
-            return WaitPlan.start_now(num_waiting)
-        return choose_wait(num_waiting, self._rate_per_s(now), wave_ms, capacity, bound)
-
-    def wait_bound_ms(self, key: SamplingParamsKey) -> float:
-        """The longest auto wait for `key`: its single-request wave time, at most
-        `MAX_WAIT_MS` (0 while nothing is known of it)."""
-        one = self._wave_ms(key)(1)
-        return min(one, MAX_WAIT_MS) if math.isfinite(one) else 0.0
-
-    def _wave_ms(self, key: SamplingParamsKey) -> Callable[[int], float]:
-        """The learned wave time of `key` by size (inf where nothing is known)."""
         shape, steps = Shape.of(key), key.num_denoising_steps
+        return choose_wait(num_waiting, rate_per_s,
+                           lambda size: self.cost.estimate_ms(shape, size, steps) or math.inf,
+                           capacity, self.wait_bound_ms(shape, steps))
 
-        def wave_ms(size: int) -> float:
-            estimate = self.cost.estimate_ms(shape, size, steps)
-            return math.inf if estimate is None else estimate
-        return wave_ms
+    def wait_bound_ms(self, shape: Shape, steps: int) -> float:
+        """The longest wait: the fixed one, or one request's wave time, at most
+        `MAX_WAIT_MS` (0 while nothing is known of it)."""
+        if not self.config.auto_wait:
+            return float(self.config.request_batch_max_wait_ms)
+        return min(self.cost.estimate_ms(shape, 1, steps) or 0.0, MAX_WAIT_MS)
 
-    def _rate_per_s(self, now: float) -> float:
-        """Requests per second that arrived after the first arrival of the window, over
-        the time since it (0 with fewer than two arrivals)."""
-        with self._lock:
-            recent = [(at, n) for at, n in self._arrivals if at >= now - LOAD_WINDOW_S]
-        if len(recent) < 2:
-            return 0.0
-        return sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-6)
-
-    def _busy_share(self, now: float) -> float:
-        """The share of the last `LOAD_WINDOW_S` the worker spent on waves."""
+    def _load(self) -> tuple[float, float]:
+        """Of the last `LOAD_WINDOW_S`: the requests per second that arrived after its
+        first arrival, over the time since it (0 with fewer than two arrivals), and the
+        share of it the worker spent on waves."""
+        now = self._clock()
         since = now - LOAD_WINDOW_S
         with self._lock:
-            busy = sum(max(0.0, end - max(since, end - forward_s))
-                       for end, forward_s in self._busy if end > since)
-        return busy / LOAD_WINDOW_S
+            arrivals = [(at, n) for at, n, _ in self._events if n and at >= since]
+            busy_s = sum(max(0.0, end - max(since, end - forward_s))
+                         for end, _, forward_s in self._events if end > since)
+        rate = 0.0 if len(arrivals) < 2 else (
+            sum(n for _, n in arrivals[1:]) / max(now - arrivals[0][0], 1e-6))
+        return rate, busy_s / LOAD_WINDOW_S
 
     # -- observations ----------------------------------------------------------------
+    def _record(self, arrivals: int, forward_s: float) -> None:
+        now = self._clock()
+        with self._lock:
+            self._events.append((now, arrivals, forward_s))
+            while self._events[0][0] < now - LOAD_WINDOW_S:
+                self._events.popleft()
+
     def observe_arrivals(self, count: int) -> None:
         """`count` requests arrived together (only while serving: the warm-up request
         is no arrival)."""
-        if not self.serving or count < 1:
-            return
-        now = self._clock()
-        with self._lock:
-            self._arrivals.append((now, count))
-            while self._arrivals and self._arrivals[0][0] < now - LOAD_WINDOW_S:
-                self._arrivals.popleft()
+        if self.serving and count >= 1:
+            self._record(count, 0.0)
 
     def observe_wave(self, key: SamplingParamsKey | None, size: int, forward_ms: float,
                      num_forwards: int = 1) -> None:
-        """A wave of `size` ended just now after `forward_ms`: it counts as busy time;
-        a clean single forward also teaches the curve (fixed settings learn too: the
-        curve bounds a wave's stall, `StallBounds`)."""
+        """A wave of `size` ended just now after `forward_ms`: busy time; a clean single
+        forward also teaches the curve (fixed settings too: it bounds stalls)."""
         if not self.serving:
             return
-        now = self._clock()
-        with self._lock:
-            self._busy.append((now, forward_ms / 1000.0))
-            while self._busy and self._busy[0][0] < now - LOAD_WINDOW_S:
-                self._busy.popleft()
+        self._record(0, forward_ms / 1000.0)
         if key is not None and num_forwards == 1:
             self.cost.observe(Shape.of(key), size, key.num_denoising_steps, forward_ms)
 
@@ -282,31 +236,8 @@ class BatchPolicy:
             return
         shape = Shape.of(key)
         self.stalls.observe_tick(shape, tick.step_ms)
-        if self.learns and tick.forward_ms > 0:
+        if self.learns:
             self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
-
-    def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per curve label: per-image ms by wave size, capacity and the longest wait
-        (the auto wait's bound, or the fixed wait; for metrics); empty with fixed
-        settings."""
-        if not self.learns:
-            return {}
-        per_image = self.cost.per_image_ms()
-        out: dict[str, dict[str, object]] = {}
-        for shape, steps in self.cost.curves():
-            one = self.cost.estimate_ms(shape, 1, steps) or 0.0
-            wait = (min(one, MAX_WAIT_MS) if self.config.auto_wait
-                    else float(self.config.request_batch_max_wait_ms))
-            out[shape.label(steps)] = {"per_image_ms": per_image[shape.label(steps)],
-                                       "capacity": self.step_cost.capacity(shape)
-                                       if self.step_cost.num_sizes(shape) >= 2
-                                       else self.cost.capacity(shape, steps),
-                                       "wait_ms": wait}
-        return out
-
-
-def _curve(key: SamplingParamsKey) -> tuple[Shape, int]:
-    return Shape.of(key), key.num_denoising_steps
 
 
 __all__ = ["MAX_WAIT_MS", "BatchPolicy", "WaitPlan", "choose_wait"]

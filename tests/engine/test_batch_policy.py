@@ -14,6 +14,7 @@ from diffbatch.engine.batch_policy import (
     choose_wait,
 )
 from diffbatch.engine.cost_model import MIN_SAMPLES, Shape
+from diffbatch.metrics import learned_batching
 from diffbatch.outputs import TickStats
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -113,7 +114,7 @@ def test_a_fixed_wait_beside_an_auto_capacity_is_what_the_metrics_show():
     teach(p, wave_ms=lambda size: 10.0 + 10.0 * size)
     plan = p.plan_wait(key(), 1)
     assert plan.max_wait_ms == 20.0 and plan.target == 16
-    assert p.snapshot()[Shape.of(key()).label(4)]["wait_ms"] == 20.0
+    assert learned_batching(p)[Shape.of(key()).label(4)]["wait_ms"] == 20.0
 
 
 def test_a_pipeline_that_cannot_batch_gets_waves_of_one():
@@ -137,11 +138,11 @@ def test_capacity_asked_twice_answers_the_same_and_changes_nothing():
     backlog it is told of."""
     p = policy()
     teach(p, sizes=(1, 2, 4))
-    before = (dict(p._backlog_waves), p.cost.curves(), p.cost.num_samples(p.default_shape, 8, 4))
+    before = (dict(p._backlog_waves), p.cost.tables(), p.cost.num_samples(p.default_shape, 4))
     answers = [p.capacity(key(), num_waiting=100) for _ in range(2 * PERSIST_WAVES)]
     assert set(answers) == {4}
-    assert (dict(p._backlog_waves), p.cost.curves(),
-            p.cost.num_samples(p.default_shape, 8, 4)) == before
+    assert (dict(p._backlog_waves), p.cost.tables(),
+            p.cost.num_samples(p.default_shape, 4)) == before
     assert p.plan_wait(key(), 1) == p.plan_wait(key(), 1)
 
 
@@ -225,7 +226,8 @@ def test_never_waits_past_its_bound(gap_s):
     assert plan.max_wait_ms <= MAX_WAIT_MS
     assert plan.stable_window_ms <= plan.max_wait_ms
     teach(p)
-    assert p.plan_wait(key(), 3).max_wait_ms <= p.wait_bound_ms(key()) == tiny_sd_like(1)
+    bound = p.wait_bound_ms(Shape.of(key()), 4)
+    assert p.plan_wait(key(), 3).max_wait_ms <= bound == tiny_sd_like(1)
 
 
 def test_a_lone_request_at_low_load_starts_at_once():
@@ -261,13 +263,13 @@ def test_arrivals_before_serving_do_not_count():
 def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():
     p = policy()
     p.observe_wave(key(), 4, 100.0)  # the warm-up, before serving
-    assert p.cost.curves() == []
+    assert p.cost.tables() == {}
     p.serving = True
     p.observe_wave(key(), 4, 100.0, num_forwards=3)  # a bisected wave: not one forward
-    assert p.cost.curves() == []
+    assert p.cost.tables() == {}
     p.observe_wave(key(), 4, 100.0)
     assert p.cost.estimate_ms(Shape.of(key()), 4, 4) == pytest.approx(100.0)
-    snapshot = p.snapshot()["64x64/s4/n1/cfg"]
+    snapshot = learned_batching(p)["64x64/s4/n1/cfg"]
     assert snapshot["per_image_ms"] == {4: 25.0} and snapshot["capacity"] == 4
 
 
@@ -338,7 +340,7 @@ def test_step_capacity_grows_from_the_ticks_past_a_calibration_that_said_one():
     run_ticks(8)  # 8 costs more per request than 4: tried enough, not kept
     assert p.step_capacity(step_key) == 4
     assert p.step_capacity(step_key, demand=20) == 4
-    assert p.snapshot()[p.default_shape.label(4)]["capacity"] == 4
+    assert learned_batching(p)[p.default_shape.label(4)]["capacity"] == 4
 
 
 def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():
@@ -352,7 +354,7 @@ def test_every_tick_teaches_the_step_capacity_by_its_denoiser_time():
         p.observe_tick(step_key, TickStats(1, 50.0, 5.0, 1, 1))  # encode and decode
         p.observe_tick(step_key, TickStats(2, 90.0, 6.0, 2, 2))  # dominate the tick
         p.observe_tick(step_key, TickStats(0, 0.0, 0.0, 0, 1))  # a leave between ticks
-    assert p.step_cost.num_sizes(Shape.of(step_key)) == 2
+    assert len(p.step_cost.num_samples(Shape.of(step_key), 1)) == 2
     assert p.step_capacity(step_key) == 2  # per request 5 -> 3 ms
     assert p.step_capacity(step_key, demand=6) == 4  # 2 paid: the next doubling
 

@@ -78,14 +78,14 @@ def test_keeps_only_the_last_window_of_observations():
     for _ in range(WINDOW):
         model.observe(DEFAULT, 4, 4, 100.0)
     assert model.estimate_ms(DEFAULT, 4, 4) == pytest.approx(100.0)
-    assert model.num_samples(DEFAULT, 4, 4) == WINDOW
+    assert model.num_samples(DEFAULT, 4) == {4: WINDOW}
 
 
 def test_ignores_observations_that_say_nothing():
     model = WaveCostModel(limit=8)
     for size, steps, ms in ((0, 4, 10.0), (2, 0, 10.0), (2, 4, float("nan")), (2, 4, 0.0)):
         model.observe(DEFAULT, size, steps, ms)
-    assert model.curves() == []
+    assert model.tables() == {}
     assert model.capacity(DEFAULT, 4) == 1
 
 
@@ -108,11 +108,12 @@ def test_another_step_count_borrows_the_shape_of_the_known_curve():
     assert model.estimate_ms(DEFAULT, 16, 8) == pytest.approx(1000.0 * ratio)
 
 
-def test_a_new_shape_borrows_the_default_scaled_by_pixels():
+def test_a_new_shape_prices_a_request_as_default_requests_of_as_many_pixels():
     model = WaveCostModel(limit=64, default_shape=DEFAULT)
     for size in SIZES:
         model.observe(DEFAULT, size, 4, 200.0 + 10.0 * size)
-    big = Shape(128, 128, 1, True)
-    assert model.estimate_ms(big, 2, 4) == pytest.approx(4 * model.estimate_ms(DEFAULT, 2, 4))
+    big = Shape(128, 128, 1, True)  # one request counts as four of 64x64
+    assert model.estimate_ms(big, 2, 4) == pytest.approx(model.estimate_ms(DEFAULT, 8, 4))
+    assert model.estimate_ms(big, 2, 8) == pytest.approx(2 * model.estimate_ms(DEFAULT, 8, 4))
     assert model.estimate_ms(big, 2, 4, proxy=False) is None  # (stall bounds never guess)
     assert model.capacity(big, 4) == model.capacity(DEFAULT, 4) // 4
