@@ -7,10 +7,12 @@ and `request_batch_max_wait_ms="auto"` (start-up calibration included).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from diffbatch import Engine, SamplingParams
+from diffbatch.engine.batch_policy import LOAD_WINDOW_S
 from diffbatch.engine.cost_model import knee
 
 pytestmark = pytest.mark.slow
@@ -72,6 +74,12 @@ def test_a_burst_forms_waves_larger_than_one(engine):
 
 
 def test_low_load_runs_waves_of_one_without_waiting(engine):
+    # Low load as the policy sees it: its load window holds no arrival of an earlier
+    # test's burst, only lone requests.
+    start, i = time.monotonic(), 0
+    while time.monotonic() - start <= LOAD_WINDOW_S:
+        assert engine.generate([f"settle {i}"], PARAMS.clone(seed=50 + i))[0].ok
+        i += 1
     before = admissions(engine)
     for i in range(6):  # one request at a time: each alone, never held back
         out = engine.generate([f"alone {i}"], PARAMS.clone(seed=100 + i))[0]
