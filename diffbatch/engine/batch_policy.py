@@ -282,8 +282,9 @@ class BatchPolicy:
             return
         shape = Shape.of(key)
         self.stalls.observe_tick(shape, tick.step_ms)
-        if self.learns and tick.forward_ms > 0:
-            self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
+        if self.learns and tick.forward_ms > 0:  # the curve's sizes are capacity units
+            size = tick.batch_size if tick.batch_units is None else tick.batch_units
+            self.step_cost.observe(shape, size, 1, tick.forward_ms)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per curve label: per-image ms by wave size, capacity and the longest wait

@@ -112,14 +112,13 @@ def test_schedule_stays_cheap_with_ten_thousand_waiting():
     assert work <= 4 * len(wave.requests), f"schedule() did {work} heap operations"
 
 
-def test_fifo_policy_is_unchanged_by_the_grouped_option():
+def test_grouped_is_the_default_policy_and_fifo_is_chosen_by_name():
     from diffbatch.config import EngineConfig
     from diffbatch.sched.policy import make_scheduler
     from diffbatch.sched.scheduler import Scheduler
 
-    assert type(make_scheduler(EngineConfig())) is Scheduler
-    assert isinstance(make_scheduler(EngineConfig(scheduling_policy="grouped")),
-                      GroupedScheduler)
+    assert type(make_scheduler(EngineConfig())) is GroupedScheduler
+    assert type(make_scheduler(EngineConfig(scheduling_policy="fifo"))) is Scheduler
     with pytest.raises(ValueError, match="max_head_wait_ms"):
         GroupedScheduler(2, max_head_wait_ms=-1)
 
