@@ -19,28 +19,28 @@ if TYPE_CHECKING:
     from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
 
 
-def capacity_units(params: SamplingParams, key: SamplingParamsKey) -> float:
+def capacity_units(params: SamplingParams, key: SamplingParamsKey | None) -> float:
     """Units a request with `params` takes in a batch of `key`: 1, or under a size-free
-    key its pixels over the key's reference size."""
-    if not key.any_size or params.height is None or params.width is None:
+    key its pixels over the key's reference size (None: no key, counted as sized)."""
+    if key is None or not key.any_size or params.height is None or params.width is None:
         return 1.0
     return params.height * params.width / (key.height * key.width)
 
 
-def batch_units(params: Iterable[SamplingParams], key: SamplingParamsKey) -> float:
+def batch_units(params: Iterable[SamplingParams], key: SamplingParamsKey | None) -> float:
     """Units of a batch of `key` holding requests with `params` (their count when
     `key` is sized)."""
     return sum(capacity_units(p, key) for p in params)
 
 
 def may_take(held: Sequence[SamplingParams], candidate: SamplingParams,
-             key: SamplingParamsKey, limit: float, max_requests: int) -> bool:
+             key: SamplingParamsKey | None, limit: float, max_requests: int) -> bool:
     """Whether a batch of `key` holding requests with `held` may take `candidate` too:
     an empty one always; else while it stays within `limit` units (requests, when
     `key` is sized) and, under a size-free key, `max_requests` requests."""
     if not held:
         return True
-    if not key.any_size:
+    if key is None or not key.any_size:
         return len(held) < limit
     if len(held) >= max_requests:
         return False

@@ -114,8 +114,7 @@ class StepDispatch(Dispatch):
         under a size-free key their pixels at its reference size, as the worker counts
         its running batch (`diffbatch.capacity_units`)."""
         return sum(batch_units((r.sampling_params for r in record.wave.requests),
-                               record.wave.key) if record.wave.key is not None
-                   else record.wave.num_requests for record in self.core.in_flight)
+                               record.wave.key) for record in self.core.in_flight)
 
     def _demand(self) -> int:
         """(Holding `cond`.) Requests in flight and waiting: what the running batch

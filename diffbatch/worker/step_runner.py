@@ -201,11 +201,9 @@ class StepRunner:
             if (self.running or admitted) and (task.key, task.group) != (self.key, self.group):
                 break  # another key (or group) waits for the running batch to drain
             held = [t.request.sampling_params for t in (*self.running, *admitted)]
-            if task.key is not None and not may_take(
-                    held, task.request.sampling_params, task.key, self.capacity, max_requests):
+            if not may_take(held, task.request.sampling_params, task.key, self.capacity,
+                            max_requests):
                 break  # the batch is full (in capacity units)
-            if task.key is None and len(held) >= self.capacity:
-                break
             own = set(loras.paths(task.request))
             if (self.running or admitted) and len(in_use | own) > loras.max_loras:
                 break  # its adapters wait for room among the resident ones
@@ -230,10 +228,10 @@ class StepRunner:
     @staticmethod
     def _units(batch: list[_Task]) -> int:
         """The fused call's size in capacity units, rounded, at least 1 (0: no call)."""
-        key = batch[0].key if batch else None
-        if key is None:
-            return len(batch)
-        return max(1, round(batch_units((t.request.sampling_params for t in batch), key)))
+        if not batch:
+            return 0
+        return max(1, round(batch_units((t.request.sampling_params for t in batch),
+                                        batch[0].key)))
 
     def _acquire(self, task: _Task) -> Exception | None:
         """Make the task's adapters resident and pinned; the error if one fails."""
