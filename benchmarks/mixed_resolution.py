@@ -250,25 +250,26 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.serve:
-        results = {model: measure_serving(model, args) for model in args.models}
-    else:
-        results = {model: measure_model(model, args) for model in args.models}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
-    record = {
-        "benchmark": "mixed_resolution",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": commit, "machine": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
-        and args.device != "cpu" else "cpu",
-        "torch_threads": torch.get_num_threads(), "rounds": args.rounds,
-        "repeats": args.repeats, "serve" if args.serve else "micro": results,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-    }
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
+    measure = measure_serving if args.serve else measure_model
+    results: dict[str, Any] = {}
+    # the file is rewritten after each model: a run cut short keeps what it measured
+    for model in args.models:
+        results[model] = measure(model, args)
+        record = {
+            "benchmark": "mixed_resolution",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": commit, "machine": platform.processor() or platform.machine(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+            and args.device != "cpu" else "cpu",
+            "torch_threads": torch.get_num_threads(), "rounds": args.rounds,
+            "repeats": args.repeats, "serve" if args.serve else "micro": results,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        }
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,9 @@ class TickStats:
     forward_ms: float  # the fused denoiser module call(s) alone (no fusing, no resuming)
     joins: int  # requests that entered the batch this tick
     leaves: int  # requests that left it (finished, failed or cancelled)
+    # the fused call's size in capacity units (`diffbatch.capacity_units`: pixels at the
+    # model's default size under mixed resolution); None: `batch_size`
+    batch_units: int | None = None
     num_lora_adapters: int = 0  # distinct LoRA adapters in the fused denoiser call
     num_lora_loads: int = 0  # adapters loaded (and evicted) for this tick's joiners
     num_lora_evictions: int = 0

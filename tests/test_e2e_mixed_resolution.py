@@ -17,24 +17,24 @@ from diffbatch.config import EngineConfig, add_cli_args
 SIZES = [64, 64, 96, 96]
 
 
-def engine_from_flags(model: str, *flags: str) -> Engine:
+def engine_from_flags(model: str, *flags: str, max_num_seqs: int = 8) -> Engine:
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args([
-        *flags, "--max-num-seqs", "8", "--request-batch-max-wait-ms", "500",
+        *flags, "--max-num-seqs", str(max_num_seqs), "--request-batch-max-wait-ms", "500",
         "--executor", "inproc", "--torch-threads", "1", "--calibration-budget-s", "0",
         "--no-warmup"])
     return Engine.from_config(dataclasses.replace(EngineConfig.from_cli_args(args),
                                                   model=model))
 
 
-def wave_sizes(engine: Engine) -> list[int]:
+def wave_sizes(engine: Engine, sizes: list[int] = SIZES) -> list[int]:
     params = [SamplingParams(height=s, width=s, num_inference_steps=2, seed=i)
-              for i, s in enumerate(SIZES)]
-    outputs = engine.generate([f"prompt {i}" for i in range(len(SIZES))], params,
+              for i, s in enumerate(sizes)]
+    outputs = engine.generate([f"prompt {i}" for i in range(len(sizes))], params,
                               use_tqdm=False)
     assert all(o.ok for o in outputs), [o.error for o in outputs]
-    assert [o.images[0].size for o in outputs] == [(s, s) for s in SIZES]
+    assert [o.images[0].size for o in outputs] == [(s, s) for s in sizes]
     return [o.batch_size for o in outputs]
 
 
@@ -49,3 +49,12 @@ def test_the_flag_lets_transformer_waves_mix_sizes_and_unets_split_by_size(
     with engine_from_flags(model, *flag.split()) as engine:
         assert engine.config.mixed_resolution == flag.startswith("--mixed-resolution")
         assert wave_sizes(engine) == expected
+
+
+def test_step_mode_counts_the_running_batch_in_pixels_at_the_default_size():
+    """Capacity 4 on a 64x64 model: a 128x128 request fills the running batch (4
+    units), so the 64x64 requests join only once it left, all four together; counted
+    in requests, three of them would have joined it."""
+    flags = ("--mixed-resolution", "--step-execution")
+    with engine_from_flags("tiny-sd3", *flags, max_num_seqs=4) as engine:
+        assert wave_sizes(engine, [128, 64, 64, 64, 64]) == [1, 4, 4, 4, 4]

@@ -236,8 +236,9 @@ class BatchPolicy:
             return
         shape = Shape.of(key)
         self.stalls.observe_tick(shape, tick.step_ms)
-        if self.learns:
-            self.step_cost.observe(shape, tick.batch_size, 1, tick.forward_ms)
+        if self.learns:  # the curve's sizes are capacity units
+            size = tick.batch_size if tick.batch_units is None else tick.batch_units
+            self.step_cost.observe(shape, size, 1, tick.forward_ms)
 
 
 __all__ = ["MAX_WAIT_MS", "BatchPolicy", "WaitPlan", "choose_wait"]

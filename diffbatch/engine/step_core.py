@@ -11,7 +11,9 @@ This only decides who may join:
 - up to twice the key's capacity may be in flight (`policy.step_capacity`: fixed,
   or learned by "auto"), so the worker always holds the next joiners and a slot that
   frees is filled at the next tick, without a round trip through this loop; the
-  worker itself never runs more than the capacity at once;
+  worker itself never runs more than the capacity at once. Capacity counts
+  `diffbatch.capacity_units` here, in the scheduler and in the worker alike: requests,
+  or under a size-free key (mixed resolution) pixels at the model's default size;
 - joiners of the running key come from `scheduler.schedule_joiners`, which stops
   them once a request of another key should run (fifo: at once; grouped: once it
   waited `max_head_wait_ms`), so the batch drains and the other key goes next;
@@ -39,6 +41,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from diffbatch.capacity_units import batch_units
 from diffbatch.engine.dispatch import Dispatch, InFlightWave
 from diffbatch.outputs import BatchRunnerOutput, RequestError
 
@@ -99,12 +102,19 @@ class StepDispatch(Dispatch):
         core.last_admission_reason = ""
         key = self._running_key()
         capacity = core.policy.step_capacity(key or scheduler.next_key(), self._demand())
-        room = PREFETCH_FACTOR * capacity - len(core.in_flight)
-        if room <= 0:
+        room = PREFETCH_FACTOR * capacity - self._units_in_flight()
+        if room <= 1e-9:
             return None
         # (no running batch: the scheduler's next wave starts a new one)
         wave = scheduler.schedule() if key is None else scheduler.schedule_joiners(key, room)
         return None if wave.is_empty else wave
+
+    def _units_in_flight(self) -> float:
+        """(Holding `cond`.) Capacity units of the requests in flight: their count, or
+        under a size-free key their pixels at its reference size, as the worker counts
+        its running batch (`diffbatch.capacity_units`)."""
+        return sum(batch_units((r.sampling_params for r in record.wave.requests),
+                               record.wave.key) for record in self.core.in_flight)
 
     def _demand(self) -> int:
         """(Holding `cond`.) Requests in flight and waiting: what the running batch

@@ -22,6 +22,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from diffbatch.capacity_units import batch_units, may_take
 from diffbatch.outputs import DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
 from diffbatch.sched.interface import SchedulerInterface
@@ -39,22 +40,12 @@ def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
     return num_requests * key.num_outputs_per_prompt * key.height * key.width
 
 
-def capacity_units(request: DiffusionRequest, key: SamplingParamsKey) -> float:
-    """How much of a wave's capacity `request` takes: 1, or under a size-free key
-    (mixed resolution: `key.any_size`) its pixels over the key's reference size, the
-    size the capacity is learned at; so a wave of mixed sizes is bounded by pixels."""
-    params = request.sampling_params
-    if not key.any_size or params.height is None or params.width is None:
-        return 1.0
-    return params.height * params.width / (key.height * key.width)
-
-
 def wave_units(wave: SchedulerOutput) -> int:
-    """A wave's size in capacity units (`capacity_units`), rounded, at least 1: its
-    number of requests unless its key is size-free."""
+    """A wave's size in capacity units (`diffbatch.capacity_units`), rounded, at least
+    1: its number of requests unless its key is size-free."""
     if wave.key is None or not wave.key.any_size:
         return wave.num_requests
-    return max(1, round(sum(capacity_units(r, wave.key) for r in wave.requests)))
+    return max(1, round(batch_units((r.sampling_params for r in wave.requests), wave.key)))
 
 
 class SchedulerBase(SchedulerInterface):
@@ -102,17 +93,12 @@ class SchedulerBase(SchedulerInterface):
         return self.wave_limit(key)[0]
 
     def wave_is_full(self, wave: list[DiffusionRequest], candidate: DiffusionRequest,
-                     key: SamplingParamsKey, limit: int) -> bool:
-        """Whether a wave of `key` holding `wave` may not take `candidate` too: it has
-        `limit` requests, or under a size-free key `limit` capacity units
-        (`capacity_units`; at most `max_num_seqs` requests either way)."""
-        if not key.any_size:
-            return len(wave) >= limit
-        if not wave:
-            return False
-        used = sum(capacity_units(r, key) for r in wave)
-        return len(wave) >= self.max_num_seqs \
-            or used + capacity_units(candidate, key) > limit + 1e-9
+                     key: SamplingParamsKey, limit: float) -> bool:
+        """Whether a wave (or joiners) of `key` holding `wave` may not take `candidate`
+        too: it has `limit` requests, or under a size-free key `limit` capacity units
+        or `max_num_seqs` requests (`diffbatch.capacity_units.may_take`)."""
+        return not may_take([r.sampling_params for r in wave], candidate.sampling_params,
+                            key, limit, self.max_num_seqs)
 
     # -- policy hooks ----------------------------------------------------------------
     @abstractmethod

@@ -123,7 +123,7 @@ class GroupedScheduler(SchedulerBase):
         self._drop_finished_waiting()
         return self._make_wave(wave, key, forced or close_reason)
 
-    def schedule_joiners(self, key: SamplingParamsKey, limit: int) -> SchedulerOutput:
+    def schedule_joiners(self, key: SamplingParamsKey, limit: float) -> SchedulerOutput:
         """Joiners of the running key, best first, until the oldest waiting request of
         another key has waited `max_head_wait_ms` (then the batch drains and its group
         goes next: no key starves)."""
@@ -136,9 +136,9 @@ class GroupedScheduler(SchedulerBase):
             return SchedulerOutput.make_empty()
         group = self._groups.get(key, [])
         joiners: list[DiffusionRequest] = []
-        while len(joiners) < limit:
+        while True:
             self._pop_finished(group)
-            if not group:
+            if not group or self.wave_is_full(joiners, group[0][2], key, limit):
                 break
             request = heapq.heappop(group)[2]
             self.num_heap_ops += 1

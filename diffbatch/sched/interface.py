@@ -34,10 +34,12 @@ class SchedulerInterface(ABC):
         """
 
     @abstractmethod
-    def schedule_joiners(self, key: SamplingParamsKey, limit: int) -> SchedulerOutput:
-        """Step mode: up to `limit` waiting requests of `key` to join the running batch
-        (marked RUNNING), or an empty output when none may: none waits, or a request
-        of another key should run next (the running batch then drains)."""
+    def schedule_joiners(self, key: SamplingParamsKey, limit: float) -> SchedulerOutput:
+        """Step mode: waiting requests of `key` to join the running batch, up to `limit`
+        capacity units (`diffbatch.capacity_units`: requests, or pixels under a
+        size-free key; at least one), marked RUNNING; or an empty output when none
+        may: none waits, or a request of another key should run next (the running
+        batch then drains)."""
 
     @abstractmethod
     def next_key(self) -> SamplingParamsKey | None:

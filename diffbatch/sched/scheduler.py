@@ -74,13 +74,14 @@ class Scheduler(SchedulerBase):
             wave.append(request)
         return self._make_wave(wave, key, close_reason)
 
-    def schedule_joiners(self, key: SamplingParamsKey, limit: int) -> SchedulerOutput:
+    def schedule_joiners(self, key: SamplingParamsKey, limit: float) -> SchedulerOutput:
         """Joiners come from the head while its key is the running batch's: a request
         of another key at the head stops them at once (strict FIFO, no overtaking)."""
         joiners: list[DiffusionRequest] = []
-        while len(joiners) < limit:
+        while True:
             self._pop_finished_heads()
-            if not self.waiting or self.waiting[0].key != key:
+            if not self.waiting or self.waiting[0].key != key \
+                    or self.wave_is_full(joiners, self.waiting[0], key, limit):
                 break
             request = self.waiting.popleft()
             self._start(request)

@@ -5,7 +5,9 @@ conversion it uses) and owns the worker's running batch. Each request runs its o
 pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
 `tick()` advances the whole batch by one denoising step:
 
-1. admit: joined requests enter while there is room (`capacity`) and their key is
+1. admit: joined requests enter while there is room (`capacity`, in capacity units:
+   requests, or under a size-free key pixels at the model's default size, as the
+   scheduler counts them; `diffbatch.capacity_units`) and their key is
    the running batch's (a request of another key waits until the batch drained; the
    engine stops sending joiners of the old key once it wants to switch), and while
    the batch's distinct LoRA adapters stay within `--max-loras`; a joiner's adapters
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffbatch.capacity_units import batch_units, may_take
 from diffbatch.errors import ConfigError, InvalidRequestError, WaveInterrupted
 from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
 from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
@@ -183,7 +186,7 @@ class StepRunner:
             adapters = {p for t in batch for p in self.runner.loras.paths(t.request)}
             self.ticks.append(TickStats(
                 len(batch), (time.perf_counter() - start) * 1000.0, sum(module_ms), joins,
-                len(left), num_lora_adapters=len(adapters),
+                len(left), batch_units=self._units(batch), num_lora_adapters=len(adapters),
                 num_lora_loads=self.runner.loras.num_loads - loads,
                 num_lora_evictions=self.runner.loras.num_evictions - evictions))
         return finished
@@ -192,10 +195,15 @@ class StepRunner:
         admitted: list[_Task] = []
         loras = self.runner.loras
         in_use = {p for t in self.running for p in t.pinned}
-        while self.ready and len(self.running) + len(admitted) < self.capacity:
+        max_requests = self.runner.config.capacity_limit
+        while self.ready:
             task = self.ready[0]
             if (self.running or admitted) and (task.key, task.group) != (self.key, self.group):
                 break  # another key (or group) waits for the running batch to drain
+            held = [t.request.sampling_params for t in (*self.running, *admitted)]
+            if not may_take(held, task.request.sampling_params, task.key, self.capacity,
+                            max_requests):
+                break  # the batch is full (in capacity units)
             own = set(loras.paths(task.request))
             if (self.running or admitted) and len(in_use | own) > loras.max_loras:
                 break  # its adapters wait for room among the resident ones
@@ -216,6 +224,14 @@ class StepRunner:
                 self._start(task)
             self.running.append(task)
         return len(admitted)
+
+    @staticmethod
+    def _units(batch: list[_Task]) -> int:
+        """The fused call's size in capacity units, rounded, at least 1 (0: no call)."""
+        if not batch:
+            return 0
+        return max(1, round(batch_units((t.request.sampling_params for t in batch),
+                                        batch[0].key)))
 
     def _acquire(self, task: _Task) -> Exception | None:
         """Make the task's adapters resident and pinned; the error if one fails."""

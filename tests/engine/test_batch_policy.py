@@ -367,3 +367,14 @@ def test_fixed_step_capacity_is_never_exceeded():
         for _ in range(MIN_SAMPLES):
             p.observe_tick(step_key, tick(size, 10.0))
     assert p.step_capacity(step_key, demand=50) == 3
+
+
+def test_the_tick_curve_learns_a_mixed_size_batch_in_capacity_units():
+    """A fused call over one 128x128 and one 64x64 request on a 64x64 model is 5 units
+    of the curve, as request mode's waves count them, not 2 requests."""
+    step_key = key().for_step_execution()
+    p = policy()
+    p.serving = True
+    p.observe_tick(step_key, TickStats(2, 50.0, 40.0, 0, 0, batch_units=5))
+    assert p.step_cost.num_samples(Shape.of(step_key), 5) == 1
+    assert p.step_cost.num_samples(Shape.of(step_key), 2) == 0

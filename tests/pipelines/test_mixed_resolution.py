@@ -129,14 +129,16 @@ def test_step_mode_packs_sizes_and_joiners_equal_their_solo_runs(
         request.key = request.key.for_step_execution()
         requests.append(request)
     assert len({r.key for r in requests}) == 1
-    join(steps, requests[:2], 0, capacity=4)
+    # capacity in units of the 64x64 default: every mix here fits (at most 7.25)
+    join(steps, requests[:2], 0, capacity=8)
 
     def late_joiner(tick: int) -> None:
         if tick == 1:  # the last request joins after the first step
-            join(steps, requests[2:], 2, capacity=4)
+            join(steps, requests[2:], 2, capacity=8)
 
     left = run_until_idle(steps, late_joiner)
-    assert packed_calls
+    # the late joiner's step ran packed with the others (one module call each)
+    assert max(packed_calls) == len(requests)
     for request in requests:
         output = left[request.request_id][1]
         assert output.error is None, output.error
@@ -184,3 +186,55 @@ def test_an_error_in_one_request_of_a_mixed_size_wave_fails_only_that_request(
     assert error is not None and "NaN latents" in error.message
     assert packed_calls  # the first try ran all four sizes packed
     check_equals_solo(clean, requests, [outputs[r.request_id] for r in requests])
+
+
+def step_mode_requests(pipeline: Any, runner: ModelRunner, specs: list[tuple[int, dict]],
+                       ) -> tuple[list[DiffusionRequest], dict[str, torch.Tensor]]:
+    """Requests of (size, params) keyed for step mode with mixed resolution on, and
+    each one's image run alone in request mode."""
+    requests, expected = [], {}
+    for i, (size, params) in enumerate(specs):
+        request = sized(pipeline, i, size, num_inference_steps=2, **params)
+        expected[request.request_id] = solo_image(runner, request, request.key)
+        any_size(pipeline, request)
+        request.key = request.key.for_step_execution()
+        requests.append(request)
+    assert len({r.key for r in requests}) == 1
+    return requests, expected
+
+
+def test_step_mode_mixes_sizes_with_n_above_one_and_per_request_guidance(
+        load_tiny: Any, packed_calls: list[int]) -> None:
+    pipeline = load_tiny("tiny-sd3")  # CFG on, per-request guidance
+    runner = ModelRunner(EngineConfig(model="tiny-sd3"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    requests, expected = step_mode_requests(pipeline, runner, [
+        (64, {"n": 2, "guidance_scale": 5.0}), (96, {"n": 2, "guidance_scale": 3.0}),
+        (64, {"n": 2, "guidance_scale": 7.0})])
+    join(steps, requests, 0, capacity=8)
+    left = run_until_idle(steps)
+    assert max(packed_calls) == len(requests)
+    for request in requests:
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        assert output.images.shape[0] == 2
+        diff = (output.images - expected[request.request_id]).abs().max().item()
+        assert diff <= TOLERANCE, f"{request.request_id}: max abs difference {diff}"
+
+
+def test_an_error_in_one_request_of_a_mixed_size_running_batch_fails_only_it(
+        load_tiny: Any, packed_calls: list[int]) -> None:
+    clean = load_tiny("tiny-sd3")
+    runner = ModelRunner(EngineConfig(model="tiny-sd3"),
+                         pipeline=load_pipeline("tiny-sd3", NaNCheckingSD3))
+    steps = StepRunner(runner)
+    requests, _ = step_mode_requests(clean, runner, [(64, {}), (96, {}), (128, {})])
+    poisoned = any_size(clean, sized(clean, 9, 96, num_inference_steps=2))
+    poisoned.key = poisoned.key.for_step_execution()
+    poisoned.prompt = "poison in this prompt"
+    join(steps, [requests[0], poisoned, requests[1], requests[2]], 0, capacity=16)
+    left = run_until_idle(steps)
+    error = left[poisoned.request_id][1].error
+    assert error is not None and "NaN latents" in error.message
+    assert max(packed_calls) == 4  # the first try ran all four requests packed
+    check_equals_solo(clean, requests, [left[r.request_id][1] for r in requests])

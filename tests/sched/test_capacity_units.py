@@ -73,3 +73,20 @@ def test_the_learned_curve_sees_a_mixed_wave_in_capacity_units():
     for i in range(3):
         keyed.add_request(request(f"k{i}", 128, reference=None))
     assert wave_units(keyed.schedule()) == 3
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_step_mode_joiners_count_units_under_a_size_free_key(policy: str):
+    """Joiners of a mixed-size running batch stop at `limit` units: a 128x128 request
+    on a 64x64 model takes 4 of them, so it leaves room for fewer 64x64 joiners than
+    the limit counted in requests would."""
+    sched = POLICIES[policy](max_num_seqs=8)
+    for i, size in enumerate([128, 64, 64, 64]):  # 4 + 1 + 1 + 1 units
+        sched.add_request(request(f"r{i}", size))
+    key = sched.next_key()
+    assert sched.schedule_joiners(key, 6).req_ids == ["r0", "r1", "r2"]  # 6 units
+    assert sched.schedule_joiners(key, 0.5).req_ids == ["r3"]  # an empty batch takes one
+    sized = POLICIES[policy](max_num_seqs=8)
+    for i in range(4):
+        sized.add_request(request(f"k{i}", 128, reference=None))
+    assert len(sized.schedule_joiners(sized.next_key(), 3).req_ids) == 3  # requests
