@@ -48,12 +48,6 @@ def test_batch_gain_smoke(tmp_path: Path) -> None:
         assert row["P1"] > 0 and row["P2"] > 0
 
 
-def test_low_load_latency_smoke(tmp_path: Path) -> None:
-    report = run_script("low_load_latency.py", tmp_path / "low_load.json", *MINIMAL,
-                        "--num-requests", "2", "--repeats", "1")
-    assert "P4_ms" in report and "P4_server_queue_ms" in report
-
-
 @pytest.mark.skipif(not HAS_PYINSTRUMENT, reason="pyinstrument ([bench] extra) not installed")
 def test_overhead_smoke(tmp_path: Path) -> None:
     report = run_script("overhead.py", tmp_path / "overhead.json", *MINIMAL,
