@@ -118,8 +118,8 @@ def ray_cluster(cores: int) -> Iterator[str]:
 
     from diffbatch.entrypoints.ray.proxy import serve_start_options
 
-    # Replicas import `SleepPipeline` from this folder, and `tests.lora_utils`' adapters
-    # are made here; both are on the path the cluster's processes inherit.
+    # Replicas import `SleepPipeline` from this folder and `diffbatch` from this
+    # checkout; both are on the path the cluster's processes inherit.
     paths = [str(REPO_ROOT / "benchmarks"), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     ray.init(address="local", num_cpus=cores, include_dashboard=False,
@@ -295,7 +295,7 @@ def sleep_scenarios(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def tiny_sd_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
     from diffbatch.pipelines.registry import resolve_model_path
     from diffbatch.pipelines.tiny import ensure_tiny_model
-    from tests.lora_utils import make_tiny_lora
+    from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
     ensure_tiny_model("tiny-sd")
     lora_dir = tempfile.mkdtemp(prefix="ray-routing-loras-")
