@@ -65,8 +65,8 @@ READY_TIMEOUT_S = 300.0
 
 class SleepPipeline(BasePipeline):
     """A batched pipeline whose forward costs `fixed_ms + per_request_ms * len(batch)`
-    of sleep (blank images), and logs each forward's start, end and size as a JSON
-    line to `<log_dir>/<pid>.jsonl` (one file per replica)."""
+    of sleep (blank images), and logs each forward's start, end, size and height (the
+    benchmark's batch key) as a JSON line to `<log_dir>/<pid>.jsonl` (one file per replica)."""
 
     supports_request_batch = True
 
@@ -93,7 +93,9 @@ class SleepPipeline(BasePipeline):
         time.sleep(self.fixed_s + self.per_request_s * len(batch))
         if self.log is not None and batch.prompts != ["warm-up"]:
             self.log.write(json.dumps({"start": start, "end": time.time(),
-                                       "size": len(batch)}) + "\n")
+                                       "size": len(batch),
+                                       "height": batch.requests[0].sampling_params.height})
+                           + "\n")
             self.log.flush()
         outputs = []
         for request in batch.requests:
