@@ -284,6 +284,7 @@ def sleep_scenarios(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "num_replicas": 2, "executor": "inproc", "max_num_seqs": args.max_num_seqs,
         "request_batch_max_wait_ms": 0, "calibration_budget_s": 0, "warmup": False,
         "num_cpus_per_replica": args.cores / 6,
+        "max_ongoing_requests": args.max_ongoing_requests,
     }
     sizes = [8 * (i + 1) for i in range(args.keys)]
     mixed = [{"prompt": "a shape", "size": f"{s}x{s}"} for s in sizes]
@@ -309,6 +310,7 @@ def tiny_sd_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": 0,
         "calibration_budget_s": 0, "torch_num_threads": 1, "lora_dir": lora_dir,
         "num_cpus_per_replica": args.cores / 6,
+        "max_ongoing_requests": args.max_ongoing_requests,
     }
     bodies = [{"prompt": "a shape", "size": "64x64", "num_inference_steps": 2, "lora": name}
               for name in names]
@@ -324,6 +326,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=4)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-ongoing-requests", type=int, default=None,
+                        help="per replica (default: the deployment's, 2 * max_num_seqs)")
     parser.add_argument("--fixed-ms", type=float, default=200.0)
     parser.add_argument("--per-request-ms", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=8.0, help="measured per round")
