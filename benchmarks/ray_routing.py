@@ -327,7 +327,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-ongoing-requests", type=int, default=None,
-                        help="per replica (default: the deployment's, 2 * max_num_seqs)")
+                        help="per replica (default: the deployment's, 3 * max_num_seqs)")
     parser.add_argument("--fixed-ms", type=float, default=200.0)
     parser.add_argument("--per-request-ms", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=8.0, help="measured per round")
