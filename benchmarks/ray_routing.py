@@ -65,8 +65,8 @@ READY_TIMEOUT_S = 300.0
 
 class SleepPipeline(BasePipeline):
     """A batched pipeline whose forward costs `fixed_ms + per_request_ms * len(batch)`
-    of sleep (blank images), and logs each forward's start, end and size as a JSON
-    line to `<log_dir>/<pid>.jsonl` (one file per replica)."""
+    of sleep (blank images), and logs each forward's start, end, size and height (the
+    benchmark's batch key) as a JSON line to `<log_dir>/<pid>.jsonl` (one file per replica)."""
 
     supports_request_batch = True
 
@@ -93,7 +93,9 @@ class SleepPipeline(BasePipeline):
         time.sleep(self.fixed_s + self.per_request_s * len(batch))
         if self.log is not None and batch.prompts != ["warm-up"]:
             self.log.write(json.dumps({"start": start, "end": time.time(),
-                                       "size": len(batch)}) + "\n")
+                                       "size": len(batch),
+                                       "height": batch.requests[0].sampling_params.height})
+                           + "\n")
             self.log.flush()
         outputs = []
         for request in batch.requests:
@@ -118,8 +120,8 @@ def ray_cluster(cores: int) -> Iterator[str]:
 
     from diffbatch.entrypoints.ray.proxy import serve_start_options
 
-    # Replicas import `SleepPipeline` from this folder, and `tests.lora_utils`' adapters
-    # are made here; both are on the path the cluster's processes inherit.
+    # Replicas import `SleepPipeline` from this folder and `diffbatch` from this
+    # checkout; both are on the path the cluster's processes inherit.
     paths = [str(REPO_ROOT / "benchmarks"), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     ray.init(address="local", num_cpus=cores, include_dashboard=False,
@@ -282,6 +284,7 @@ def sleep_scenarios(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "num_replicas": 2, "executor": "inproc", "max_num_seqs": args.max_num_seqs,
         "request_batch_max_wait_ms": 0, "calibration_budget_s": 0, "warmup": False,
         "num_cpus_per_replica": args.cores / 6,
+        "max_ongoing_requests": args.max_ongoing_requests,
     }
     sizes = [8 * (i + 1) for i in range(args.keys)]
     mixed = [{"prompt": "a shape", "size": f"{s}x{s}"} for s in sizes]
@@ -295,7 +298,7 @@ def sleep_scenarios(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def tiny_sd_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
     from diffbatch.pipelines.registry import resolve_model_path
     from diffbatch.pipelines.tiny import ensure_tiny_model
-    from tests.lora_utils import make_tiny_lora
+    from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
     ensure_tiny_model("tiny-sd")
     lora_dir = tempfile.mkdtemp(prefix="ray-routing-loras-")
@@ -307,6 +310,7 @@ def tiny_sd_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": 0,
         "calibration_budget_s": 0, "torch_num_threads": 1, "lora_dir": lora_dir,
         "num_cpus_per_replica": args.cores / 6,
+        "max_ongoing_requests": args.max_ongoing_requests,
     }
     bodies = [{"prompt": "a shape", "size": "64x64", "num_inference_steps": 2, "lora": name}
               for name in names]
@@ -322,6 +326,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=4)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-ongoing-requests", type=int, default=None,
+                        help="per replica (default: the deployment's, 3 * max_num_seqs)")
     parser.add_argument("--fixed-ms", type=float, default=200.0)
     parser.add_argument("--per-request-ms", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=8.0, help="measured per round")

@@ -11,7 +11,7 @@ import pytest
 
 from diffbatch import Engine, SamplingParams
 from diffbatch.pipelines.registry import resolve_model_path
-from tests.lora_utils import make_tiny_lora
+from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
 pytestmark = pytest.mark.slow
 

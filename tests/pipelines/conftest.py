@@ -62,7 +62,7 @@ def load_tiny(model_cache_dir: str) -> Callable[[str], DiffusersT2IPipeline]:
 def tiny_lora(model_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random LoRA adapter for tiny-sd, made once per session; returns its folder."""
     from diffbatch.pipelines.registry import resolve_model_path
-    from tests.lora_utils import make_tiny_lora
+    from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
     out = tmp_path_factory.mktemp("tiny-lora")
     return make_tiny_lora(resolve_model_path("tiny-sd"), out, seed=0, rank=4)

@@ -14,7 +14,7 @@ import torch
 
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.registry import resolve_model_path
-from tests.lora_utils import make_tiny_lora
+from diffbatch.pipelines.tiny_lora import make_tiny_lora
 from tests.pipelines.conftest import TOLERANCE, make_batch, make_request
 
 pytestmark = pytest.mark.slow

@@ -170,7 +170,7 @@ def test_a_running_requests_adapter_is_never_evicted(load_tiny: Any, tmp_path: A
     runs; both images equal their solo runs."""
     from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
     from diffbatch.pipelines.registry import resolve_model_path
-    from tests.lora_utils import make_tiny_lora
+    from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
     model = resolve_model_path("tiny-sd")
     pipeline = DiffusersT2IPipeline.from_pretrained(model, device="cpu")  # adapters stay

@@ -93,7 +93,7 @@ class RayServeArgs(BaseModel):
     min_replicas: int | None = Field(None, ge=0)  # autoscaling lower bound
     max_replicas: int | None = Field(None, ge=1)  # set to turn autoscaling on
     target_ongoing_requests: float | None = Field(None, gt=0)  # autoscaling target
-    # None: max(5, 2 * max_num_seqs), where "auto" counts as its limit
+    # None: max(5, 3 * max_num_seqs), where "auto" counts as its limit
     max_ongoing_requests: int | None = Field(None, ge=1)
     num_cpus_per_replica: float = Field(1.0, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
@@ -192,13 +192,16 @@ class RayServeArgs(BaseModel):
         """Requests Ray routes to one replica at once.
 
         NOTE: Ray Serve never gives a replica more than `max_ongoing_requests`
-        requests, so no wave can be larger. The default holds one full wave running
-        plus one full wave waiting (2 * max_num_seqs), and never less than Ray's own
-        default of 5.
+        requests, so no wave can be larger, and the engine can batch only what it
+        holds. The default holds three full waves (3 * max_num_seqs), never less than
+        Ray's own default of 5: one running, and room for the next wave of each key
+        behind it. With two, the requests that come back while a wave runs wait in
+        Ray's queue until it ends and then miss the wave that starts at once (the
+        diffbatch router keeps a key's requests waiting for its replica).
         """
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
-        return max(RAY_DEFAULT_MAX_ONGOING_REQUESTS, 2 * self.max_num_seqs)
+        return max(RAY_DEFAULT_MAX_ONGOING_REQUESTS, 3 * self.max_num_seqs)
 
     @property
     def effective_shutdown_timeout(self) -> float:

@@ -7,13 +7,19 @@ by the request's routing key (`route_key.py`, put in a header by the proxy):
 
 1. the preferred replica is the one with the most affinity to the key: requests of
    the same batch key in flight there (the most), else its adapters loaded there,
-   else the key sent there last; a key new everywhere goes to the replica batching the fewest
-   keys (then the shortest queue), so keys spread over the replicas;
-2. when the preferred replica's queue (its requests, and those waiting in Ray's
-   queue for it) is more than one wave (`wave_size`, the engine's `max_num_seqs`)
-   longer than the shortest queue, the request goes to the least loaded replica
-   instead, so no replica idles while another has a backlog;
-3. otherwise it waits for the preferred replica while that one is full
+   else the key sent there last; a key new everywhere goes to the replica batching
+   the fewest keys (then the shortest queue), so keys spread over the replicas;
+2. a key with a full wave (`wave_size`, the engine's `max_num_seqs`) in flight on
+   its preferred replica that is in flight on other replicas too goes to the least
+   loaded of those: its next wave there has mates, and a key too busy for one
+   replica is shared evenly instead of piling onto one;
+3. the request spills to the least loaded replica when that one is idle and the
+   preferred replica's queue (its requests, and those waiting in Ray's queue for
+   it) is more than a wave longer, or when the preferred queue is longer by more
+   than a whole replica holds (`max_ongoing_requests`). So no replica idles while
+   another has a backlog, and no backlog grows unbounded; but a busy replica gets
+   no stray request of another key, which would cost it a wave of its own;
+4. otherwise it waits for the preferred replica while that one is full
    (`max_ongoing_requests`): its next wave will take it.
 
 A request without a key (an edit, a handle call, no proxy middleware) goes to the
@@ -123,8 +129,13 @@ def rank_replicas(key: RouteKey | None, replicas: Sequence[ReplicaLoad],
     preferred = max(replicas, key=lambda r: (
         _affinity(r, key), -len(set(r.batch_keys) | r.last_key_here), -r.load, r.local,
         _spread(key, r.replica_id)))
-    if preferred.load + 1 - by_load[0].load > wave_size:  # + 1: this request
-        # Overloaded: the least loaded replica (the preferred one last).
+    holders = [r for r in replicas if r.batch_keys.get(key.batch, 0) > 0]
+    if preferred.batch_keys.get(key.batch, 0) >= wave_size and len(holders) > 1:
+        preferred = min(holders, key=lambda r: (r.load, not r.local))
+    least = by_load[0]
+    longer_by = preferred.load + 1 - least.load  # + 1: this request
+    if (least.load == 0 and longer_by > wave_size) or longer_by > preferred.capacity:
+        # Spill: the least loaded replica (the preferred one last).
         return [[r.replica_id for r in by_load if r is not preferred], [preferred.replica_id]]
     return [[preferred.replica_id]]
 

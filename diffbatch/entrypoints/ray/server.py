@@ -124,7 +124,7 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-ongoing-requests", type=positive_int, default=None, metavar="N",
         help="most requests Ray routes to one replica at once, which caps its wave size; "
-        "None: max(5, 2 * --max-num-seqs)",
+        "None: max(5, 3 * --max-num-seqs)",
     )
     group.add_argument("--num-cpus-per-replica", type=non_negative, default=1.0, metavar="N",
                        help="CPUs Ray reserves for each replica")

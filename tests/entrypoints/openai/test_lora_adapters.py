@@ -23,8 +23,8 @@ from PIL import Image
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.pipelines.registry import resolve_model_path
+from diffbatch.pipelines.tiny_lora import make_tiny_lora
 from tests.entrypoints.openai.conftest import API_KEY, app_client, serve_in_thread
-from tests.lora_utils import make_tiny_lora
 from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow

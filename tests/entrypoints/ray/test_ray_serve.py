@@ -63,7 +63,7 @@ def test_args_convert_strings_like_serve_run() -> None:
     options = args.deployment_options()
     assert options["num_replicas"] == 2
     assert options["ray_actor_options"] == {"num_cpus": 0.5}
-    assert options["max_ongoing_requests"] == 8  # one wave running, one waiting
+    assert options["max_ongoing_requests"] == 12  # three waves: one running, two more
     assert "autoscaling_config" not in options
 
 
@@ -76,9 +76,9 @@ def test_args_autoscaling_bounds() -> None:
         "min_replicas": 1, "initial_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 3,
     }
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
-    assert options["max_ongoing_requests"] == 64  # 2 * the auto limit (32): two full waves
-    fixed = RayServeArgs.from_dict({"max_num_seqs": 2}).deployment_options()
-    assert fixed["max_ongoing_requests"] == 5  # Ray's default, above 2 * max_num_seqs
+    assert options["max_ongoing_requests"] == 96  # 3 * the auto limit (32): three waves
+    fixed = RayServeArgs.from_dict({"max_num_seqs": 1}).deployment_options()
+    assert fixed["max_ongoing_requests"] == 5  # Ray's default, above 3 * max_num_seqs
 
 
 @pytest.mark.parametrize(("given", "expected"), [

@@ -199,14 +199,14 @@ async def test_one_key_goes_to_one_replica_and_keys_spread(router) -> None:
     assert set(a) == {a[0]}, a
 
 
-async def test_a_replica_more_than_a_wave_behind_is_bypassed(router) -> None:
+async def test_an_idle_replica_takes_a_backlog_more_than_a_wave_long(router) -> None:
     replicas = [SyntheticReplica("r1"), SyntheticReplica("r2")]
     router.update_replicas(replicas)
     routed = [await _route(router, KEY_A, replicas) for _ in range(WAVE + 3)]
     home = routed[0]
     other = next(r for r in replicas if r.replica_id.unique_id != home)
     # a wave on the key's replica; the next would make it more than a wave longer
-    # than the other replica's queue, so the least loaded one takes it
+    # than the idle replica's queue, so the idle one takes it
     assert routed[:WAVE] == [home] * WAVE
     assert routed[WAVE] == other.replica_id.unique_id, routed
     # a busy replica's own stats count too: keys it runs for another proxy
@@ -218,24 +218,53 @@ async def test_a_replica_more_than_a_wave_behind_is_bypassed(router) -> None:
     assert await _route(router, styled, fresh) == "r4"  # where its adapter is loaded
 
 
-async def test_requests_waiting_for_a_full_replica_count_in_its_queue(router) -> None:
-    """A replica holds one wave at most (capacity == wave): the requests waiting in
-    Ray's queue for it make it more than a wave longer, and the other takes them."""
+async def test_a_busy_replica_gets_no_stray_key_until_a_whole_replica_behind(router) -> None:
+    """A replica running another key gets a request of this key only when the key's
+    replica is longer by more than a replica holds (a stray request would cost it a
+    wave of its own); until then the key's requests wait for their replica."""
+    capacity = 2 * WAVE
+    replicas = [SyntheticReplica("r1", capacity=capacity),
+                SyntheticReplica("r2", capacity=capacity)]
+    router.update_replicas(replicas)
+    busy = await _route(router, KEY_B, replicas)  # one request of another key
+    routed = [await _route(router, KEY_A, replicas) for _ in range(capacity)]
+    home = routed[0]
+    assert home != busy and routed == [home] * capacity, routed  # full, not spilt
+    held = _request(KEY_A)
+    assert await _route(router, KEY_A, replicas, held) is None  # waits for its replica
+    # the waiting one counts in its queue: now more than a replica longer
+    assert await _route(router, KEY_A, replicas) == busy
+
+
+async def test_a_key_with_a_full_wave_is_shared_with_its_other_replicas(router) -> None:
+    """A key on several replicas whose preferred one already holds a wave of it goes
+    to the least loaded of them (one key too busy for one replica is shared evenly);
+    with less than a wave there it stays on the replica that has the most."""
+    replicas = [SyntheticReplica("r1", capacity=4 * WAVE),
+                SyntheticReplica("r2", capacity=4 * WAVE)]
+    replicas[0].routing_stats = {"batch_keys": {KEY_A.batch: WAVE - 1}}
+    replicas[0].queue_len = WAVE - 1
+    replicas[1].routing_stats = {"batch_keys": {KEY_A.batch: 1}}
+    replicas[1].queue_len = 1
+    router.update_replicas(replicas)
+    assert await _route(router, KEY_A, replicas) == "r1"  # less than a wave there
+    replicas[0].routing_stats = {"batch_keys": {KEY_A.batch: WAVE}}
+    assert await _route(router, KEY_A, replicas) == "r2"  # a wave: shared, r2 is shorter
+    replicas[1].queue_len = 3 * WAVE
+    assert await _route(router, KEY_A, replicas) == "r1"  # r1 is the shorter now
+
+
+async def test_requests_waiting_for_a_full_replica_are_routed_when_it_has_room(router) -> None:
     replicas = [SyntheticReplica("r1", capacity=WAVE), SyntheticReplica("r2", capacity=WAVE)]
     router.update_replicas(replicas)
+    busy = await _route(router, KEY_B, replicas)
     routed = [await _route(router, KEY_A, replicas) for _ in range(WAVE)]
-    home = routed[0]
-    assert routed == [home] * WAVE  # full now
-    other = next(r for r in replicas if r.replica_id.unique_id != home)
-    other.queue_len = 1  # busy with another key
-    # one request waits for the key's replica (the other is not a wave lighter) ...
+    home = next(r for r in replicas if r.replica_id.unique_id == routed[0])
+    assert routed[0] != busy and routed == [routed[0]] * WAVE  # full now
     first = _request(KEY_A)
     assert await _route(router, KEY_A, replicas, first) is None
-    # ... and counts in its queue: the next one goes to the other replica
-    assert await _route(router, KEY_A, replicas) == other.replica_id.unique_id
-    # the waiting one is routed when its replica has room
-    next(r for r in replicas if r is not other).queue_len = WAVE - 1
-    assert await _route(router, KEY_A, replicas, first) == home
+    home.queue_len = WAVE - 1  # a request done
+    assert await _route(router, KEY_A, replicas, first) == routed[0]
 
 
 async def test_a_dead_replica_is_skipped(router) -> None:
@@ -264,9 +293,15 @@ def test_rank_replicas_policy() -> None:
     from diffbatch.entrypoints.ray.router import ReplicaLoad, rank_replicas
 
     busy = ReplicaLoad("r1", queue_len=6, capacity=8, batch_keys={KEY_A.batch: 6})
-    idle = ReplicaLoad("r2", queue_len=1, capacity=8)
-    assert rank_replicas(KEY_A, [busy, idle], wave_size=8) == [["r1"]]
+    working = ReplicaLoad("r2", queue_len=1, capacity=8)
+    idle = ReplicaLoad("r2", queue_len=0, capacity=8)
+    assert rank_replicas(KEY_A, [busy, working], wave_size=8) == [["r1"]]
+    # more than a wave longer: only an idle replica takes the spill ...
+    assert rank_replicas(KEY_A, [busy, working], wave_size=4) == [["r1"]]
     assert rank_replicas(KEY_A, [busy, idle], wave_size=4) == [["r2"], ["r1"]]
-    assert rank_replicas(KEY_B, [busy, idle], wave_size=8) == [["r2"]]
-    assert rank_replicas(None, [busy, idle], wave_size=8) == [["r2", "r1"]]
+    # ... or any, once longer by more than a replica holds
+    small = dataclasses.replace(busy, capacity=4)
+    assert rank_replicas(KEY_A, [small, working], wave_size=4) == [["r2"], ["r1"]]
+    assert rank_replicas(KEY_B, [busy, working], wave_size=8) == [["r2"]]
+    assert rank_replicas(None, [busy, working], wave_size=8) == [["r2", "r1"]]
     assert rank_replicas(KEY_A, [], wave_size=8) == []

@@ -102,7 +102,6 @@ def routed_url(ray_cluster: RayCluster) -> Iterator[str]:
 @pytest.mark.slow
 def test_each_key_is_answered_by_one_replica_in_full_waves(routed_url: str) -> None:
     config = _deployment_details("routed")["deployment_config"]["request_router_config"]
-    config = _deployment_details("routed")["deployment_config"]["request_router_config"]
     assert config["request_router_class"] == DIFFBATCH_ROUTER_CLASS
     sizes = {"a": "16x16", "b": "32x32"}  # two batch keys
 

@@ -1,4 +1,4 @@
-"""The test helper that builds a random LoRA adapter for `tiny-sd`."""
+"""`make_tiny_lora`: a random LoRA adapter for `tiny-sd`, saved as diffusers saves one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from diffbatch.pipelines.tiny import ensure_tiny_model
-from tests.lora_utils import make_tiny_lora
+from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
 
 def test_make_tiny_lora_saves_a_diffusers_lora(tmp_path: Path) -> None:

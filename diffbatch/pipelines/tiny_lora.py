@@ -1,7 +1,8 @@
-"""Test helper: small random LoRA adapters for the built-in models, built offline.
+"""Small random LoRA adapters for the built-in tiny models, built offline.
 
-Lives with the tests (the benchmark has its own copy of the idea): the LoRA tests load
-what it saves through the normal `load_lora_weights` path, like a downloaded adapter.
+The companion of `tiny.py`: tests and benchmarks that exercise adapters get them
+without a hub. What `make_tiny_lora` saves is a diffusers LoRA folder, loaded through
+the normal `load_lora_weights` path like a downloaded adapter.
 """
 
 from __future__ import annotations
