@@ -412,8 +412,8 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
                        "test_a_mixed_wave_equals_each_request_alone"),
     "warmup": option(False, ENGINE + "test_warmup_failure_fails_start_up", text=""),
     "scheduling_policy": option(
-        "grouped", "tests/test_e2e_grouped_policy.py::"
-        "test_grouped_serves_a_mixed_size_queue_in_full_waves"),
+        "fifo", "tests/test_e2e_grouped_policy.py::"
+        "test_fifo_runs_an_alternating_size_queue_one_request_per_wave"),
     "step_execution": option(True, "tests/test_e2e_step_execution.py::"
                              "test_mixed_step_counts_share_the_batch_and_the_short_request_"
                              "leaves_first", text=""),
