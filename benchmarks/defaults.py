@@ -20,7 +20,12 @@ in odd ones):
   (c) with `--baseline-tree PATH`: the served run (a) of another checkout's
       `diffbatch serve MODEL` (same command, same load), in the same rounds: an A/B
       of two versions of the defaults, reported as served / baseline per round (not
-      judged).
+      judged), and the baseline's own ratio to the plain loop at b = B.
+With `--step-execution` the served server (a) runs `diffbatch serve MODEL
+--step-execution`, and the baseline (c), unless `--baseline-tree` names another
+checkout, is this checkout's request mode (no flag): step mode against the
+request-mode defaults in the same rounds. In step mode B is the mean of the largest
+running batch each request was part of (its batch-size header).
 Figures (median over `--repeats` rounds of ratios taken within a round):
 served/plain@B = served images/s / plain images/s at b = B, and served/plain@1.
 Bars, per model: served/plain@B >= 0.8 and served/plain@1 >= 2.0; PASS when both
@@ -101,8 +106,9 @@ def plain_round(model: str, args: argparse.Namespace, batches: list[int]) -> dic
 
 
 def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    specs = [harness.diffbatch_defaults_spec(model, name=model)]
-    if args.baseline_tree:
+    flags = ["--step-execution"] if args.step_execution else []
+    specs = [harness.diffbatch_defaults_spec(model, name=model, extra_args=flags)]
+    if args.baseline_tree or args.step_execution:
         specs.append(harness.diffbatch_defaults_spec(model, name="baseline",
                                                      source_tree=args.baseline_tree))
     # one at a time: each picks its threads and calibrates on an otherwise idle machine
@@ -139,15 +145,19 @@ def measure_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
                   flush=True)
     row = summarize(model, args, warm, batch_b, batches, served, plain)
     if baseline:
-        row["baseline"] = summarize_baseline(args.baseline_tree, served, baseline)
+        plain_b = [p["batches"][str(batch_b)] for p in plain]
+        row["baseline"] = summarize_baseline(args.baseline_tree or "this checkout",
+                                             served, baseline, plain_b)
     return row
 
 
-def summarize_baseline(tree: str, served: list[dict[str, Any]],
-                       baseline: list[dict[str, Any]]) -> dict[str, Any]:
-    """The other checkout's served rounds, and served / baseline per round."""
+def summarize_baseline(tree: str, served: list[dict[str, Any]], baseline: list[dict[str, Any]],
+                       plain_b: list[dict[str, Any]]) -> dict[str, Any]:
+    """The baseline's served rounds, served / baseline and baseline / plain@B per round."""
     ratios = [s["images_per_s"] / b["images_per_s"]
               for s, b in zip(served, baseline, strict=True)]
+    over_plain = [b["images_per_s"] / p["images_per_s"]
+                  for b, p in zip(baseline, plain_b, strict=True)]
     return {
         "tree": str(tree),
         "images_per_s": statistics.median(b["images_per_s"] for b in baseline),
@@ -155,6 +165,8 @@ def summarize_baseline(tree: str, served: list[dict[str, Any]],
         "mean_wave_size_rounds": [b["mean_wave_size"] for b in baseline],
         "served_over_baseline": statistics.median(ratios),
         "served_over_baseline_rounds": ratios,
+        "baseline_over_plain_at_B": statistics.median(over_plain),
+        "baseline_over_plain_at_B_rounds": over_plain,
     }
 
 
@@ -239,10 +251,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{row['model']}: {'PASS' if row['pass'] else 'FAIL'} ({'; '.join(marks)})")
         if "baseline" in row:
             base = row["baseline"]
+
+            def listed(values: list[float]) -> str:
+                return ", ".join(f"{v:.3f}" for v in values)
+
             lines.append(f"{row['model']}: baseline ({base['tree']}) "
                          f"{base['images_per_s']:.2f} images/s; served / baseline "
                          f"{base['served_over_baseline']:.3f} (median of rounds "
-                         f"{', '.join(f'{r:.3f}' for r in base['served_over_baseline_rounds'])})")
+                         f"{listed(base['served_over_baseline_rounds'])}); baseline / plain@B "
+                         f"{base['baseline_over_plain_at_B']:.3f} (rounds "
+                         f"{listed(base['baseline_over_plain_at_B_rounds'])})")
     return "\n".join(lines)
 
 
@@ -287,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-tree", default=None,
                         help="another checkout whose `diffbatch serve` runs the same served "
                              "rounds as `baseline` (an A/B of two versions; not judged)")
+    parser.add_argument("--step-execution", action="store_true",
+                        help="serve with --step-execution; the baseline (this checkout's "
+                             "request mode unless --baseline-tree) runs in the same rounds")
     parser.add_argument("--out", default="benchmarks/results/defaults.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)

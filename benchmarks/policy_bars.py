@@ -16,7 +16,8 @@ each calibrates on an otherwise idle machine), `tiny-sd` at 64x64, 4 steps:
 Each bar has a noise floor: a "twin", a second server of the fixed setting it is
 judged against (for poisson: the best one in a first, unmeasured round), measured in
 the same rounds. A miss by no more than the twin's distance from its original counts
-as met. Figures are medians over `--rounds` of per-round values.
+as met. Figures are medians over `--rounds` of per-round values. `--step-execution`
+serves the auto server in step mode (the fixed servers stay in request mode).
 
     flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/policy_bars.py \\
         --out benchmarks/results/policy_bars.json
@@ -42,7 +43,9 @@ FIXED = {"1:0": (1, 0.0), "8:0": (8, 0.0), "16:0": (16, 0.0), "16:10": (16, 10.0
 def spec(name: str, args: argparse.Namespace) -> harness.ServerSpec:
     """The auto server (no tuning flag), or a fixed `max_num_seqs:wait_ms` one."""
     if name == "auto":
-        return harness.diffbatch_defaults_spec(args.model, name="auto", log_level="warning")
+        flags = ["--step-execution"] if args.step_execution else []
+        return harness.diffbatch_defaults_spec(args.model, name="auto", log_level="warning",
+                                               extra_args=flags)
     seqs, wait = FIXED[name.removesuffix("-twin")]
     return harness.diffbatch_spec(args.model, threads=None, max_num_seqs=seqs, wait_ms=wait,
                                   name=name)
@@ -156,6 +159,9 @@ def main() -> None:
                         help="seconds of arrivals per server and round")
     parser.add_argument("--bars", nargs="+", default=["lone", "poisson"],
                         choices=["lone", "poisson"], help="lone: lone and burst")
+    parser.add_argument("--step-execution", action="store_true",
+                        help="serve the auto server with --step-execution (the fixed ones "
+                             "stay in request mode)")
     parser.add_argument("--out", default="benchmarks/results/policy_bars.json")
     args = parser.parse_args()
     report = harness.report_header("policy_bars", args)

@@ -48,7 +48,7 @@ Per round, in an order that rotates: (1) saturated throughput, a closed loop of
 capacity of that mix (measured in the round), mean latency on each server. Ratios
 against request mode, median over `--repeats` rounds. Bars: step/request throughput
 >= 0.9x (>= 0.95x at default steps), mean latency <= 0.5x; a miss inside the twin's
-spread is noise.
+spread is noise. `--parity-parts` runs only (1) (`saturated`) or (2) (`mixed`).
 
     .venv/bin/python benchmarks/step_vs_request.py --parity --steps 4 --repeats 5 \
         --out benchmarks/results/step_parity.json
@@ -294,30 +294,37 @@ def parity_round(servers: dict[str, harness.Server], args: argparse.Namespace,
     seed = 1000 * round_index
     modes = ["request", "twin", "step"]
     order = modes[round_index % 3:] + modes[:round_index % 3]
-    saturated = {}
-    for mode in order:
+    saturated: dict[str, float] = {}
+    for mode in order if "saturated" in args.parity_parts else ():
         report = run_benchmark(BenchConfig(
             base_url=servers[mode].base_url, num_prompts=args.parity_requests,
             max_concurrency=args.parity_clients, width=args.size, height=args.size,
             steps=args.steps or None, seed=seed, disable_tqdm=True))
         saturated[mode] = float(report["request_throughput"])
-    cap = asyncio.run(poisson_run(servers["request"].base_url, args, rate=float("inf"),
-                                  workload="parity-mix", seed=seed + 1,
-                                  concurrency=args.saturation_concurrency,
-                                  num=args.capacity_requests))["completed_per_s"]
-    mixed = {mode: asyncio.run(poisson_run(servers[mode].base_url, args, rate=0.8 * cap,
-                                           workload="parity-mix", seed=seed + 2))
-             for mode in order}
+    cap, mixed = None, {}
+    if "mixed" in args.parity_parts:
+        cap = asyncio.run(poisson_run(servers["request"].base_url, args, rate=float("inf"),
+                                      workload="parity-mix", seed=seed + 1,
+                                      concurrency=args.saturation_concurrency,
+                                      num=args.capacity_requests))["completed_per_s"]
+        mixed = {mode: asyncio.run(poisson_run(servers[mode].base_url, args, rate=0.8 * cap,
+                                               workload="parity-mix", seed=seed + 2))
+                 for mode in order}
     row = {
         "order": order, "saturated_req_per_s": saturated, "mix_capacity_req_per_s": cap,
         "mixed": mixed,
-        "throughput": {m: ratio(saturated[m], saturated["request"]) for m in ("twin", "step")},
+        "throughput": {m: ratio(saturated.get(m), saturated.get("request"))
+                       for m in ("twin", "step")},
         "mean_latency": {m: ratio(mixed[m]["mean_ms"], mixed["request"]["mean_ms"])
-                         for m in ("twin", "step")},
+                         if mixed else None for m in ("twin", "step")},
     }
-    print(f"round {round_index} ({', '.join(order)}): saturated " + ", ".join(
-        f"{m} {saturated[m]:.2f}/s" for m in modes) + f"; mix @0.8 x {cap:.2f}/s mean " +
-        ", ".join(f"{m} {mixed[m]['mean_ms'] or 0:.0f} ms" for m in modes), flush=True)
+    line = f"round {round_index} ({', '.join(order)}):"
+    if saturated:
+        line += " saturated " + ", ".join(f"{m} {saturated[m]:.2f}/s" for m in modes)
+    if mixed:
+        line += f"; mix @0.8 x {cap:.2f}/s mean " + ", ".join(
+            f"{m} {mixed[m]['mean_ms'] or 0:.0f} ms" for m in modes)
+    print(line, flush=True)
     return row
 
 
@@ -327,8 +334,11 @@ def parity_verdict(rounds: list[dict[str, Any]], args: argparse.Namespace) -> di
 
     throughput_bar = 0.9 if args.steps else 0.95
     figures = {}
+    parts = {"throughput": "saturated", "mean_latency": "mixed"}
     for what, bar, upper in (("throughput", throughput_bar, False),
                              ("mean_latency", 0.5, True)):
+        if parts[what] not in args.parity_parts:
+            continue
         step, twin = spread(what, "step"), spread(what, "twin")
         median = statistics.median(step) if step else None
         figures[what] = {
@@ -392,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the parity check instead (see the module docstring)")
     parser.add_argument("--parity-clients", type=int, default=16)
     parser.add_argument("--parity-requests", type=int, default=96)
+    parser.add_argument("--parity-parts", nargs="+", choices=("saturated", "mixed"),
+                        default=["saturated", "mixed"], help="which parity checks to run")
     parser.add_argument("--out", default="benchmarks/results/step_vs_request.json")
     args = parser.parse_args(argv)
     report = harness.report_header("step_vs_request", args)
@@ -399,9 +411,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.parity:
         with harness.running(parity_specs(args), startup_timeout_s=STARTUP_TIMEOUT_S,
                              one_at_a_time=True) as servers:
-            rounds = [parity_round(servers, args, i) for i in range(args.repeats)]
-        report.update(rounds=rounds, verdict=parity_verdict(rounds, args),
-                      elapsed_s=time.perf_counter() - start)
+            rounds = []
+            for i in range(args.repeats):  # the report is written after every round
+                rounds.append(parity_round(servers, args, i))
+                report.update(rounds=rounds, verdict=parity_verdict(rounds, args),
+                              elapsed_s=time.perf_counter() - start)
+                harness.write_report(report, args.out)
         for what, figure in report["verdict"].items():
             twin = figure["twin_range"]
             print(f"{what}: step/request median {figure['step_median']:.3f} (bar "

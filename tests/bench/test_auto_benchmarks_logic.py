@@ -21,9 +21,14 @@ TUNING_FLAGS = ("--max-num-seqs", "--request-batch-max-wait-ms", "--torch-thread
 def test_policy_bars_pair_rounds_and_name_their_servers() -> None:
     assert policy_bars.median_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 4.0]) == 2.0
     assert policy_bars.median_diff([5.0, 7.0, 9.0], [4.0, 4.0, 4.0]) == 3.0
-    args = argparse.Namespace(model="tiny-sd")
+    args = argparse.Namespace(model="tiny-sd", step_execution=False)
     auto = policy_bars.spec("auto", args)
     assert not set(TUNING_FLAGS) & set(auto.cmd)
+    assert "--step-execution" not in auto.cmd
+    step = policy_bars.spec("auto", argparse.Namespace(model="tiny-sd", step_execution=True))
+    assert "--step-execution" in step.cmd and not set(TUNING_FLAGS) & set(step.cmd)
+    assert "--step-execution" not in policy_bars.spec(
+        "1:0", argparse.Namespace(model="tiny-sd", step_execution=True)).cmd
     twin = policy_bars.spec("16:10-twin", args)
     assert twin.name == "16:10-twin"
     assert twin.cmd[twin.cmd.index("--max-num-seqs") + 1] == "16"
@@ -71,6 +76,23 @@ def test_threads_arg_takes_a_count_or_none() -> None:
     for bad in ("0", "-1", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive thread count"):
             harness.threads_arg(bad)
+
+
+def test_step_parity_judges_only_the_parts_that_ran() -> None:
+    import step_vs_request
+
+    rounds = [{"throughput": {"twin": 1.0, "step": value}, "mean_latency":
+               {"twin": None, "step": None}} for value in (0.9, 0.97, 1.0)]
+    args = argparse.Namespace(steps=0, parity_parts=["saturated"])
+    result = step_vs_request.parity_verdict(rounds, args)
+    assert set(result) == {"throughput"}  # the mix did not run: not judged
+    assert result["throughput"]["bar"] == 0.95  # the model's default steps
+    assert result["throughput"]["step_median"] == 0.97 and result["throughput"]["pass"]
+    args = argparse.Namespace(steps=4, parity_parts=["saturated", "mixed"])
+    rounds = [{"throughput": {"twin": 1.0, "step": 0.95},
+               "mean_latency": {"twin": 1.1, "step": 0.52}}]
+    result = step_vs_request.parity_verdict(rounds, args)
+    assert result["throughput"]["pass"] and not result["mean_latency"]["pass"]
 
 
 def test_peers_with_their_defaults_get_no_batching_or_thread_flags() -> None:

@@ -35,6 +35,8 @@ def test_defaults_smoke(tmp_path: Path) -> None:
     assert base["images_per_s"] > 0 and len(base["served_over_baseline_rounds"]) == 1
     assert base["served_over_baseline"] == pytest.approx(
         row["served"]["images_per_s"] / base["images_per_s"])
+    plain_b = row["plain"][str(row["batch_B"])]["images_per_s"]
+    assert base["baseline_over_plain_at_B"] == pytest.approx(base["images_per_s"] / plain_b)
 
 
 def test_policy_bars_smoke(tmp_path: Path) -> None:
