@@ -62,8 +62,8 @@ def test_tasks_and_strengths_never_share_a_wave(sd_engine):
               edit(5, "image-to-image", strength=0.5)]
     outs = sd_engine.generate(["a cat"] * len(params), params)
     assert all(o.ok for o in outs), [o.error for o in outs]
-    # FIFO: t2i | i2i | inpaint | i2i | i2i@0.5, each a wave of its own
-    assert [o.batch_size for o in outs] == [1, 1, 1, 1, 1]
+    # one wave per task and strength: t2i | i2i + i2i | inpaint | i2i@0.5
+    assert [o.batch_size for o in outs] == [1, 2, 1, 2, 1]
 
 
 def test_an_edit_takes_its_images_size_and_the_tasks_default_strength(sd_engine):
