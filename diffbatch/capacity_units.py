@@ -12,7 +12,7 @@ both sides of step mode count the same units.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,16 +33,17 @@ def batch_units(params: Iterable[SamplingParams], key: SamplingParamsKey | None)
     return sum(capacity_units(p, key) for p in params)
 
 
-def may_take(held: Sequence[SamplingParams], candidate: SamplingParams,
+def may_take(num_held: int, held: Iterable[SamplingParams], candidate: SamplingParams,
              key: SamplingParamsKey | None, limit: float, max_requests: int) -> bool:
-    """Whether a batch of `key` holding requests with `held` may take `candidate` too:
-    an empty one always; else while it stays within `limit` units (requests, when
-    `key` is sized) and, under a size-free key, `max_requests` requests."""
-    if not held:
+    """Whether a batch of `key` holding `num_held` requests with params `held` may take
+    `candidate` too: an empty one always; else while it stays within `limit` units
+    (requests, when `key` is sized) and, under a size-free key, `max_requests`
+    requests. `held` is only read under a size-free key (pass a generator)."""
+    if num_held == 0:
         return True
     if key is None or not key.any_size:
-        return len(held) < limit
-    if len(held) >= max_requests:
+        return num_held < limit
+    if num_held >= max_requests:
         return False
     return batch_units(held, key) + capacity_units(candidate, key) <= limit + 1e-9
 

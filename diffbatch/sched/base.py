@@ -97,8 +97,8 @@ class SchedulerBase(SchedulerInterface):
         """Whether a wave (or joiners) of `key` holding `wave` may not take `candidate`
         too: it has `limit` requests, or under a size-free key `limit` capacity units
         or `max_num_seqs` requests (`diffbatch.capacity_units.may_take`)."""
-        return not may_take([r.sampling_params for r in wave], candidate.sampling_params,
-                            key, limit, self.max_num_seqs)
+        return not may_take(len(wave), (r.sampling_params for r in wave),
+                            candidate.sampling_params, key, limit, self.max_num_seqs)
 
     # -- policy hooks ----------------------------------------------------------------
     @abstractmethod

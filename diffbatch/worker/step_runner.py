@@ -35,6 +35,7 @@ on from the same step.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections import deque
@@ -200,8 +201,9 @@ class StepRunner:
             task = self.ready[0]
             if (self.running or admitted) and (task.key, task.group) != (self.key, self.group):
                 break  # another key (or group) waits for the running batch to drain
-            held = [t.request.sampling_params for t in (*self.running, *admitted)]
-            if not may_take(held, task.request.sampling_params, task.key, self.capacity,
+            held = (t.request.sampling_params for t in itertools.chain(self.running, admitted))
+            if not may_take(len(self.running) + len(admitted), held,
+                            task.request.sampling_params, task.key, self.capacity,
                             max_requests):
                 break  # the batch is full (in capacity units)
             own = set(loras.paths(task.request))
