@@ -23,7 +23,12 @@ from diffbatch.sched.output import SchedulerOutput
 from diffbatch.worker.model_runner import ModelRunner
 from diffbatch.worker.step_runner import StepRunner
 from tests.pipelines.conftest import TOLERANCE, make_batch, make_request
-from tests.pipelines.test_step_execution import join, run_until_idle, solo_image
+from tests.pipelines.test_step_execution import (
+    join,
+    poison_latents,
+    run_until_idle,
+    solo_image,
+)
 
 TRANSFORMERS = ["tiny-sd3", "tiny-flux", "tiny-pixart"]
 SIZES = {"two sizes": [64, 128, 64], "three sizes": [64, 96, 128]}
@@ -164,12 +169,8 @@ class NaNCheckingSD3(DiffusersT2IPipeline):
         transformer.forward = checking_forward
 
     def call_kwargs(self, batch: Any) -> dict[str, Any]:
-        kwargs = super().call_kwargs(batch)
-        if any("poison" in p for p in batch.prompts):
-            channels = self.pipe.transformer.config.in_channels
-            side = batch.sampling_params.height // self.pipe.vae_scale_factor
-            kwargs["latents"] = torch.full((1, channels, side, side), float("nan"))
-        return kwargs
+        return poison_latents(super().call_kwargs(batch), batch, self.pipe,
+                              self.pipe.transformer)
 
 
 def test_an_error_in_one_request_of_a_mixed_size_wave_fails_only_that_request(

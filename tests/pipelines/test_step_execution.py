@@ -194,6 +194,15 @@ def test_a_running_requests_adapter_is_never_evicted(load_tiny: Any, tmp_path: A
         assert (output.images - image).abs().max().item() <= TOLERANCE
 
 
+def poison_latents(kwargs: dict[str, Any], batch: Any, pipe: Any,
+                   denoiser: Any) -> dict[str, Any]:
+    """`kwargs` with NaN latents when the (one-request) batch's prompt says "poison"."""
+    if any("poison" in p for p in batch.prompts):
+        channels = denoiser.config.in_channels
+        side = batch.sampling_params.height // pipe.vae_scale_factor
+        kwargs["latents"] = torch.full((1, channels, side, side), float("nan"))
+    return kwargs
+
 class NaNCheckingSD(DiffusersT2IPipeline):
     """tiny-sd whose denoiser raises on a batch holding NaN latents, and which gives a
     request whose prompt says "poison" NaN latents: the failure happens inside the
@@ -212,12 +221,7 @@ class NaNCheckingSD(DiffusersT2IPipeline):
         return super().step_fusion_points()
 
     def call_kwargs(self, batch: Any) -> dict[str, Any]:
-        kwargs = super().call_kwargs(batch)
-        if any("poison" in p for p in batch.prompts):
-            channels = self.pipe.unet.config.in_channels
-            side = batch.sampling_params.height // self.pipe.vae_scale_factor
-            kwargs["latents"] = torch.full((1, channels, side, side), float("nan"))
-        return kwargs
+        return poison_latents(super().call_kwargs(batch), batch, self.pipe, self.pipe.unet)
 
 
 def test_a_request_failing_inside_the_fused_denoiser_errors_alone(load_tiny: Any) -> None:
