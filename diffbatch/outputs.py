@@ -157,4 +157,6 @@ def finalize_images(images: Any, output_type: str) -> Any:
         return images.numpy()
     from PIL import Image
 
+    if images.ndim == 5:  # videos: one list of frames each, as diffusers returns them
+        return [[Image.fromarray(frame) for frame in video] for video in images.numpy()]
     return [Image.fromarray(img) for img in images.numpy()]  # uint8 [n, H, W, C]

@@ -63,12 +63,16 @@ def max_pixels(limit: int, steps: int, default_pixels: int) -> int:
     return pixels
 
 
-def describe_work(width: int, height: int, steps: int, default_pixels: int) -> str:
-    """A request's work per image in words, for the 400 that refuses it."""
-    pixels = width * height
+def describe_work(width: int, height: int, steps: int, default_pixels: int,
+                  pixels: int | None = None) -> str:
+    """A request's work per image in words, for the 400 that refuses it; `pixels`:
+    those of a whole video (all its frames), else width x height."""
+    frames = 1 if pixels is None else pixels // (width * height)
+    pixels = width * height * frames
     work = steps * step_work(pixels, default_pixels)
     weight = pixel_weight(pixels, default_pixels)
-    text = f"{width}x{height} x {steps} steps = {work:.0f} pixel-steps per image"
+    shape = f"{width}x{height}" + (f" x {frames} frames" if frames > 1 else "")
+    text = f"{shape} x {steps} steps = {work:.0f} pixel-steps per image"
     if weight > 1.0:
         text += (f" (each pixel counted {weight:.3g} times: above the model's default size "
                  "a step's cost grows faster than its pixels)")

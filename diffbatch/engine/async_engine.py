@@ -37,7 +37,11 @@ from diffbatch.engine.calibration import calibrate
 from diffbatch.engine.core import EngineCore
 from diffbatch.engine.lora_registry import LoraRegistry
 from diffbatch.engine.partial_images import PartialImageRouter
-from diffbatch.engine.request_checks import check_against_model, check_task
+from diffbatch.engine.request_checks import (
+    check_against_model,
+    check_task,
+    resolve_num_frames,
+)
 from diffbatch.engine.step_core import StepDispatch
 from diffbatch.engine.wave_dispatch import WaveDispatch
 from diffbatch.engine.wave_log import WaveLog
@@ -211,7 +215,7 @@ class Engine:
         if limit == "auto":
             info = self.info
             return (AUTO_REQUEST_WORK_FACTOR * info.default_height * info.default_width
-                    * info.default_num_inference_steps)
+                    * info.default_num_inference_steps * (info.default_num_frames or 1))
         return int(limit) or None
 
     def _warmup(self) -> None:
@@ -261,6 +265,7 @@ class Engine:
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
             lora=self.loras.resolve(params),
             strength=strength,
+            extra=resolve_num_frames(info, params),
         )
         check_against_model(info, resolved, self.max_request_work)
         return resolved

@@ -58,13 +58,18 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
         )
     # The work limit comes after the model's own limits, whose messages say more.
     # NOTE: per image (n multiplies it, at most 10x): the OpenAPI spec can state a
-    # per-image limit in a form fuzzers generate from (openai/work_limit.py).
+    # per-image limit in a form fuzzers generate from (openai/work_limit.py). A video's
+    # pixels are those of all its frames, against the model's default clip.
     default_pixels = info.default_height * info.default_width
+    if info.is_video:
+        frames = int(params.extra.get("num_frames", info.default_num_frames))
+        pixels, default_pixels = pixels * frames, default_pixels * info.default_num_frames
+        size = f"{size} x {frames} frames"
     step_cap = None if max_request_work is None else \
         max_steps(max_request_work, pixels, default_pixels)
     if step_cap is not None and params.num_inference_steps > step_cap:
         work = describe_work(params.width, params.height, params.num_inference_steps,
-                             default_pixels)
+                             default_pixels, pixels=pixels)
         # the size when even one step of it is over the limit (the HTTP layer names the
         # sides `size`), else the steps
         size_alone = step_cap < 1
@@ -97,6 +102,31 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
                 f"{', '.join(sorted(accepted - {'sigmas', 'timesteps'})) or 'none'}",
                 param="extra",
             )
+
+
+def resolve_num_frames(info: PipelineInfo, params: SamplingParams) -> dict[str, object]:
+    """A video request's `extra` with its frame count filled in (the model's default
+    when not given) and checked: an integer from 1 to the model's most, one more than a
+    multiple of the VAE's temporal step (Wan would round any other count silently).
+    Image pipelines' extras pass unchanged (`num_frames` is then an unknown extra)."""
+    extra = dict(params.extra)
+    if not info.is_video:
+        return extra
+    frames = extra.get("num_frames", info.default_num_frames)
+    most = info.max_num_frames or frames
+    if isinstance(frames, bool) or not isinstance(frames, int) or not 1 <= frames <= most:
+        raise InvalidRequestError(
+            f"`num_frames` must be an integer from 1 to {most} for {info.name}, got "
+            f"{frames!r:.40}", param="num_frames")
+    step = info.frame_multiple
+    if (frames - 1) % step:
+        lower = (frames - 1) // step * step + 1
+        raise InvalidRequestError(
+            f"`num_frames` must be one more than a multiple of {step} for {info.name} "
+            f"(its VAE compresses {step} frames into one), got {frames}; e.g. {lower} or "
+            f"{lower + step}", param="num_frames")
+    extra["num_frames"] = frames
+    return extra
 
 
 def check_negative_prompt(info: PipelineInfo, params: SamplingParams) -> None:

@@ -187,6 +187,19 @@ class PipelineInfo:
     # `forward` runs text-to-image requests of different sizes in one wave (a
     # transformer packing their tokens); with `mixed_resolution` on, size leaves the key.
     supports_mixed_resolution: bool = False
+    # Video pipelines (`diffusers_video.py`): the frames a request gets without
+    # `extra["num_frames"]`, the step its frame count moves in (num_frames - 1 must be
+    # a multiple: the VAE's temporal compression), the most frames the model serves and
+    # the frame rate its clips are encoded at; None for image pipelines.
+    default_num_frames: int | None = None
+    frame_multiple: int = 1
+    max_num_frames: int | None = None
+    default_fps: int | None = None
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the pipeline makes videos ([n, F, C, H, W] outputs)."""
+        return self.default_num_frames is not None
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""

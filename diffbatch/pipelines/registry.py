@@ -49,7 +49,7 @@ def _build_tiny(name: str) -> str:
 # Built-in tiny model name -> builder that ensures it is built and returns its folder.
 BUILTIN_MODELS: dict[str, Callable[[], str]] = {
     name: functools.partial(_build_tiny, name)
-    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart")
+    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", "tiny-wan")
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
 _PER_REQUEST_CLASSES: dict[type, type] = {}
@@ -168,6 +168,29 @@ def per_request_class(diffusers_class: type) -> type[DiffusersPerRequestPipeline
     return _PER_REQUEST_CLASSES[diffusers_class]
 
 
+def video_pipeline_class(path: str) -> type | None:
+    """The video adapter for a local folder whose model_index.json names a video
+    pipeline (a refused family is a `ModelLoadError` saying why); None otherwise."""
+    try:
+        with open(os.path.join(path, "model_index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict):
+        return None
+    from diffbatch.pipelines.diffusers_video import (
+        DiffusersVideoPipeline,
+        check_video_family,
+        video_family,
+    )
+
+    family = video_family(index)
+    if family is None:
+        return None
+    check_video_family(family)
+    return DiffusersVideoPipeline
+
+
 def load_pipeline(
     model: str | None, pipeline_class: Any = None, *, device: str | None = None,
     dtype: str | None = None, **kwargs: Any,
@@ -178,7 +201,8 @@ def load_pipeline(
     class that does not take them still loads.
     """
     path = resolve_model_path(model)
-    cls = resolve_pipeline_class(pipeline_class)
+    cls = video_pipeline_class(path) if pipeline_class is None else None
+    cls = cls or resolve_pipeline_class(pipeline_class)
     if device is not None:
         kwargs["device"] = device
     if dtype is not None:

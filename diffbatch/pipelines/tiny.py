@@ -256,11 +256,40 @@ def _build_pixart(tmp: str) -> tuple[Any, dict[str, Any]]:
     return pipe, {"guidance_scale": 5.0}
 
 
+def _build_wan(tmp: str) -> tuple[Any, dict[str, Any]]:
+    """Wan 2.1 text-to-video: a UMT5 text encoder, a 3D transformer and Wan's causal
+    video VAE (4x temporal, 8x spatial compression, like the released models)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers import WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = build_t5_tokenizer(os.path.join(tmp, "_tok"))
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    ))
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                       transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    # 9 frames (two latent frames after the first) at 16 fps: about half a second
+    return pipe, {"height": 32, "width": 32, "num_frames": 9, "fps": 16,
+                  "guidance_scale": 5.0, "max_sequence_length": 64}
+
+
 BUILDERS: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "tiny-sd": _build_sd,
     "tiny-sd3": _build_sd3,
     "tiny-flux": _build_flux,
     "tiny-pixart": _build_pixart,
+    "tiny-wan": _build_wan,
 }
 
 

@@ -117,6 +117,7 @@ def to_output_type(images: Any, output_type: str) -> Any:
 
     "pt" stays a float tensor; "np" becomes a float tensor [n, H, W, C]; "pil"
     becomes a uint8 tensor [n, H, W, C] (cheap to ship; the engine makes PIL images).
+    Videos ([n, F, C, H, W]) likewise keep their frame dimension: [n, F, H, W, C].
     Anything that is not a tensor (a pipeline returning PIL images itself) passes through.
     """
     if not isinstance(images, torch.Tensor):
@@ -124,7 +125,8 @@ def to_output_type(images: Any, output_type: str) -> Any:
     images = images.detach().to("cpu", torch.float32)
     if output_type == "pt":
         return images.contiguous()
-    images = images.clamp(0, 1).permute(0, 2, 3, 1)
+    images = images.clamp(0, 1)
+    images = images.permute(0, 1, 3, 4, 2) if images.ndim == 5 else images.permute(0, 2, 3, 1)
     if output_type == "np":
         return images.contiguous()
     return (images * 255).round().to(torch.uint8).contiguous()
