@@ -80,6 +80,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         DEFAULT_MAX_IMAGE_PIXELS,
         DEFAULT_PNG_COMPRESS_LEVEL,
     )
+    from diffbatch.entrypoints.openai.video_store import (
+        DEFAULT_MAX_MB as DEFAULT_VIDEO_STORE_MB,
+    )
+    from diffbatch.entrypoints.openai.video_store import (
+        DEFAULT_TTL_S as DEFAULT_VIDEO_TTL_S,
+    )
 
     parser = subparsers.add_parser(
         "serve",
@@ -141,6 +147,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_seconds(server, "--image-url-ttl", DEFAULT_IMAGE_URL_TTL_S,
                  'how long a link of `response_format: "url"` works')
+    server.add_argument(
+        "--video-store-mb", type=int_at_least(1), default=DEFAULT_VIDEO_STORE_MB,
+        metavar="MB", help="memory for the finished clips of /v1/videos jobs (a video "
+        "model only), oldest dropped first (default: %(default)s)")
+    _add_seconds(server, "--video-ttl", DEFAULT_VIDEO_TTL_S,
+                 "how long a finished /v1/videos job and its clip stay reachable")
     server.add_argument(
         "--png-compress-level", type=int_between(0, 9), default=DEFAULT_PNG_COMPRESS_LEVEL,
         metavar="LEVEL",

@@ -179,21 +179,27 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         `interrupt`, as the image adapter's does), and tells each request that asked for
         previews (`partial_images` > 0) how many steps are done, as a `PartialImage`
         without an image: a video's progress, cheap where decoding a preview clip is
-        not. The last step sends nothing (the finished clip follows)."""
+        not: one with `step` 0 when the call starts (the request runs), then one after
+        each step but the last (the finished clip follows)."""
         send = batch.on_partial_image
         listeners = [r.request_id for r in batch.requests
                      if r.sampling_params.partial_images > 0] if send is not None else []
         num_steps = int(batch.requests[0].sampling_params.num_inference_steps or 0)
+
+        def tell(done: int) -> None:
+            for request_id in listeners:
+                send(PartialImage(request_id=request_id, index=done, image_index=0,
+                                  step=done, num_steps=num_steps, image=None))
 
         def on_step_end(pipe: Any, step: int, timestep: Any,
                         callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             if interrupt:
                 batch.check_interrupt()
             if step + 1 < num_steps:
-                for request_id in listeners:
-                    send(PartialImage(request_id=request_id, index=step, image_index=0,
-                                      step=step + 1, num_steps=num_steps, image=None))
+                tell(step + 1)
             return callback_kwargs
+
+        tell(0)
 
         return {"callback_on_step_end": on_step_end}
 

@@ -259,8 +259,12 @@ def _build_pixart(tmp: str) -> tuple[Any, dict[str, Any]]:
 def _build_wan(tmp: str) -> tuple[Any, dict[str, Any]]:
     """Wan 2.1 text-to-video: a UMT5 text encoder, a 3D transformer and Wan's causal
     video VAE (4x temporal, 8x spatial compression, like the released models)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
-    from diffusers import WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = build_t5_tokenizer(os.path.join(tmp, "_tok"))

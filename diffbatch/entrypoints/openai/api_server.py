@@ -67,6 +67,14 @@ from diffbatch.entrypoints.openai.serving_images import (
     DEFAULT_PNG_COMPRESS_LEVEL,
     OpenAIServingImages,
 )
+from diffbatch.entrypoints.openai.serving_videos import (
+    VIDEOS_ROUTE,
+    OpenAIServingVideos,
+    video_router,
+)
+from diffbatch.entrypoints.openai.video_store import DEFAULT_MAX_MB as DEFAULT_VIDEO_STORE_MB
+from diffbatch.entrypoints.openai.video_store import DEFAULT_TTL_S as DEFAULT_VIDEO_TTL_S
+from diffbatch.entrypoints.openai.video_store import VideoStore
 from diffbatch.entrypoints.utils import CLIENT_CLOSED_STATUS
 from diffbatch.errors import ConfigError
 from diffbatch.models import DEFAULT_MODEL
@@ -126,6 +134,8 @@ def build_app(
     shutdown_grace_s: float | None = None,
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
     allow_runtime_lora_updating: bool = False,
+    video_store_bytes: int = DEFAULT_VIDEO_STORE_MB << 20,
+    video_ttl_s: float = DEFAULT_VIDEO_TTL_S,
 ) -> FastAPI:
     """Build the FastAPI app that serves `engine`.
 
@@ -154,6 +164,9 @@ def build_app(
         allow_runtime_lora_updating: Serve `POST /v1/load_lora_adapter` and
             `/v1/unload_lora_adapter` (vLLM's routes; under the API key like every
             `/v1` route); without it they are 404s.
+        video_store_bytes: Memory kept for finished clips of `/v1/videos` jobs (a
+            video model only), oldest dropped first.
+        video_ttl_s: How long a finished video job and its clip stay reachable.
 
     Returns:
         The app; serve it with uvicorn (see `run_server`).
@@ -183,6 +196,9 @@ def build_app(
         try:
             yield
         finally:
+            videos = getattr(app.state, "serving_videos", None)
+            if videos is not None:
+                await videos.close()
             if close_engine_on_shutdown:
                 logger.info("shutting down: closing the engine")
                 await asyncio.to_thread(engine.close, shutdown_grace_s)
@@ -215,6 +231,12 @@ def build_app(
         public_url=public_url,
     )
     app.include_router(router)
+    if getattr(engine.info, "is_video", False):  # OpenAI's Videos API (serving_videos.py)
+        app.state.serving_videos = OpenAIServingVideos(
+            engine, served_model_name=served_model_name,
+            store=VideoStore(video_store_bytes, video_ttl_s),
+            registry=http_metrics.registry, max_frame_pixels=max_image_pixels)
+        app.include_router(video_router)
     if allow_runtime_lora_updating:
         app.include_router(lora_admin_router)
     app.mount(PLAYGROUND_PATH, StaticFiles(directory=STATIC_DIR), name="playground")
@@ -232,6 +254,7 @@ def build_app(
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        json_routes=frozenset({IMAGES_ROUTE}),
                        upload_routes=frozenset({EDITS_ROUTE}), max_upload_bytes=max_upload_bytes,
+                       json_or_upload_routes=frozenset({VIDEOS_ROUTE}),
                        open_prefixes=_OPEN_PREFIXES, body_timeout_s=body_timeout_s)
     # Inside the metrics: a refusal over the connection limit is counted as any answer.
     app.add_middleware(OverLimitMiddleware)
@@ -373,6 +396,8 @@ def run_server(args: argparse.Namespace) -> None:
             public_url=args.public_url,
             body_timeout_s=args.body_timeout,
             allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
+            video_store_bytes=getattr(args, "video_store_mb", DEFAULT_VIDEO_STORE_MB) << 20,
+            video_ttl_s=getattr(args, "video_ttl", DEFAULT_VIDEO_TTL_S),
         )
     except BaseException:
         engine.close()

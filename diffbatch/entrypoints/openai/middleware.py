@@ -100,7 +100,7 @@ class RequestGuardMiddleware:
         self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
         json_routes: frozenset[str], upload_routes: frozenset[str] = frozenset(),
         max_upload_bytes: int | None = None, open_prefixes: tuple[str, ...] = (),
-        body_timeout_s: float | None = None,
+        body_timeout_s: float | None = None, json_or_upload_routes: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.body_timeout_s = body_timeout_s  # longest pause in a body (None: no limit)
@@ -108,6 +108,8 @@ class RequestGuardMiddleware:
         self.max_body_bytes = max_body_bytes
         self.json_routes = json_routes  # paths whose POST body is JSON (checked here)
         self.upload_routes = upload_routes  # paths whose POST body is a multipart form
+        # paths whose POST body is either (checked as the content type says)
+        self.json_or_upload_routes = json_or_upload_routes
         self.max_upload_bytes = max_upload_bytes or max_body_bytes  # their body limit
         # `/v1` paths served without the key: links whose unguessable id is the credential
         self.open_prefixes = open_prefixes
@@ -123,15 +125,18 @@ class RequestGuardMiddleware:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
-        upload = scope["path"] in self.upload_routes
-        if scope["method"] != "POST" or not (upload or scope["path"] in self.json_routes):
+        given = headers.get("content-type")
+        either = scope["path"] in self.json_or_upload_routes
+        upload = scope["path"] in self.upload_routes or (either and _is_multipart_form(given))
+        if scope["method"] != "POST" or not (upload or either
+                                             or scope["path"] in self.json_routes):
             await self.app(scope, receive, send)  # routing answers 404/405 as usual
             return
         # 2. Content type.
-        given = headers.get("content-type")
         if not (_is_multipart_form(given) if upload else _is_json(given)):
             wanted = ("a multipart form: send `Content-Type: multipart/form-data`" if upload
-                      else "JSON: send `Content-Type: application/json`")
+                      else "JSON: send `Content-Type: application/json`" + (
+                          " (or a multipart form)" if either else ""))
             await error_response(
                 415, f"request body must be {wanted} (got {given or 'none'})",
                 code="unsupported_media_type",
