@@ -61,6 +61,7 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
     # per-image limit in a form fuzzers generate from (openai/work_limit.py). A video's
     # pixels are those of all its frames, against the model's default clip.
     default_pixels = info.default_height * info.default_width
+    frames = 1
     if info.is_video:
         frames = int(params.extra.get("num_frames", info.default_num_frames))
         pixels, default_pixels = pixels * frames, default_pixels * info.default_num_frames
@@ -74,7 +75,7 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
         # sides `size`), else the steps
         size_alone = step_cap < 1
         side = largest_square(max_work_pixels(max_request_work, params.num_inference_steps,
-                                              default_pixels), multiple)
+                                              default_pixels) // frames, multiple)
         steps = params.num_inference_steps
         fits = [f"at most {step_cap} step{'s' * (step_cap != 1)} at {size}"] \
             if not size_alone else []

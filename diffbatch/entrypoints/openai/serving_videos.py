@@ -225,6 +225,8 @@ class OpenAIServingVideos:
             self.store.delete(job.id)
             exc = first.exception()
             assert exc is not None
+            if isinstance(exc, InvalidRequestError) and exc.param in ("height", "width"):
+                exc.param = "size"  # the engine's names of `size`'s sides
             raise exc
         task = asyncio.create_task(self._follow(job, stream, first), name=f"follow {job.id}")
         self._tasks[job.id] = task
