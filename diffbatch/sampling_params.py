@@ -452,12 +452,14 @@ class SamplingParamsKey:
 
     def short(self) -> str:
         """A compact form for logs and metric labels, e.g. `64x64/s4/g7.5/n1` (an edit
-        adds its task and strength: `/i2i@0.8`, `/inpaint@1`)."""
+        adds its task and strength: `/i2i@0.8`, `/inpaint@1`; a video its frames: `/f9`)."""
         guidance = "*" if self.guidance_scale is None else f"{self.guidance_scale:g}"
         steps = self.num_inference_steps or "*"
         size = "*x*" if self.any_size else f"{self.width}x{self.height}"
         text = f"{size}/s{steps}/g{guidance}"
         text += f"/n{self.num_outputs_per_prompt}"
+        if self.num_frames is not None:  # a video's frames
+            text += f"/f{self.num_frames}"
         if self.task != TEXT_TO_IMAGE:
             strength = "?" if self.strength is None else f"{self.strength:g}"
             text += f"/{_TASK_LABELS[self.task]}@{strength}"

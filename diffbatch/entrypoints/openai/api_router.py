@@ -70,7 +70,8 @@ PLAYGROUND_PATH = "/playground"
 # The page loads only its own files and talks only to this server; images are data: URLs
 # (results) and blob: URLs (uploads).
 _PLAYGROUND_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; "
-                   "img-src 'self' data: blob:; connect-src 'self'; form-action 'none'; "
+                   "img-src 'self' data: blob:; media-src blob:; connect-src 'self'; "
+                   "form-action 'none'; "
                    "base-uri 'none'; frame-ancestors 'none'")
 # Set in the ASGI scope state when an image request is handed to the engine, which
 # counts its own refusals from then on; every refusal before that is counted by the

@@ -301,6 +301,10 @@ class OpenAIServingImages:
             )
 
     def _check_model_and_lora(self, request: ImageGenerationRequest) -> None:
+        if getattr(self.engine.info, "is_video", False):
+            raise InvalidRequestError(
+                f"model {self.served_model_name!r} ({self.engine.info.name}) makes videos, "
+                "not images: use POST /v1/videos", param="model")
         if request.response_format == "url" and self.image_store is None:
             raise InvalidRequestError(
                 "`response_format` \"url\" is not available: this server keeps no image "

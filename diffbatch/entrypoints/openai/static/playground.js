@@ -16,12 +16,16 @@
 //   whole image only (image-to-image), or is off (no edits).
 // - Cards are laid out when the requests are sent, in request order (newest first
 //   across clicks), and filled as the answers come.
+// - Video (a video model only: GET /v1/videos answers): POST /v1/videos starts a job,
+//   its card's bar follows the job's `progress` (GET /v1/videos/{id}), and the clip
+//   (GET /v1/videos/{id}/content, fetched with the key) plays in the card when done.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const WAVE_POLL_MS = 1000;
 const MAX_WAVES_SHOWN = 40;
 const KEY_STORAGE = "diffbatch-playground-api-key";
+const VIDEO_POLL_MS = 250;
 
 const state = {
   mode: "generate",
@@ -30,7 +34,7 @@ const state = {
   mask: null, // offscreen canvas: opaque, transparent where painted
   painted: false,
   edits: ["image-to-image", "inpaint"], // edit tasks the model runs (GET /v1/models)
-  requests: { generate: "1", edit: "1" }, // each tab's own "Requests" count
+  requests: { generate: "1", edit: "1", video: "1" }, // each tab's own "Requests" count
 };
 
 // -- API ------------------------------------------------------------------------------
@@ -102,6 +106,10 @@ async function submit(event) {
   }
   const copies = Math.max(1, Math.min(16, numberField("requests") || 1));
   const firstSeed = numberField("seed");
+  if (state.mode === "video") {
+    await submitVideos(copies, firstSeed);
+    return;
+  }
   // Disabled before anything is awaited (an edit's mask is encoded first): a second
   // press meanwhile sends nothing.
   $("submit").disabled = true;
@@ -406,6 +414,113 @@ function addWave(wave) {
   while (strip.children.length > MAX_WAVES_SHOWN) strip.firstElementChild.remove();
 }
 
+// -- video: jobs of /v1/videos ---------------------------------------------------------
+function videoFields(seed) {
+  const fields = {
+    prompt: $("prompt").value,
+    negative_prompt: $("negative-prompt").value.trim() || undefined,
+    size: $("size").value.trim() || undefined,
+    seconds: $("seconds").value.trim() || undefined,
+    num_inference_steps: numberField("steps"),
+    guidance_scale: numberField("guidance"),
+    seed,
+  };
+  if (fields.size === "auto") delete fields.size;
+  for (const name of Object.keys(fields)) if (fields[name] === undefined) delete fields[name];
+  return fields;
+}
+
+async function submitVideos(copies, firstSeed) {
+  $("submit").disabled = true;
+  try {
+    setStatus(`${copies} video job${copies > 1 ? "s" : ""} sent…`);
+    const started = performance.now();
+    const cards = Array.from({ length: copies }, makeVideoCard);
+    const results = $("results");
+    const empty = results.querySelector(".empty");
+    if (empty) empty.remove();
+    results.prepend(...cards);
+    const outcomes = await Promise.all(cards.map((card, i) =>
+      runVideo(firstSeed === undefined ? undefined : firstSeed + i, card)
+        .catch((error) => ({ error: String(error) }))));
+    const failed = outcomes.filter((o) => o.error);
+    setStatus(`${copies - failed.length} of ${copies} videos done in ` +
+      `${Math.round(performance.now() - started)} ms`);
+    if (failed.length) showError(failed[0].error);
+  } finally {
+    $("submit").disabled = false;
+  }
+}
+
+function makeVideoCard() {
+  const card = document.createElement("figure");
+  card.className = "card video-card";
+  card.dataset.state = "queued";
+  const frame = document.createElement("div");
+  frame.className = "frame";
+  const video = document.createElement("video");
+  video.controls = true;
+  video.loop = true;
+  video.muted = true;
+  video.playsInline = true;
+  const bar = document.createElement("progress");
+  bar.max = 100;
+  bar.value = 0;
+  const badge = document.createElement("span");
+  badge.className = "badge";
+  badge.textContent = "queued";
+  frame.append(video, bar, badge);
+  const prompt = document.createElement("figcaption");
+  prompt.className = "prompt";
+  prompt.textContent = $("prompt").value;
+  card.append(frame, prompt);
+  return card;
+}
+
+async function runVideo(seed, card) {
+  const response = await fetch("/v1/videos", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", ...authHeaders() },
+    body: JSON.stringify(videoFields(seed)),
+  });
+  if (!response.ok) return failVideo(card, await errorMessage(response));
+  let job = await response.json();
+  card.dataset.videoId = job.id;
+  while (job.status === "queued" || job.status === "in_progress") {
+    showVideoProgress(card, job);
+    await new Promise((resolve) => setTimeout(resolve, VIDEO_POLL_MS));
+    const poll = await fetch(`/v1/videos/${job.id}`, { headers: authHeaders() });
+    if (!poll.ok) return failVideo(card, await errorMessage(poll));
+    job = await poll.json();
+  }
+  if (job.status !== "completed") {
+    return failVideo(card, (job.error && job.error.message) || `the job ${job.status}`);
+  }
+  showVideoProgress(card, job);
+  const content = await fetch(`/v1/videos/${job.id}/content`, { headers: authHeaders() });
+  if (!content.ok) return failVideo(card, await errorMessage(content));
+  const video = card.querySelector("video");
+  video.src = URL.createObjectURL(await content.blob());
+  video.play().catch(() => { /* autoplay refused: the controls remain */ });
+  card.dataset.state = "final";
+  card.querySelector(".badge").textContent = `${job.size}, ${job.seconds} s`;
+  return {};
+}
+
+function showVideoProgress(card, job) {
+  card.dataset.state = job.status;
+  card.dataset.progress = String(job.progress);
+  card.querySelector("progress").value = job.progress;
+  card.querySelector(".badge").textContent =
+    job.status === "in_progress" ? `${job.progress} %` : job.status.replace("_", " ");
+}
+
+function failVideo(card, message) {
+  card.dataset.state = "failed";
+  card.querySelector(".badge").textContent = "failed";
+  return { error: message };
+}
+
 // -- page -------------------------------------------------------------------------------
 function setMode(mode) {
   state.requests[state.mode] = $("requests").value; // each tab keeps its own count
@@ -413,8 +528,10 @@ function setMode(mode) {
   state.mode = mode;
   $("tab-generate").classList.toggle("active", mode === "generate");
   $("tab-edit").classList.toggle("active", mode === "edit");
+  $("tab-video").classList.toggle("active", mode === "video");
   $("edit-panel").hidden = mode !== "edit";
-  $("submit").textContent = mode === "edit" ? "Edit" : "Generate";
+  $("video-panel").hidden = mode !== "video";
+  $("submit").textContent = { edit: "Edit", video: "Generate video" }[mode] || "Generate";
 }
 
 function setStatus(text) { $("status").textContent = text; }
@@ -436,9 +553,21 @@ async function showModel() {
     $("model").textContent = `model: ${models.map((m) => m.id).join(", ")}`;
     const accepts = models[0] && models[0].diffbatch;
     if (accepts) showWhatTheModelTakes(accepts);
+    await offerVideo();
   } catch (_) {
     $("model").textContent = "model: (server unreachable)";
   }
+}
+
+// A video model serves GET /v1/videos (an image model answers 404): the Video tab is
+// then the page's only one.
+async function offerVideo() {
+  const response = await fetch("/v1/videos?limit=1", { headers: authHeaders() });
+  const video = response.ok;
+  $("tab-video").hidden = !video;
+  $("tab-generate").disabled = video;
+  $("tab-edit").disabled = video || !state.edits.length;
+  if (video && state.mode !== "video") setMode("video");
 }
 
 // Offer the sizes the model takes, and paint masks only for a model that inpaints.
@@ -473,6 +602,7 @@ function start() {
   });
   $("tab-generate").addEventListener("click", () => setMode("generate"));
   $("tab-edit").addEventListener("click", () => setMode("edit"));
+  $("tab-video").addEventListener("click", () => setMode("video"));
   $("edit-file").addEventListener("change", (e) => {
     const file = e.target.files[0];
     if (file) setEditImage(file, file.name);
