@@ -15,6 +15,14 @@ does). Targets without them (the peer servers) simply get no such section.
     diffbatch bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 \
         --request-rate 8 --size 64x64 --steps 4 --output-json result.json
 
+With `--mode videos` each request is a video job of OpenAI's Videos API, followed
+as its clients do: `POST /v1/videos`, poll `GET /v1/videos/{id}` every
+`--poll-interval` seconds until it is completed, then download
+`GET /v1/videos/{id}/content`. Its latency runs from the submission to the last byte
+of the clip, and the report gives videos/s.
+
+    diffbatch bench serve --mode videos --num-prompts 8 --size 32x32 --num-frames 9
+
 `run_benchmark(BenchConfig(...))` is the same thing from Python; the scripts under
 `benchmarks/` use it.
 """
@@ -45,6 +53,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IMAGES_ENDPOINT = "/v1/images/generations"
+VIDEOS_ENDPOINT = "/v1/videos"
+MODES = ("images", "videos")
 # Prompts the benchmark cycles through (their content does not change the cost).
 PROMPTS = (
     "a red circle on a white background",
@@ -92,6 +102,9 @@ class BenchConfig:
     timeout_s: float = 600.0  # per request
     disable_tqdm: bool = False
     keep_requests: bool = False  # put every request's timings into the result
+    mode: str = "images"  # "videos": jobs of /v1/videos (submit, poll, download)
+    num_frames: int | None = None  # videos: frames per clip (None = the server's default)
+    poll_interval_s: float = 0.1  # videos: the pause between two polls of a job
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -106,6 +119,12 @@ class BenchConfig:
             )
         if self.warmup_requests < 0:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "videos" and self.endpoint == IMAGES_ENDPOINT:
+            self.endpoint = VIDEOS_ENDPOINT
+        if not self.poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         self.base_url = self.base_url.rstrip("/")
         if self.base_url.endswith("/v1") and self.endpoint.startswith("/v1/"):
             # the base URL an OpenAI client takes: the endpoint already starts with /v1
@@ -166,6 +185,10 @@ def request_body(config: BenchConfig, model: str | None, index: int) -> dict[str
         "response_format": "b64_json",
         "seed": config.seed * 1_000_003 + index,
     }
+    if config.mode == "videos":  # a video job: one clip, no response format
+        del body["n"], body["response_format"]
+        if config.num_frames is not None:
+            body["num_frames"] = config.num_frames
     if model is not None:
         body["model"] = model
     if config.steps is not None:
@@ -203,12 +226,53 @@ class _Client:
                 return response.status, response.headers, {}
             if response.content_type == "application/json":
                 return response.status, response.headers, json.loads(raw)
+            if response.content_type.startswith("video/"):  # a clip: its bytes
+                return response.status, response.headers, raw
             return response.status, response.headers, raw.decode("utf-8", "replace")
+
+
+async def _send_video(
+    client: _Client, config: BenchConfig, body: dict[str, Any], index: int, t0: float
+) -> RequestResult:
+    """One video job: submit, poll until it is finished, download the clip."""
+    start = time.perf_counter()
+    result = RequestResult(index=index, start_s=start - t0)
+    content: Any = None
+    try:
+        status, _, job = await client.request("POST", config.endpoint, body)
+        payload = job
+        while status == 200 and isinstance(job, dict) \
+                and job.get("status") in ("queued", "in_progress"):
+            await asyncio.sleep(config.poll_interval_s)
+            status, _, job = await client.request("GET", f"{config.endpoint}/{job['id']}")
+            payload = job
+        if status == 200 and isinstance(job, dict) and job.get("status") == "completed":
+            status, _, content = await client.request(
+                "GET", f"{config.endpoint}/{job['id']}/content")
+            payload = content
+    except _client_errors() as exc:
+        result.latency_s = time.perf_counter() - start
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    result.status_code = status
+    if status != 200:
+        message = payload.get("error", payload) if isinstance(payload, dict) else payload
+        result.error = f"HTTP {status}: {str(message)[:300]}"
+    elif isinstance(job, dict) and job.get("status") != "completed":
+        result.error = f"job {job.get('status')}: {str(job.get('error'))[:300]}"
+    elif not isinstance(content, bytes) or not content:
+        result.error = "the clip's download was empty"
+    else:
+        result.ok, result.num_images = True, 1
+    return result
 
 
 async def _send(
     client: _Client, config: BenchConfig, body: dict[str, Any], index: int, t0: float
 ) -> RequestResult:
+    if config.mode == "videos":
+        return await _send_video(client, config, body, index, t0)
     start = time.perf_counter()
     result = RequestResult(index=index, start_s=start - t0)
     try:
@@ -376,6 +440,8 @@ def summarize(
         "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
         "image_throughput": sum(r.num_images for r in ok) / duration_s if duration_s else 0.0,
     }
+    if config.mode == "videos":  # one clip per job
+        summary["video_throughput"] = summary.pop("image_throughput")
     for name in ("mean", "p50", "p90", "p99"):
         summary[f"{name}_e2e_ms"] = None
     if latencies_ms:
@@ -463,6 +529,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'Failed requests:':<40}{report['failed']}",
         f"{'Benchmark duration (s):':<40}{fmt(report['duration_s'])}",
         f"{'Request throughput (req/s):':<40}{fmt(report['request_throughput'])}",
+        f"{'Video throughput (videos/s):':<40}{fmt(report['video_throughput'])}"
+        if "video_throughput" in report else
         f"{'Image throughput (images/s):':<40}{fmt(report['image_throughput'])}",
         "{:-^60}".format(" End-to-end latency "),
     ]
@@ -576,6 +644,13 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-requests", action="store_true",
                         help="include every request's timings in the JSON report")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--mode", choices=MODES, default="images",
+                        help="images: POST /v1/images/generations; videos: jobs of "
+                        "/v1/videos (submit, poll, download)")
+    parser.add_argument("--num-frames", type=_positive_int, default=None,
+                        help="videos: frames per clip (default: the server's)")
+    parser.add_argument("--poll-interval", type=_positive_number, default=0.1,
+                        metavar="SECONDS", help="videos: pause between two polls of a job")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -588,7 +663,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup_requests=args.warmup_requests,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, endpoint=args.endpoint,
         timeout_s=args.timeout, disable_tqdm=args.disable_tqdm,
-        keep_requests=args.save_requests,
+        keep_requests=args.save_requests, mode=args.mode, num_frames=args.num_frames,
+        poll_interval_s=args.poll_interval,
     )
 
 

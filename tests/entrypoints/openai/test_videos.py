@@ -312,3 +312,21 @@ def test_json_body_without_the_client(server) -> None:
     body = response.json()
     assert body["object"] == "video" and body["status"] == "queued"
     assert response.headers["openai-poll-after-ms"]
+
+
+def test_bench_serve_video_mode_submits_polls_and_downloads(server) -> None:
+    from diffbatch.bench.serve import BenchConfig, format_report, run_benchmark
+
+    report = run_benchmark(BenchConfig(
+        base_url=f"{server.url}/v1", model=MODEL, num_prompts=4, mode="videos", width=32,
+        height=32, steps=2, num_frames=5, api_key=API_KEY, poll_interval_s=0.02,
+        disable_tqdm=True))
+    assert report["completed"] == 4 and report["failed"] == 0, report["errors"]
+    assert report["video_throughput"] > 0 and "image_throughput" not in report
+    assert report["p50_e2e_ms"] > 0 and report["p99_e2e_ms"] >= report["p50_e2e_ms"]
+    assert "Video throughput (videos/s):" in format_report(report)
+    # a job the server refuses is a failed request with its message
+    bad = run_benchmark(BenchConfig(
+        base_url=server.url, model=MODEL, num_prompts=1, mode="videos", width=40, height=32,
+        api_key=API_KEY, disable_tqdm=True))
+    assert bad["failed"] == 1 and "HTTP 400" in bad["errors"][0]
