@@ -165,7 +165,8 @@ def build_app(
             `/v1/unload_lora_adapter` (vLLM's routes; under the API key like every
             `/v1` route); without it they are 404s.
         video_store_bytes: Memory kept for finished clips of `/v1/videos` jobs (a
-            video model only), oldest dropped first.
+            video model only), oldest dropped first; 0 refuses video jobs with a 400
+            (several Ray Serve replicas, each of which would keep its own jobs).
         video_ttl_s: How long a finished video job and its clip stay reachable.
 
     Returns:
@@ -234,7 +235,7 @@ def build_app(
     if getattr(engine.info, "is_video", False):  # OpenAI's Videos API (serving_videos.py)
         app.state.serving_videos = OpenAIServingVideos(
             engine, served_model_name=served_model_name,
-            store=VideoStore(video_store_bytes, video_ttl_s),
+            store=VideoStore(video_store_bytes, video_ttl_s) if video_store_bytes else None,
             registry=http_metrics.registry, max_frame_pixels=max_image_pixels)
         app.include_router(video_router)
     if allow_runtime_lora_updating:

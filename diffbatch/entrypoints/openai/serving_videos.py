@@ -149,11 +149,14 @@ class VideoMetrics:
 class OpenAIServingVideos:
     """The logic of the `/v1/videos` routes; see the module docstring."""
 
-    def __init__(self, engine: Engine, *, served_model_name: str, store: VideoStore,
+    def __init__(self, engine: Engine, *, served_model_name: str, store: VideoStore | None,
                  registry: CollectorRegistry, max_frame_pixels: int) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
-        self.store = store
+        # None: no jobs here (several Ray Serve replicas: a poll could reach another);
+        # an empty store answers the reads, `create` refuses
+        self.accepts_jobs = store is not None
+        self.store = store if store is not None else VideoStore()
         self.max_frame_pixels = max_frame_pixels
         self.metrics = VideoMetrics(registry, store)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -169,6 +172,11 @@ class OpenAIServingVideos:
                 ) -> tuple[VideoJob, SamplingParams]:
         """Check a request against this server and model; its job and params."""
         info = self.engine.info
+        if not self.accepts_jobs:
+            raise InvalidRequestError(
+                "video jobs are not available here: this server runs as several replicas, "
+                "each keeping its own jobs, so a job's poll could reach another; serve the "
+                "video model with one replica")
         if request.model is not None and request.model != self.served_model_name:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here; this server serves "

@@ -182,6 +182,10 @@ class RayServeArgs(BaseModel):
             # NOTE: each replica keeps its own images, and the proxy may route a link to
             # another replica; several replicas answer "url" with a 400 unless told.
             kwargs["image_store_bytes"] = 0
+        if self.num_replicas > 1 or (self.max_replicas or 1) > 1:
+            # each replica would keep its own video jobs, and the proxy may route a
+            # job's poll to another replica: /v1/videos is refused with a 400
+            kwargs["video_store_bytes"] = 0
         if self.image_url_ttl is not None:
             kwargs["image_url_ttl_s"] = self.image_url_ttl
         if self.public_url is not None:
