@@ -330,3 +330,30 @@ def test_bench_serve_video_mode_submits_polls_and_downloads(server) -> None:
         base_url=server.url, model=MODEL, num_prompts=1, mode="videos", width=40, height=32,
         api_key=API_KEY, disable_tqdm=True))
     assert bad["failed"] == 1 and "HTTP 400" in bad["errors"][0]
+
+
+def test_without_a_video_store_jobs_are_refused(server) -> None:
+    """Several Ray Serve replicas (`video_store_bytes=0`): each would keep its own
+    jobs, so the server refuses them with a 400 rather than lose their polls."""
+    import asyncio
+
+    from tests.entrypoints.openai.conftest import app_client
+
+    async def run() -> httpx.Response:
+        async with app_client(server.engine, served_model_name=MODEL,
+                              video_store_bytes=0) as client:
+            listed = await client.get("/v1/videos")
+            assert listed.status_code == 200 and listed.json()["data"] == []
+            return await client.post("/v1/videos", json={"prompt": "x"})
+
+    response = asyncio.run(run())
+    assert response.status_code == 400
+    assert "one replica" in response.json()["error"]["message"]
+
+
+def test_image_routes_refuse_a_video_model(server) -> None:
+    response = httpx.post(f"{server.url}/v1/images/generations", headers=server.headers,
+                          json={"prompt": "a cat"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "model" and "POST /v1/videos" in error["message"]
