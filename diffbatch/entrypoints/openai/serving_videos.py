@@ -228,7 +228,13 @@ class OpenAIServingVideos:
         # One turn of the loop runs the stream up to its first wait: by then the engine
         # has checked and queued the request, or raised (400, 503), which the caller
         # gets as this request's answer rather than as a failed job.
-        await asyncio.sleep(0)
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:  # the server stops: nothing follows the job
+            first.cancel()
+            self.engine.abort(job.id)
+            self.store.delete(job.id)
+            raise
         if first.done() and first.exception() is not None:
             self.store.delete(job.id)
             exc = first.exception()

@@ -10,6 +10,8 @@ observed on events, never on timing.
 from __future__ import annotations
 
 import io
+import json
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -357,3 +359,28 @@ def test_image_routes_refuse_a_video_model(server) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "model" and "POST /v1/videos" in error["message"]
+
+
+def test_a_client_that_disconnects_does_not_cancel_its_job(client, server) -> None:
+    from tests.entrypoints.openai.conftest import disconnect
+
+    prompt = "left alone with the key"
+    body = json.dumps({"prompt": prompt, "num_inference_steps": 2}).encode()
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    raw.sendall(f"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+                .encode() + body)
+    disconnect(raw)  # gone before reading the answer
+
+    def job_of_prompt():
+        return next((v for v in client.videos.list(limit=100).data if v.prompt == prompt),
+                    None)
+
+    deadline = threading.Event()
+    timer = threading.Timer(WAIT_S, deadline.set)
+    timer.start()
+    try:
+        while (job := job_of_prompt()) is None or job.status != "completed":
+            assert not deadline.is_set(), f"the job did not complete: {job}"
+    finally:
+        timer.cancel()
