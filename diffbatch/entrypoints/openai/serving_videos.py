@@ -428,7 +428,19 @@ async def _read_create_request(raw_request: Request) -> tuple[VideoCreateRequest
         raise RequestValidationError(exc.errors()) from None
 
 
-@video_router.post(VIDEOS_ROUTE, responses=_errors(400, 401, 404, 413, 415, 429))
+def _create_body() -> dict[str, Any]:
+    """The OpenAPI request body of `POST /v1/videos`: JSON, or a multipart form that
+    may also carry the `input_reference` file (the route reads the body itself)."""
+    schema = VideoCreateRequest.model_json_schema()
+    form = {**schema, "properties": {**schema["properties"], "input_reference": {
+        "type": "string", "format": "binary",
+        "description": "an image for image-to-video (refused by text-to-video models)"}}}
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}, "multipart/form-data": {"schema": form}}}}
+
+
+@video_router.post(VIDEOS_ROUTE, responses=_errors(400, 401, 404, 413, 415, 429),
+                   openapi_extra=_create_body())
 async def create_video(raw_request: Request) -> Response:
     """Start a video job (OpenAI `videos.create`); the answer is the queued job."""
     try:
