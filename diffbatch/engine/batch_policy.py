@@ -95,7 +95,8 @@ class BatchPolicy:
         self.limit = max(1, config.capacity_limit) if supports_request_batch else 1
         self.default_shape = Shape(info.default_height, info.default_width, 1,
                                    info.cfg_threshold is not None
-                                   and info.default_guidance_scale > info.cfg_threshold)
+                                   and info.default_guidance_scale > info.cfg_threshold,
+                                   getattr(info, "default_num_frames", None))
         self.cost = WaveCostModel(self.limit, self.default_shape)
         # step mode: one step of a running batch of B requests, learned from the ticks
         self.step_cost = WaveCostModel(self.limit, self.default_shape)

@@ -37,20 +37,23 @@ class Shape:
     width: int
     num_outputs_per_prompt: int  # n: images per request
     cfg: bool  # classifier-free guidance doubles the denoiser's batch
+    num_frames: int | None = None  # a video's frames; None for images
 
     @classmethod
     def of(cls, key: SamplingParamsKey) -> Shape:
-        return cls(key.height, key.width, key.num_outputs_per_prompt, key.cfg_enabled)
+        return cls(key.height, key.width, key.num_outputs_per_prompt, key.cfg_enabled,
+                   key.num_frames)
 
     @property
     def pixels(self) -> int:
-        """Output pixels of one request: n * H * W."""
-        return self.num_outputs_per_prompt * self.height * self.width
+        """Output pixels of one request: n * H * W (times the frames of a video)."""
+        return self.num_outputs_per_prompt * self.height * self.width * (self.num_frames or 1)
 
     def label(self, steps: int) -> str:
-        """Short form for metrics and logs, e.g. "64x64/s4/n1/cfg"."""
+        """Short form for metrics and logs, e.g. "64x64/s4/n1/cfg" ("/f9": 9 frames)."""
         return (f"{self.width}x{self.height}/s{steps}/n{self.num_outputs_per_prompt}"
-                + ("/cfg" if self.cfg else ""))
+                + ("/cfg" if self.cfg else "")
+                + (f"/f{self.num_frames}" if self.num_frames is not None else ""))
 
 
 def interpolate(table: Table, size: float) -> float:
