@@ -316,6 +316,35 @@ def test_json_body_without_the_client(server) -> None:
     assert response.headers["openai-poll-after-ms"]
 
 
+def test_answers_validate_against_the_clients_own_models(client, server) -> None:
+    """Every answer validates strictly against the official client's pydantic models,
+    but for the enumerations of OpenAI's own models (Sora's sizes and lengths)."""
+    from openai.types import Video, VideoDeleteResponse
+
+    def check(body: dict) -> None:
+        assert set(Video.model_fields) - {"model", "size", "seconds"} <= set(body)
+        Video.model_validate({**body, "model": "sora-2", "size": "720x1280", "seconds": "4"},
+                             strict=True)
+
+    video = client.videos.create_and_poll(model=MODEL, prompt="shapes", poll_interval_ms=20,
+                                          extra_body={"num_inference_steps": 1})
+    done = httpx.get(f"{server.url}/v1/videos/{video.id}", headers=server.headers).json()
+    check(done)
+    listed = httpx.get(f"{server.url}/v1/videos?limit=2", headers=server.headers).json()
+    assert set(listed) == {"object", "data", "first_id", "last_id", "has_more"}
+    for item in listed["data"]:
+        check(item)
+    deleted = httpx.delete(f"{server.url}/v1/videos/{video.id}", headers=server.headers)
+    VideoDeleteResponse.model_validate(deleted.json(), strict=True)
+    failed = client.videos.create(model=MODEL, prompt="to fail")
+    server.engine.abort(failed.id)
+    body = wait_for(client, failed.id, lambda v: v.status == "failed").model_dump()
+    check(body)
+    from openai.types.video_create_error import VideoCreateError
+
+    VideoCreateError.model_validate(body["error"], strict=True)
+
+
 def test_bench_serve_video_mode_submits_polls_and_downloads(server) -> None:
     from diffbatch.bench.serve import BenchConfig, format_report, run_benchmark
 
