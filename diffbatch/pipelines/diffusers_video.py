@@ -40,7 +40,9 @@ from diffbatch.pipelines.scheduler_fusion import wrap_scheduler
 SUPPORTED_FAMILIES = frozenset({"WanPipeline"})
 # Video classes diffusers ships that this adapter does not serve, with the reason.
 REFUSED_FAMILIES: dict[str, str] = {
-    "WanImageToVideoPipeline": "image-to-video is not served yet (text-to-video Wan is)",
+    "WanImageToVideoPipeline": "image-to-video is not served yet: diffusers' call encodes "
+                               "one conditioning image for its whole batch, so requests "
+                               "with different images cannot share a call",
     "LTXPipeline": "not validated with the video adapter yet (no tiny LTX-Video model)",
     "LTXImageToVideoPipeline": "image-to-video is not served yet",
     "CogVideoXPipeline": "not validated with the video adapter yet (no tiny CogVideoX "
