@@ -228,6 +228,25 @@ async def check_image_url_ttl(served: Served) -> None:
     assert 7000 < max_age <= 7200  # the default is an hour
 
 
+VIDEO = ("tiny-wan", "--pipeline-class",
+         "diffbatch.pipelines.diffusers_video:DiffusersVideoPipeline")
+
+
+async def check_video_store_mb(served: Served) -> None:
+    assert served.app.state.serving_videos.store.max_bytes == 3 << 20
+
+
+async def check_video_ttl(served: Served) -> None:
+    """A finished job expires the flag's seconds after it finished."""
+    async with served.client() as client:
+        job = (await client.post("/v1/videos", json={
+            "prompt": "a cat", "num_frames": 1, "num_inference_steps": 1})).json()
+        while job["status"] in ("queued", "in_progress"):
+            job = (await client.get(f"/v1/videos/{job['id']}")).json()
+    assert job["status"] == "completed", job
+    assert job["expires_at"] - job["completed_at"] == 120
+
+
 def png_zlib_header(png: bytes) -> bytes:
     """The first two bytes of the PNG's zlib stream (its FLEVEL tells the level)."""
     offset = 8
@@ -319,6 +338,8 @@ SERVER_FLAGS: dict[str, FlagCase] = {
     "--image-store-mb": case("--image-store-mb", "1", check=check_image_store_mb),
     "--image-url-ttl": case("--image-url-ttl", "7200", check=check_image_url_ttl),
     "--png-compress-level": case("--png-compress-level", "9", check=check_png_compress_level),
+    "--video-store-mb": case(*VIDEO, "--video-store-mb", "3", check=check_video_store_mb),
+    "--video-ttl": case(*VIDEO, "--video-ttl", "120", check=check_video_ttl),
     "--log-level": case("--log-level", "debug", check=check_log_level),
     "--header-timeout": case("--header-timeout", "3", "--limit-concurrency", "9",
                              "--keep-alive-timeout", "7", check=check_connection_limits),
