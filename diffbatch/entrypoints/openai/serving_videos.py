@@ -158,7 +158,7 @@ class OpenAIServingVideos:
         self.accepts_jobs = store is not None
         self.store = store if store is not None else VideoStore()
         self.max_frame_pixels = max_frame_pixels
-        self.metrics = VideoMetrics(registry, store)
+        self.metrics = VideoMetrics(registry, self.store)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         info = engine.info
         self._tokenizer = None

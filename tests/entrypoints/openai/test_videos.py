@@ -375,6 +375,8 @@ def test_without_a_video_store_jobs_are_refused(server) -> None:
                               video_store_bytes=0) as client:
             listed = await client.get("/v1/videos")
             assert listed.status_code == 200 and listed.json()["data"] == []
+            assert 'diffbatch_video_jobs{status="queued"} 0.0' in (
+                await client.get("/metrics")).text
             return await client.post("/v1/videos", json={"prompt": "x"})
 
     response = asyncio.run(run())
