@@ -13,6 +13,7 @@ import torch
 from diffbatch import Engine, SamplingParams
 from diffbatch.engine.request_checks import resolve_num_frames
 from diffbatch.errors import InvalidRequestError, ModelLoadError
+from diffbatch.outputs import PartialImage
 from diffbatch.pipelines.diffusers_video import DiffusersVideoPipeline
 from diffbatch.pipelines.registry import video_pipeline_class
 from diffbatch.worker.model_runner import to_output_type
@@ -119,12 +120,23 @@ def test_step_mode_a_short_clip_joins_and_finishes_before_a_long_one(wan) -> Non
             long.add_done_callback(lambda _t: finished.append("long"))
             while engine.num_running < 1:  # the long clip runs
                 await asyncio.sleep(0.005)
-            short = asyncio.ensure_future(engine.generate_async("a short clip", params(2, 2)))
+            short = asyncio.ensure_future(stream("a short clip", params(2, 2)))
             short.add_done_callback(lambda _t: finished.append("short"))
             return await asyncio.gather(long, short)
 
+        async def stream(prompt: str, sampling: SamplingParams):
+            """The output, after the progress the video adapter reports per step."""
+            sampling.partial_images = 1
+            async for item in engine.generate_stream(prompt, sampling):
+                if isinstance(item, PartialImage):
+                    progress.append(item.step)
+                else:
+                    return item
+
+        progress: list[int] = []
         long_out, short_out = asyncio.run(run())
     assert finished == ["short", "long"]
+    assert progress == [0, 1]  # started, 1 of 2 steps done (then the clip)
     assert long_out.ok and short_out.ok
     for prompt, seed, steps, output in (("a long clip", 1, 40, long_out),
                                         ("a short clip", 2, 2, short_out)):
