@@ -1,4 +1,4 @@
-"""The batch-capable adapter over diffusers text-to-video pipelines (Wan).
+"""The batch-capable adapter over diffusers text-to-video pipelines (Wan, LTX-Video).
 
 `DiffusersVideoPipeline` runs a wave of video requests that share a key (size,
 frames, steps, guidance) as ONE diffusers call, like `DiffusersT2IPipeline` does for
@@ -6,7 +6,7 @@ images: the prompts as a list, per-request negative prompts, `num_videos_per_pro
 = n` and one generator per output video (B*n, request 0's n first). Wan draws each
 sample's latent noise from its own generator and treats samples independently in its
 text encoder, transformer and VAE, so a request's clip does not depend on its batch
-mates (tests/pipelines/test_diffusers_video.py).
+mates (tests/pipelines/test_diffusers_video.py); LTX-Video likewise.
 
 A request's frame count is `extra["num_frames"]` (the engine fills in the model's
 default); it is part of the batch key, so clips of different lengths never share a
@@ -19,7 +19,7 @@ text encoder and the VAE decoder at joins and leaves.
 
 Video families are chosen by `video_family`: the ones listed in `SUPPORTED_FAMILIES`
 are served, the other video pipelines diffusers ships are refused at load with a
-message that says why (see docs/models.md).
+message that says why (see docs/serving.md, "Video models").
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from diffbatch.pipelines.interface import DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.schedule_limits import schedulable_steps
 from diffbatch.pipelines.scheduler_fusion import wrap_scheduler
 
-# diffusers text-to-video classes served by this adapter (tested with `tiny-wan`).
-SUPPORTED_FAMILIES = frozenset({"WanPipeline"})
+# diffusers text-to-video classes served by this adapter (tested with `tiny-wan` and
+# `tiny-ltx`).
+SUPPORTED_FAMILIES = frozenset({"WanPipeline", "LTXPipeline"})
 # Video classes diffusers ships that this adapter does not serve, with the reason.
 REFUSED_FAMILIES: dict[str, str] = {
     "WanImageToVideoPipeline": "image-to-video is not served yet: diffusers' call encodes "
                                "one conditioning image for its whole batch, so requests "
                                "with different images cannot share a call",
-    "LTXPipeline": "not validated with the video adapter yet (no tiny LTX-Video model)",
     "LTXImageToVideoPipeline": "image-to-video is not served yet",
     "CogVideoXPipeline": "not validated with the video adapter yet (no tiny CogVideoX "
                          "model)",
@@ -95,10 +95,14 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
     # -- info ------------------------------------------------------------------------
     def _make_info(self) -> PipelineInfo:
         pipe, d = self.pipe, self.defaults
-        spatial = int(getattr(pipe, "vae_scale_factor_spatial", 8))
-        temporal = int(getattr(pipe, "vae_scale_factor_temporal", 4))
-        patch = getattr(pipe.transformer.config, "patch_size", (1, 2, 2))
-        multiple = spatial * int(patch[-1])
+        # Wan names the VAE's compression `vae_scale_factor_*`, LTX
+        # `vae_*_compression_ratio`; Wan's patch is (t, h, w), LTX's one spatial side.
+        spatial = int(getattr(pipe, "vae_scale_factor_spatial", None)
+                      or getattr(pipe, "vae_spatial_compression_ratio", 8))
+        temporal = int(getattr(pipe, "vae_scale_factor_temporal", None)
+                       or getattr(pipe, "vae_temporal_compression_ratio", 4))
+        patch = pipe.transformer.config.get("patch_size", 1)
+        multiple = spatial * int(patch[-1] if isinstance(patch, list | tuple) else patch)
         call_arguments = frozenset(
             name for name in self._call_params
             if name not in _VIDEO_RESERVED and name not in _IMAGE_RESERVED
@@ -128,7 +132,8 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
             default_num_frames=int(d.get("num_frames", self._call_default("num_frames", 81))),
             frame_multiple=temporal,
             max_num_frames=int(d.get("max_num_frames", MAX_NUM_FRAMES)),
-            default_fps=int(d.get("fps", 16)),
+            # LTX takes the frame rate (its positions scale with it): its default
+            default_fps=int(d.get("fps", self._call_default("frame_rate", 16))),
         )
 
     def _max_sequence_length(self) -> int:

@@ -49,7 +49,8 @@ def _build_tiny(name: str) -> str:
 # Built-in tiny model name -> builder that ensures it is built and returns its folder.
 BUILTIN_MODELS: dict[str, Callable[[], str]] = {
     name: functools.partial(_build_tiny, name)
-    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", "tiny-wan")
+    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", "tiny-wan",
+                 "tiny-ltx")
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
 _PER_REQUEST_CLASSES: dict[type, type] = {}

@@ -288,12 +288,44 @@ def _build_wan(tmp: str) -> tuple[Any, dict[str, Any]]:
                   "guidance_scale": 5.0, "max_sequence_length": 64}
 
 
+def _build_ltx(tmp: str) -> tuple[Any, dict[str, Any]]:
+    """LTX-Video text-to-video: a T5 text encoder, LTX's transformer and its video VAE
+    (4x temporal and spatial compression here; the released one compresses 8x and 32x)."""
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    tokenizer = build_t5_tokenizer(os.path.join(tmp, "_tok"))
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
+        attention_head_dim=8, cross_attention_dim=32, num_layers=1, caption_channels=32,
+    )
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4,
+        upsample_factor=(1,) * 4, timestep_conditioning=False, patch_size=1, patch_size_t=1,
+    )
+    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
+                       text_encoder=_t5_encoder(tokenizer), tokenizer=tokenizer,
+                       transformer=transformer)
+    return pipe, {"height": 32, "width": 32, "num_frames": 9, "guidance_scale": 3.0,
+                  "max_sequence_length": 64}
+
+
 BUILDERS: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "tiny-sd": _build_sd,
     "tiny-sd3": _build_sd3,
     "tiny-flux": _build_flux,
     "tiny-pixart": _build_pixart,
     "tiny-wan": _build_wan,
+    "tiny-ltx": _build_ltx,
 }
 
 

@@ -31,6 +31,13 @@ def wan(load_tiny) -> DiffusersVideoPipeline:
     return pipeline
 
 
+@pytest.fixture(scope="module")
+def ltx(load_tiny) -> DiffusersVideoPipeline:
+    pipeline = load_tiny("tiny-ltx")
+    assert isinstance(pipeline, DiffusersVideoPipeline)
+    return pipeline
+
+
 def _requests(pipeline, **params):
     return [make_request(pipeline, f"req-{i}", prompt, seed=100 + i, negative_prompt=negative,
                          height=32, width=32, extra=dict(FRAMES), **params)
@@ -72,6 +79,23 @@ def test_a_wave_is_one_call_and_each_clip_equals_its_solo_run(wan) -> None:
         assert (output.images - solo.images).abs().max().item() < 1e-4
 
 
+def test_ltx_video_batches_through_the_same_adapter(ltx) -> None:
+    """LTX-Video: its own names for the VAE's compression and its frame rate, one call
+    per wave, each clip equal to its solo run."""
+    info = ltx.info()
+    assert info.name == "LTXPipeline" and info.is_video
+    assert (info.default_num_frames, info.frame_multiple, info.default_fps) == (9, 4, 25)
+    assert info.size_multiple == 4 and "frame_rate" in info.call_arguments
+    requests = [make_request(ltx, f"ltx-{i}", prompt, seed=7 + i, negative_prompt=negative,
+                             height=32, width=32, extra={"num_frames": 9, "frame_rate": 25})
+                for i, (prompt, negative) in enumerate(PROMPTS[:3])]
+    batched = ltx.forward(make_batch(requests))
+    for request, output in zip(requests, batched, strict=True):
+        assert output.images.shape == (1, 9, 3, 32, 32)
+        solo = ltx.forward(make_batch([request]))[0]
+        assert (output.images - solo.images).abs().max().item() < 1e-4
+
+
 def test_output_conversion_keeps_the_frame_dimension(wan) -> None:
     output = wan.forward(make_batch(_requests(wan)[:1]))[0]
     frames = to_output_type(output.images, "pil")
@@ -89,13 +113,13 @@ def test_frame_counts_are_checked_against_the_model(wan) -> None:
         resolve_num_frames(info, SamplingParams(extra={"num_frames": 261}))
 
 
-@pytest.mark.parametrize("family", ["LTXPipeline", "CogVideoXPipeline", "HunyuanVideoPipeline",
-                                    "WanImageToVideoPipeline"])
+@pytest.mark.parametrize("family", ["CogVideoXPipeline", "HunyuanVideoPipeline",
+                                    "WanImageToVideoPipeline", "LTXImageToVideoPipeline"])
 def test_other_video_families_are_refused_saying_why(tmp_path, family) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": family}))
     with pytest.raises(ModelLoadError, match=family) as exc:
         video_pipeline_class(str(tmp_path))
-    assert "WanPipeline" in exc.value.message  # what is served instead
+    assert "LTXPipeline, WanPipeline" in exc.value.message  # what is served instead
 
 
 def test_image_models_keep_the_image_adapter(tmp_path) -> None:
@@ -105,15 +129,18 @@ def test_image_models_keep_the_image_adapter(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_step_mode_a_short_clip_joins_and_finishes_before_a_long_one(wan) -> None:
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-ltx"])
+def test_step_mode_a_short_clip_joins_and_finishes_before_a_long_one(
+        name: str, request: pytest.FixtureRequest) -> None:
     """Step mode: a 2-step clip submitted while a 40-step clip runs joins the running
     batch and finishes first; both equal their request-mode solo runs."""
+    pipeline = request.getfixturevalue({"tiny-wan": "wan", "tiny-ltx": "ltx"}[name])
     def params(seed: int, steps: int) -> SamplingParams:
         return SamplingParams(height=32, width=32, num_inference_steps=steps, seed=seed,
                               output_type="pt", extra=dict(FRAMES))
 
     finished: list[str] = []
-    with Engine("tiny-wan", step_execution=True, max_num_seqs=4, executor="inproc",
+    with Engine(name, step_execution=True, max_num_seqs=4, executor="inproc",
                 warmup=False) as engine:
         async def run():
             long = asyncio.ensure_future(engine.generate_async("a long clip", params(1, 40)))
@@ -140,7 +167,7 @@ def test_step_mode_a_short_clip_joins_and_finishes_before_a_long_one(wan) -> Non
     assert long_out.ok and short_out.ok
     for prompt, seed, steps, output in (("a long clip", 1, 40, long_out),
                                         ("a short clip", 2, 2, short_out)):
-        solo = wan.forward(make_batch([make_request(
-            wan, prompt, prompt, seed=seed, height=32, width=32, num_inference_steps=steps,
-            extra=dict(FRAMES))]))[0]
+        solo = pipeline.forward(make_batch([make_request(
+            pipeline, prompt, prompt, seed=seed, height=32, width=32,
+            num_inference_steps=steps, extra=dict(FRAMES))]))[0]
         assert (output.images - solo.images).abs().max().item() < 1e-4, prompt

@@ -26,8 +26,8 @@ from tests.pipelines.conftest import TINY_NAMES
 
 def test_builtin_names_and_default() -> None:
     assert DEFAULT_MODEL == "shapes"  # the trained model shipped in the package
-    assert tuple(BUILTIN_MODELS) == (*TINY_NAMES, "tiny-wan")  # images, then video
-    assert builtin_model_names()[:5] == [*TINY_NAMES, "tiny-wan"]
+    assert tuple(BUILTIN_MODELS) == (*TINY_NAMES, "tiny-wan", "tiny-ltx")  # images, videos
+    assert builtin_model_names()[:6] == [*TINY_NAMES, "tiny-wan", "tiny-ltx"]
 
 
 def test_none_resolves_to_the_shipped_default() -> None:

@@ -203,10 +203,13 @@ class OpenAIServingVideos:
             num_frames = frames_for_seconds(seconds, fps, info.frame_multiple)
         else:
             num_frames = int(info.default_num_frames or 1)
+        extra: dict[str, Any] = {"num_frames": num_frames}
+        if "frame_rate" in (info.call_arguments or ()):  # LTX: positions scale with it
+            extra["frame_rate"] = fps
         params = SamplingParams(
             height=height, width=width, num_inference_steps=request.num_inference_steps,
             guidance_scale=request.guidance_scale, negative_prompt=request.negative_prompt,
-            seed=request.seed, extra={"num_frames": num_frames},
+            seed=request.seed, extra=extra,
             partial_images=1,  # any > 0: the video adapter then reports each step done
         )
         job = VideoJob(

@@ -415,3 +415,31 @@ def test_a_client_that_disconnects_does_not_cancel_its_job(client, server) -> No
             assert not deadline.is_set(), f"the job did not complete: {job}"
     finally:
         timer.cancel()
+
+
+def test_ltx_video_is_served_too() -> None:
+    """LTX-Video through the same API: its clip is encoded at the frame rate the model
+    was asked for (which LTX also takes as `frame_rate`)."""
+    import asyncio
+
+    import av
+
+    from tests.entrypoints.openai.conftest import app_client
+
+    async def run(engine: Engine) -> bytes:
+        async with app_client(engine, served_model_name="tiny-ltx") as client:
+            job = (await client.post("/v1/videos", json={
+                "prompt": "a cat", "size": "32x32", "seconds": "0.5", "fps": 10,
+                "num_inference_steps": 2})).json()
+            while job["status"] in ("queued", "in_progress"):
+                await asyncio.sleep(0.02)  # (a busy poll would hold the GIL from the engine)
+                job = (await client.get(f"/v1/videos/{job['id']}")).json()
+            assert job["status"] == "completed", job
+            return (await client.get(f"/v1/videos/{job['id']}/content")).content
+
+    with Engine("tiny-ltx", executor="inproc", warmup=False) as engine:
+        content = asyncio.run(run(engine))
+    with av.open(io.BytesIO(content)) as container:
+        stream = container.streams.video[0]
+        assert stream.average_rate == 10
+        assert sum(1 for _ in container.decode(stream)) == 5  # 0.5 s at 10 fps: 4k+1
