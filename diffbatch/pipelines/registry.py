@@ -170,10 +170,17 @@ def per_request_class(diffusers_class: type) -> type[DiffusersPerRequestPipeline
 
 
 def video_pipeline_class(path: str) -> type | None:
-    """The video adapter for a local folder whose model_index.json names a video
-    pipeline (a refused family is a `ModelLoadError` saying why); None otherwise."""
+    """The video adapter for a model whose model_index.json (a local folder's, or a
+    hub id's in the local cache) names a video pipeline (a refused family is a
+    `ModelLoadError` saying why); None otherwise."""
+    index_file = os.path.join(path, "model_index.json")
+    if not os.path.isdir(path) and _HUB_ID.match(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "model_index.json")
+        index_file = cached if isinstance(cached, str) else index_file
     try:
-        with open(os.path.join(path, "model_index.json"), encoding="utf-8") as f:
+        with open(index_file, encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, ValueError):
         return None
