@@ -171,3 +171,19 @@ def test_step_mode_a_short_clip_joins_and_finishes_before_a_long_one(
             pipeline, prompt, prompt, seed=seed, height=32, width=32,
             num_inference_steps=steps, extra=dict(FRAMES))]))[0]
         assert (output.images - solo.images).abs().max().item() < 1e-4, prompt
+
+
+def test_a_cached_hub_video_model_gets_the_video_adapter(tmp_path, monkeypatch) -> None:
+    import huggingface_hub
+
+    index = tmp_path / "model_index.json"
+    index.write_text(json.dumps({"_class_name": "WanPipeline"}))
+    seen = []
+
+    def cached(repo_id: str, filename: str) -> str:
+        seen.append((repo_id, filename))
+        return str(index)
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
+    assert video_pipeline_class("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") is DiffusersVideoPipeline
+    assert seen == [("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "model_index.json")]
