@@ -40,7 +40,7 @@ import torch
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines import library_logs
+from diffbatch.pipelines import family_rules, library_logs
 from diffbatch.pipelines.diffusers_edit import (
     at_least_one_step,
     call_parameters,
@@ -73,8 +73,6 @@ _RESERVED = frozenset({
     "timesteps", "latents", "prompt_embeds", "negative_prompt_embeds", "image", "mask_image",
     "strength", "masked_image_latents",
 })
-# Sample sizes for which PixArt pipelines have resolution bins.
-_PIXART_BIN_SAMPLE_SIZES = (32, 64, 128, 256)
 # diffusers classes (exact, not subclasses: those may override __call__) whose only
 # uses of `guidance_scale` in __call__ are a `> 1` check and the CFG combine
 # `noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)`; read
@@ -279,6 +277,9 @@ class DiffusersT2IPipeline(BasePipeline):
         if sample is None and denoiser is not None:
             sample = denoiser.config.get("sample_size")
         size = int(sample) * vae_scale if isinstance(sample, int) else 512
+        # A transformer whose rotary table is shorter than the default size needs
+        # (Z-Image's `axes_lens`) gets the largest size the table covers.
+        size = min(size, family_rules.rotary_size_limit(transformer, vae_scale * down) or size)
         # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
         # is embedded in the model and never doubles the batch.
         embedded = "true_cfg_scale" in self._call_params
@@ -310,7 +311,22 @@ class DiffusersT2IPipeline(BasePipeline):
             negative_prompt=self._negative_prompt_use(),
             **self._prompt_limit(),
             supports_mixed_resolution=self._packable(),
+            uses_guidance_scale=family_rules.uses_guidance_scale(pipe),
+            true_cfg_default=family_rules.true_cfg_default(pipe),
+            negative_prompt_none_differs=family_rules.negative_none_differs(pipe),
+            **self._prompt_padding(),
         )
+
+    def _prompt_padding(self) -> dict[str, Any]:
+        """`prompt_pad_*` of a pipeline whose text encoder pads without a mask."""
+        multiple = family_rules.prompt_pad_multiple(self.pipe)
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        folder = getattr(tokenizer, "name_or_path", None)
+        if multiple is None or not isinstance(folder, str) or not folder:
+            return {}
+        max_length = self._call_default("max_sequence_length", 1024)
+        return {"prompt_pad_multiple": multiple, "prompt_pad_tokenizer": folder,
+                "prompt_pad_max_length": int(max_length)}
 
     def _prompt_limit(self) -> dict[str, Any]:
         """`prompt_tokenizer` and `max_prompt_tokens` of a pipeline with one tokenizer
@@ -499,7 +515,8 @@ class DiffusersT2IPipeline(BasePipeline):
             if value is not None and name in call_params:
                 kwargs[name] = value
         guidance_scale = self._guidance_scale(batch)
-        if guidance_scale is not None:
+        # A scale the pipeline ignores is not passed (Qwen-Image warns about it).
+        if guidance_scale is not None and self._info.uses_guidance_scale:
             kwargs["guidance_scale"] = guidance_scale
         # NOTE: the engine checked the size multiple (Flux would silently resize, PixArt
         # crash), sigmas/timesteps and the extras against `info().call_arguments` at
@@ -515,10 +532,19 @@ class DiffusersT2IPipeline(BasePipeline):
             raise ValueError(f"{type(self._task_pipe(batch)).__name__} does not take the "
                              f"`extra` argument(s) {unknown}")
         kwargs.update(extra)
-        # 3. Per-request negative prompts (None -> ""), a list like the prompts (SD
-        #    rejects a string negative prompt beside a list prompt).
-        if "negative_prompt" in call_params and self._uses_negative_prompt(extra):
-            kwargs["negative_prompt"] = [p or "" for p in batch.negative_prompts]
+        # 3. Per-request negative prompts, a list like the prompts (SD rejects a string
+        #    negative prompt beside a list prompt). A wave without any passes none,
+        #    as the plain call would (SDXL's zero embeddings, Qwen-Image's true CFG
+        #    off); a wave that mixes them fills in what "none" means on this pipeline
+        #    (the key keeps them apart where none and "" differ).
+        negatives = batch.negative_prompts
+        if "negative_prompt" in call_params and self._uses_negative_prompt(extra, key) \
+                and any(p is not None for p in negatives):
+            if any(p is None for p in negatives) and self._info.negative_prompt_none_differs:
+                raise ValueError(f"{self._info.name}: a wave mixes requests with and "
+                                 "without a negative prompt, which it cannot share")
+            fill = family_rules.negative_prompt_fill(self.pipe)
+            kwargs["negative_prompt"] = [fill if p is None else p for p in negatives]
         # 4. Edits: each request's image (and mask), its strength.
         if params.task != "text-to-image":
             kwargs.update(edit_inputs(batch))
@@ -597,10 +623,13 @@ class DiffusersT2IPipeline(BasePipeline):
             )
         return PerSampleGuidance.from_batch(batch)
 
-    def _uses_negative_prompt(self, extra: dict[str, Any]) -> bool:
-        # NOTE: Flux uses negative prompts only with true CFG (true_cfg_scale > 1);
-        # passing them otherwise is wasted encoding at best.
+    def _uses_negative_prompt(self, extra: dict[str, Any], key: Any = None) -> bool:
+        # NOTE: Flux and Qwen-Image use negative prompts only with true CFG
+        # (true_cfg_scale > 1, and a negative prompt: the key's CFG flag); passing
+        # them otherwise is wasted encoding at best.
         if "true_cfg_scale" in self._call_params:
+            if key is not None and not key.cfg_enabled:
+                return False
             return float(extra.get("true_cfg_scale", self._true_cfg_default())) > 1.0
         return True
 
@@ -618,12 +647,11 @@ class DiffusersT2IPipeline(BasePipeline):
 
     def _apply_quirks(self, kwargs: dict[str, Any], extra: dict[str, Any],
                       call_params: Any) -> None:
-        transformer = getattr(self.pipe, "transformer", None)
-        # PixArt: resolution binning exists only for the released sample sizes and
-        # raises "Invalid sample size" for any other (e.g. tiny) transformer.
-        if "use_resolution_binning" in call_params and "use_resolution_binning" \
-                not in extra and transformer is not None \
-                and transformer.config.get("sample_size") not in _PIXART_BIN_SAMPLE_SIZES:
+        # PixArt, Sana: resolution binning exists only for the sample sizes in the
+        # pipeline's own table and raises "Invalid sample size" for any other (e.g.
+        # tiny) transformer; HunyuanDiT's would return another size than asked for.
+        if "use_resolution_binning" in call_params and "use_resolution_binning" not in extra \
+                and family_rules.resolution_binning(self.pipe) is False:
             kwargs["use_resolution_binning"] = False
         # PixArt: clean_caption=True without bs4/ftfy falls back to False with a
         # warning on every call; pass the fallback explicitly.

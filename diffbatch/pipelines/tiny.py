@@ -262,6 +262,7 @@ BUILDERS: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "tiny-flux": _build_flux,
     "tiny-pixart": _build_pixart,
 }
+# NOTE: importing `tiny_families` adds the other diffusers families (`tiny-sdxl`, ...).
 
 
 # -- cache -----------------------------------------------------------------------------
