@@ -74,7 +74,7 @@ def _params(info: Any, seed: int, *, negative: str | None = None, other_guidance
 
 
 def _compare(name: str, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Check:
-    worst = max((levels(a, b), label) for label, a, b in pairs)
+    worst = max(((levels(a, b), label) for label, a, b in pairs), key=lambda t: t[0])
     return Check(name, worst[0] <= MAX_LEVELS,
                  f"{len(pairs)} request(s); largest difference {worst[0]} level(s) "
                  f"({worst[1]})", worst[0])
@@ -121,8 +121,9 @@ def check_model(model: str, *, steps: int = 2, size: tuple[int, int] | None = No
     from diffbatch.pipelines.registry import resolve_model_path
 
     checks: list[Check] = []
+    # A wave that fails must fail its requests here, not be re-run one by one.
     engine_args = {"max_num_seqs": 4, "executor": "inproc", "request_batch_max_wait_ms": 0,
-                   "device": device}
+                   "batch_error_isolation": "none", "device": device}
     with Engine(model, **engine_args) as engine:
         info = engine.info
 

@@ -268,7 +268,9 @@ class DiffusersT2IPipeline(BasePipeline):
         if unet is not None:  # every down block but the last halves the latent
             down = 2 ** (len(unet.config.block_out_channels) - 1)
         elif transformer is not None:
-            down = int(transformer.config.get("patch_size", 1) or 1)
+            # Z-Image names its patch sizes `all_patch_size`
+            down = int(transformer.config.get("patch_size")
+                       or max(transformer.config.get("all_patch_size") or [1]))
             if hasattr(type(pipe), "_pack_latents"):  # Flux packs 2x2 latent patches
                 down *= 2
         else:
@@ -515,8 +517,7 @@ class DiffusersT2IPipeline(BasePipeline):
             if value is not None and name in call_params:
                 kwargs[name] = value
         guidance_scale = self._guidance_scale(batch)
-        # A scale the pipeline ignores is not passed (Qwen-Image warns about it).
-        if guidance_scale is not None and self._info.uses_guidance_scale:
+        if guidance_scale is not None:
             kwargs["guidance_scale"] = guidance_scale
         # NOTE: the engine checked the size multiple (Flux would silently resize, PixArt
         # crash), sigmas/timesteps and the extras against `info().call_arguments` at
@@ -604,6 +605,8 @@ class DiffusersT2IPipeline(BasePipeline):
         use it does not expect raises instead of mixing scales. A wave whose requests
         all share one scale gets a plain float: the path a solo run takes.
         """
+        if not self._info.uses_guidance_scale:  # ignored here (Qwen-Image): not passed
+            return None
         scales = [p.guidance_scale for p in batch.sampling_params_list]
         key = batch.key
         if key is not None and key.guidance_scale is not None:

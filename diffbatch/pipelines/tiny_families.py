@@ -302,7 +302,8 @@ def build_z_image(tmp: str) -> Built:
     )
     text_encoder = Qwen3Model(Qwen3Config(
         hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+        num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
+        max_position_embeddings=512,
     ))
     pipe = ZImagePipeline(transformer=transformer, vae=vae, text_encoder=text_encoder,
                           tokenizer=tokenizer, scheduler=FlowMatchEulerDiscreteScheduler())
@@ -327,7 +328,8 @@ def build_flux2_klein(tmp: str) -> Built:
     # 28 layers: the call reads hidden states 9, 18 and 27 (`text_encoder_out_layers`)
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
         hidden_size=16, intermediate_size=16, num_hidden_layers=28, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+        num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
+        max_position_embeddings=512,
     ))
     vae = AutoencoderKLFlux2(
         sample_size=32, in_channels=3, out_channels=3,
