@@ -420,11 +420,11 @@ def test_lora_modules_take_vllms_json_form_beside_name_path(tmp_path: Path) -> N
     args = parse("serve", "--lora-modules", entry, f"oil={tmp_path / 'b'}")
     config = EngineConfig.from_cli_args(args)
     assert config.lora_modules == {"ink": str(tmp_path / "a"), "oil": str(tmp_path / "b")}
-    for bad in ('{"name": "ink"}', '{"name": "a/b", "path": "%s"}' % tmp_path,
-                '{"name": "ink", "path": "/no/such/path"}', '{"name": "ink", "path": 3}',
-                '{"name": "ink", "path": "%s", "rank": 4}' % tmp_path, "{not json"):
+    for bad in ({"name": "ink"}, {"name": "a/b", "path": str(tmp_path)},
+                {"name": "ink", "path": "/no/such/path"}, {"name": "ink", "path": 3},
+                {"name": "ink", "path": str(tmp_path), "rank": 4}, "{not json"):
         with pytest.raises(SystemExit):
-            parse("serve", "--lora-modules", bad)
+            parse("serve", "--lora-modules", bad if isinstance(bad, str) else json.dumps(bad))
 
 
 def test_runtime_lora_updating_is_refused_with_ray(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""The model matrix, DiT families (PixArt-Sigma, Sana, Lumina2, AuraFlow, HunyuanDiT): each family through `check_model`
+"""The model matrix, DiT families
+(PixArt-Sigma, Sana, Lumina2, AuraFlow, HunyuanDiT): each family through `check_model`
 (one wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths,
 solo == plain diffusers, step mode), every check within 1 level (0-255).
 
@@ -17,7 +18,9 @@ CHECKS = ["wave of 4", "batched == solo", "mixed guidance, negatives, lengths",
           "solo == diffusers", "step mode"]
 
 
-@pytest.mark.parametrize("name", ["tiny-pixart", "tiny-sana", "tiny-lumina2", "tiny-auraflow", "tiny-hunyuandit"])
+@pytest.mark.parametrize("name", [
+    "tiny-pixart", "tiny-sana", "tiny-lumina2", "tiny-auraflow", "tiny-hunyuandit",
+])
 def test_family_batches_and_equals_plain_diffusers(model_cache_dir, name):
     checks = check_model(name)
     report = "\n".join(f"{'ok' if c.ok else 'FAILED'} {c.name}: {c.detail}" for c in checks)

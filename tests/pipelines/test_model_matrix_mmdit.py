@@ -1,4 +1,5 @@
-"""The model matrix, MMDiT families with CLIP/T5 encoders (SD3, SD3.5, Flux, Chroma): each family through `check_model`
+"""The model matrix, MMDiT families
+with CLIP/T5 encoders (SD3, SD3.5, Flux, Chroma): each family through `check_model`
 (one wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths,
 solo == plain diffusers, step mode), every check within 1 level (0-255).
 

@@ -1,4 +1,5 @@
-"""The model matrix, UNet families (SD, SDXL, LCM): each family through `check_model`
+"""The model matrix, UNet families
+(SD, SDXL, LCM): each family through `check_model`
 (one wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths,
 solo == plain diffusers, step mode), every check within 1 level (0-255).
 
