@@ -69,8 +69,14 @@ def _params(info: Any, seed: int, *, negative: str | None = None, other_guidance
 
     guidance = info.default_guidance_scale + (1.5 if other_guidance else 0.0)
     height, width = size or (None, None)
+    extra: dict[str, Any] = {}
+    if info.negative_prompt == "no":  # the pipeline takes none (LCM, Flux.2 Klein)
+        negative = None
+    elif info.negative_prompt == "true_cfg" and negative is not None:
+        extra["true_cfg_scale"] = 2.0  # Flux uses one only with true CFG
     return SamplingParams(height=height, width=width, num_inference_steps=steps, seed=seed,
-                          guidance_scale=guidance, negative_prompt=negative, output_type="pt")
+                          guidance_scale=guidance, negative_prompt=negative, output_type="pt",
+                          extra=extra)
 
 
 def _compare(name: str, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Check:
@@ -97,6 +103,7 @@ def _reference_call(pipe: Any, info: Any, prompt: str, params: Any) -> torch.Ten
         "height": params.height, "width": params.width, "output_type": "pt",
         "generator": torch.Generator().manual_seed(params.seed),
     }
+    kwargs.update(params.extra)
     if params.negative_prompt is not None:
         kwargs["negative_prompt"] = params.negative_prompt
     if info.uses_guidance_scale:
