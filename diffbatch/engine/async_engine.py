@@ -224,9 +224,9 @@ class Engine:
             self.close()
             info = self.info
             raise PipelineError(
-                "engine start-up failed: the warm-up request (the model's default size "
-                f"{info.default_width}x{info.default_height}, 1 step) failed: {message}; "
-                "start with --no-warmup (EngineConfig(warmup=False)) to skip it")
+                f"engine start-up failed: the warm-up request failed: {message} (it ran at "
+                f"the model's default size {info.default_width}x{info.default_height}, 1 "
+                "step; start with --no-warmup, EngineConfig(warmup=False), to skip it)")
 
     # -- LoRA adapters served by name ------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:

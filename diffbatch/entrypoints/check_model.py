@@ -17,7 +17,8 @@ folder, hub id or built-in name, with the model's default size:
 
 Images are compared in levels (0-255, rounded), the unit a user sees; the bar is 1.
 The engine runs in this process (`executor="inproc"`), so nothing else is started;
-the plain pipeline is a second copy loaded from the same folder.
+the plain pipeline is a second copy loaded from the same folder, so the model must
+fit twice.
 """
 
 from __future__ import annotations
@@ -122,9 +123,8 @@ def check_model(model: str, *, steps: int = 2, size: tuple[int, int] | None = No
                 step_mode: bool = True, device: str | None = None) -> list[Check]:
     """Run every check on `model` (a folder, hub id or built-in name); see the module
     docstring. A check that cannot run is reported failed with the reason."""
-    from diffusers import DiffusionPipeline
-
     from diffbatch import Engine
+    from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
     from diffbatch.pipelines.registry import resolve_model_path
 
     checks: list[Check] = []
@@ -161,11 +161,9 @@ def check_model(model: str, *, steps: int = 2, size: tuple[int, int] | None = No
         checks.append(check)
         resolved = [engine.resolve_params(q) for q in (wave_params[0], *mixed_params[:2])]
     # 3. Solo == plain diffusers: without a negative prompt, and with one.
-    folder = resolve_model_path(model)
-    pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    if device is not None:
-        pipe = pipe.to(device)
+    # The diffusers pipeline object itself, called directly; loaded the way the
+    # adapter loads it (components the folder leaves out, like SD3's T5, passed as None).
+    pipe = DiffusersT2IPipeline.from_pretrained(resolve_model_path(model), device=device).pipe
     references = [
         ("no negative prompt", solos[0].images,
          _reference_call(pipe, info, WAVE_PROMPTS[0], resolved[0])),
