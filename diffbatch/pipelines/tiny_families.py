@@ -259,11 +259,13 @@ def build_qwen_image(tmp: str) -> Built:
             "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tokenizer),
             "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
                              "type": "default"},
-            "rope_theta": 1000000.0,
+            "rope_theta": 1000000.0, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None,
         },
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16,
                        "num_heads": 2, "out_hidden_size": 16},
-        hidden_size=16, vocab_size=len(tokenizer),
+        hidden_size=16, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"), vision_token_id=ids("<|vision_pad|>"),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
@@ -444,7 +446,7 @@ def build_cogview4(tmp: str) -> Built:
         CogView4Transformer2DModel,
         FlowMatchEulerDiscreteScheduler,
     )
-    from transformers import GlmConfig, GlmForCausalLM
+    from transformers import GlmConfig, GlmModel
 
     # GLM-4's tokenizer pads on the left, as CogView4's own padding does.
     tokenizer = build_byte_bpe_tokenizer(
@@ -461,7 +463,7 @@ def build_cogview4(tmp: str) -> Built:
         up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
         layers_per_block=1, sample_size=32,
     )
-    text_encoder = GlmForCausalLM(GlmConfig(
+    text_encoder = GlmModel(GlmConfig(
         hidden_size=32, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
         head_dim=8, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
     ))

@@ -87,3 +87,24 @@ def test_a_wave_without_negative_prompts_passes_none(load_tiny, name):
     pipeline = load_tiny(name)
     request = make_request(pipeline, "r", "a cat", height=32, width=32)
     assert "negative_prompt" not in pipeline.call_kwargs(make_batch([request]))
+
+
+def test_sana_bins_a_size_outside_its_table_as_diffusers_does(load_tiny):
+    """256x256 generates at Sana's 512 px bin and is resized back: the request equals
+    plain diffusers (binning on, its default), which differs from unbinned."""
+    import torch
+
+    from diffbatch.entrypoints.check_model import levels
+
+    pipeline = load_tiny("tiny-sana")
+    request = make_request(pipeline, "r", "a red cat", seed=3, height=256, width=256)
+    served = pipeline.forward(make_batch([request]))[0].images
+
+    def plain(**kwargs) -> torch.Tensor:
+        return pipeline.pipe(prompt="a red cat", height=256, width=256, num_inference_steps=2,
+                             guidance_scale=request.sampling_params.guidance_scale,
+                             generator=torch.Generator().manual_seed(3), output_type="pt",
+                             **kwargs).images
+
+    assert levels(served, plain()) <= 1
+    assert levels(served, plain(use_resolution_binning=False)) > 1
