@@ -281,7 +281,7 @@ class DiffusersT2IPipeline(BasePipeline):
         size = int(sample) * vae_scale if isinstance(sample, int) else 512
         # A transformer whose rotary table is shorter than the default size needs
         # (Z-Image's `axes_lens`) gets the largest size the table covers.
-        size = min(size, family_rules.rotary_size_limit(transformer, vae_scale * down) or size)
+        size = min(size, family_rules.rotary_size_limit(transformer, vae_scale) or size)
         # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
         # is embedded in the model and never doubles the batch.
         embedded = "true_cfg_scale" in self._call_params

@@ -141,7 +141,9 @@ def prompt_layout(info: Any, prompt: str, params: Any) -> tuple[Any, ...]:
 
 def rotary_size_limit(transformer: Any, pixels_per_latent: int) -> int | None:
     """The largest image side a transformer's precomputed rotary table covers
-    (Z-Image: `axes_lens` positions per axis of patches), or None where it has none."""
+    (Z-Image: `axes_lens` positions per axis of patches, each patch
+    `all_patch_size` latent pixels of `pixels_per_latent` image pixels), or None
+    where it has none."""
     config = getattr(transformer, "config", None)
     if config is None:
         return None
