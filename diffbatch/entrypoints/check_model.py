@@ -10,8 +10,8 @@ folder, hub id or built-in name, with the model's default size:
   and prompt lengths, submitted together, each equal their runs alone (however the
   engine keys them into waves);
 - **solo == diffusers**: a request served alone equals the same call of the plain
-  diffusers pipeline (same arguments, `torch.Generator().manual_seed(seed)`), with
-  and without a negative prompt;
+  diffusers pipeline (same arguments, `torch.Generator(device).manual_seed(seed)`),
+  with and without a negative prompt;
 - **step mode**: the mixed requests in step mode equal their request-mode runs, or
   the engine refuses step mode and says why.
 
@@ -102,7 +102,8 @@ def _reference_call(pipe: Any, info: Any, prompt: str, params: Any) -> torch.Ten
     kwargs: dict[str, Any] = {
         "prompt": prompt, "num_inference_steps": params.num_inference_steps,
         "height": params.height, "width": params.width, "output_type": "pt",
-        "generator": torch.Generator().manual_seed(params.seed),
+        # the engine seeds a generator on the pipeline's device, `seed + i` for image i
+        "generator": torch.Generator(device=pipe.device).manual_seed(params.seed),
     }
     kwargs.update(params.extra)
     if params.negative_prompt is not None:
