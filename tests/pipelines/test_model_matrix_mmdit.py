@@ -1,9 +1,9 @@
-"""The model matrix, MMDiT families
-with CLIP/T5 encoders (SD3, SD3.5, Flux, Chroma): each family through `check_model`
-(one wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths,
-solo == plain diffusers, step mode), every check within 1 level (0-255).
+"""The model matrix for the MMDiT families with CLIP/T5 encoders (SD3, SD3.5, Flux, Chroma).
 
-The matrix is split into files by family group so the suite's workers share it.
+Each family runs through `check_model` (diffbatch/entrypoints/check_model.py): one
+wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths, solo ==
+plain diffusers, step mode, every image within 1 level (0-255). The matrix is split
+into files by family group so the suite's workers share it.
 """
 
 from __future__ import annotations

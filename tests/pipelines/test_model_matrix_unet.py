@@ -1,9 +1,9 @@
-"""The model matrix, UNet families
-(SD, SDXL, LCM): each family through `check_model`
-(one wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths,
-solo == plain diffusers, step mode), every check within 1 level (0-255).
+"""The model matrix for the UNet families (SD, SDXL, LCM).
 
-The matrix is split into files by family group so the suite's workers share it.
+Each family runs through `check_model` (diffbatch/entrypoints/check_model.py): one
+wave of 4, batched == solo, mixed guidance/negative prompts/prompt lengths, solo ==
+plain diffusers, step mode, every image within 1 level (0-255). The matrix is split
+into files by family group so the suite's workers share it.
 """
 
 from __future__ import annotations
