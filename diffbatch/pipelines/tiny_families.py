@@ -250,7 +250,7 @@ def build_qwen_image(tmp: str) -> Built:
         axes_dims_rope=(8, 4, 4),
     )
     vae = AutoencoderKLQwenImage(
-        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
         temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
     )
     config = Qwen2_5_VLConfig(
