@@ -11,11 +11,15 @@ the requests whose text encoding would depend on their batch mates:
   `PipelineInfo.cfg_enabled` follows that rule, and CFG on/off is in the key.)
 - `uses_guidance_scale`: False where `guidance_scale` changes nothing (Qwen-Image's
   transformer without guidance embeddings): it is neither passed nor in the key.
-- `binning_sample_sizes`: the transformer sample sizes for which the pipeline has
-  resolution bins, read from its own `__call__` (PixArt's and Sana's tables differ).
+- `resolution_binning`: on where the transformer's sample size has resolution bins
+  in the pipeline's own `__call__` (PixArt's and Sana's tables differ), off where it
+  has none or where binning would return another size (HunyuanDiT).
 - `prompt_pad_multiple`: text encoders that pad the wave's prompts to the longest
   one without an attention mask (CogView4's GLM pads to a multiple of 16 on the left):
-  a prompt's embedding depends on the padded length, so requests are keyed by it.
+  a prompt's embedding depends on the padded length, so requests are keyed by it
+  (`prompt_layout`, computed in the engine for `SamplingParamsKey`).
+- `rotary_size_limit`: the largest size a precomputed rotary table covers (Z-Image),
+  which caps the default size the warm-up runs at.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ _RESHAPING_BINS = frozenset({"HunyuanDiTPipeline"})
 
 
 def call_params(pipe: Any) -> dict[str, inspect.Parameter]:
+    """The parameters of the pipeline's `__call__`, by name."""
     return dict(inspect.signature(type(pipe).__call__).parameters)
 
 
