@@ -320,10 +320,19 @@ class DiffusersT2IPipeline(BasePipeline):
         )
 
     def _prompt_padding(self) -> dict[str, Any]:
-        """`prompt_pad_*` of a pipeline whose text encoder pads without a mask."""
-        multiple = family_rules.prompt_pad_multiple(self.pipe)
+        """`prompt_pad_*` of a pipeline whose text encoder pads without a mask: a known
+        family's multiple (CogView4: 16), else, where encoding a short prompt beside a
+        long one changes it (a start-up check), its exact token count."""
         tokenizer = getattr(self.pipe, "tokenizer", None)
         folder = getattr(tokenizer, "name_or_path", None)
+        multiple = family_rules.prompt_pad_multiple(self.pipe)
+        if multiple is None and family_rules.encoding_depends_on_batch(self.pipe):
+            logger.warning(
+                "%s: a prompt's text embedding depends on the other prompts encoded with "
+                "it (padding without a mask); %s", type(self.pipe).__name__,
+                "requests are keyed by their prompts' token counts" if folder
+                else "its tokenizer has no folder, so waves may mix prompt lengths")
+            multiple = 1
         if multiple is None or not isinstance(folder, str) or not folder:
             return {}
         max_length = self._call_default("max_sequence_length", 1024)

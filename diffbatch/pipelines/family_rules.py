@@ -156,3 +156,62 @@ def rotary_size_limit(transformer: Any, pixels_per_latent: int) -> int | None:
     if not lens or len(lens) < 3 or not patches:
         return None
     return int(min(lens[1:])) * int(max(patches)) * int(pixels_per_latent)
+
+
+# Two prompts of different lengths for `encoding_depends_on_batch`.
+_SHORT_PROMPT = "a cat"
+_LONG_PROMPT = ("a large old castle on a mountain over a dark forest under the night sky with "
+                "a bright moon, a river and a bridge in the valley below, oil painting")
+
+
+def _first_tensor(result: Any) -> Any:
+    import torch
+
+    while isinstance(result, tuple | list) and result:
+        if isinstance(result, list) and all(isinstance(r, torch.Tensor) for r in result):
+            return result[0]  # one embedding per prompt (Z-Image)
+        result = result[0]
+    return result if isinstance(result, torch.Tensor) else None
+
+
+def encoding_depends_on_batch(pipe: Any) -> bool | None:
+    """Whether a prompt's text embedding changes when a longer prompt is encoded with
+    it (an encoder that pads to the longest prompt without a mask), found by encoding
+    a short prompt alone and beside a long one with the pipeline's own
+    `encode_prompt`; None where that cannot be called generically.
+
+    Embeddings of different lengths are compared on the short prompt's tokens, at
+    either end (right or left padding): with a mask, one of them matches.
+    """
+    import torch
+
+    encode = getattr(pipe, "encode_prompt", None)
+    if encode is None:
+        return None
+    try:
+        params = inspect.signature(encode).parameters
+        kwargs: dict[str, Any] = {}
+        if "device" in params:
+            kwargs["device"] = getattr(pipe, "_execution_device", None) or pipe.device
+        if "num_images_per_prompt" in params:
+            kwargs["num_images_per_prompt"] = 1
+        if "do_classifier_free_guidance" in params:
+            kwargs["do_classifier_free_guidance"] = False
+        for name in ("prompt_2", "prompt_3"):  # SD3's other encoders read the prompt too
+            if name in params and params[name].default is inspect.Parameter.empty:
+                kwargs[name] = None
+        with torch.no_grad():
+            alone = _first_tensor(encode(prompt=[_SHORT_PROMPT], **kwargs))
+            together = _first_tensor(encode(prompt=[_SHORT_PROMPT, _LONG_PROMPT], **kwargs))
+    except Exception:  # an encode_prompt that needs more than a prompt: not decided here
+        return None
+    if alone is None or together is None or alone.dim() < 2:
+        return None
+    a, b = alone[0].float(), together[0].float()
+    if a.shape == b.shape:
+        return not torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+    if a.dim() != b.dim() or a.shape[1:] != b.shape[1:] or a.shape[0] > b.shape[0]:
+        return None
+    n = a.shape[0]
+    return not (torch.allclose(a, b[:n], atol=1e-4, rtol=1e-3)
+                or torch.allclose(a, b[-n:], atol=1e-4, rtol=1e-3))

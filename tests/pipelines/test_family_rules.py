@@ -108,3 +108,19 @@ def test_sana_bins_a_size_outside_its_table_as_diffusers_does(load_tiny):
 
     assert levels(served, plain()) <= 1
     assert levels(served, plain(use_resolution_binning=False)) > 1
+
+
+def test_a_start_up_check_finds_an_encoder_that_pads_without_a_mask(load_tiny, monkeypatch):
+    from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+
+    cogview = load_tiny("tiny-cogview4")
+    assert family_rules.encoding_depends_on_batch(cogview.pipe) is True
+    for name in ("tiny-sd", "tiny-sd3", "tiny-sdxl", "tiny-qwen-image", "tiny-sana"):
+        assert family_rules.encoding_depends_on_batch(load_tiny(name).pipe) is False, name
+    # a family without a rule: the check keys its requests by exact token counts
+    monkeypatch.setattr(family_rules, "_UNMASKED_PADDING", {})
+    info = DiffusersT2IPipeline(cogview.pipe, device="cpu").info()
+    assert info.prompt_pad_multiple == 1
+    layouts = {family_rules.prompt_layout(info, p, SamplingParams())
+               for p in ("a red cat", "a blue dog", "a red cat on a tree")}
+    assert len(layouts) == 2
