@@ -195,11 +195,13 @@ class PipelineInfo:
     # request has a negative prompt, diffusers' own rule. None: no true CFG.
     true_cfg_default: float | None = None
     # A request without a negative prompt computes something else than one with ""
-    # (SDXL's zero embeddings, true CFG): the two are keyed apart.
+    # (SDXL's zero embeddings): the two are keyed apart. (True CFG's on/off follows
+    # the negative prompt through `cfg_enabled`.)
     negative_prompt_none_differs: bool = False
     # An unmasked text encoder pads a wave's prompts to the longest, rounded up to
-    # this multiple (CogView4: 16); requests are keyed by their padded lengths,
-    # counted with `prompt_pad_tokenizer` (a folder) up to `prompt_pad_max_length`.
+    # this multiple (CogView4: 16; 1 where only the start-up check found it); requests
+    # are keyed by their padded lengths, counted with `prompt_pad_tokenizer` (a
+    # folder) up to `prompt_pad_max_length` tokens.
     prompt_pad_multiple: int | None = None
     prompt_pad_tokenizer: str | None = None
     prompt_pad_max_length: int = 1024
