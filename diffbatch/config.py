@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
@@ -43,9 +44,16 @@ AUTO_REQUEST_WORK_FACTOR = 100
 
 
 class NamedPaths(Rule):
-    """`name=path` pairs (a flag given several times, or `--flag a=p b=q`), as a dict."""
+    """`name=path` pairs (a flag given several times, or `--flag a=p b=q`), as a dict.
 
-    text = "name=path pairs with existing paths and names without '/', '=' or spaces"
+    An entry may also be vLLM's JSON form of `--lora-modules`,
+    `{"name": ..., "path": ..., "base_model_name": ...}`; `base_model_name` is checked
+    as a string and otherwise unused (one engine serves one base model, which
+    `/v1/models` names as every adapter's parent).
+    """
+
+    text = ("name=path pairs, or {\"name\": ..., \"path\": ...} JSON objects, with existing "
+            "paths and names without '/', '=' or spaces")
 
     def accepts(self, value: Any) -> bool:
         return isinstance(value, dict) and all(
@@ -53,10 +61,27 @@ class NamedPaths(Rule):
             for k, v in value.items())
 
     def parse(self, text: str) -> dict[str, str]:
+        if text.lstrip().startswith("{"):
+            return self._parse_json(text)
         name, sep, path = text.partition("=")
         if not sep or not _plain_name(name.strip()) or not os.path.exists(path.strip()):
             raise self._bad(text)
         return {name.strip(): os.path.abspath(path.strip())}
+
+    def _parse_json(self, text: str) -> dict[str, str]:
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            raise self._bad(text) from None
+        if not isinstance(entry, dict) or set(entry) - {"name", "path", "base_model_name"} \
+                or not isinstance(entry.get("name"), str) \
+                or not isinstance(entry.get("path"), str) \
+                or not isinstance(entry.get("base_model_name", ""), str):
+            raise self._bad(text)
+        name, path = entry["name"], entry["path"]
+        if not _plain_name(name) or not os.path.exists(path):
+            raise self._bad(text)
+        return {name: os.path.abspath(path)}
 
 
 def _plain_name(name: str) -> bool:
@@ -159,7 +184,8 @@ class EngineConfig:
         default_help="none: LoRA only through the Python API, by path")
     lora_modules: dict[str, str] = option(
         default_factory=dict, rule=NamedPaths(), metavar="NAME=PATH", nargs="+",
-        help="LoRA adapters served under names (vLLM's flag): a request selects one with "
+        help="LoRA adapters served under names (vLLM's flag; NAME=PATH or vLLM's JSON form "
+        "'{\"name\": ..., \"path\": ...}'): a request selects one with "
         "`lora` or `model`, /v1/models lists them", default_help="none")
     max_loras: int = option(
         8, rule=IntRange(1),

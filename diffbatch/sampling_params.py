@@ -396,11 +396,17 @@ class SamplingParamsKey:
     extra: tuple[tuple[str, Any], ...]  # frozen, sorted model-specific kwargs
     # Requests of any size share a wave (mixed resolution: the pipeline packs them).
     any_size: bool = False
+    # What of the request's prompts its text encoding shares with the wave, where
+    # the pipeline cannot keep them apart (`family_rules.prompt_layout`): e.g. whether
+    # it has a negative prompt (SDXL's zero embeddings), the length an unmasked
+    # encoder pads its prompts to (CogView4); () where nothing.
+    prompt_layout: tuple[Any, ...] = ()
 
     @classmethod
     def from_params(
         cls, params: SamplingParams, *, cfg_enabled: bool, per_request_guidance: bool = False,
-        reference_size: tuple[int, int] | None = None,
+        reference_size: tuple[int, int] | None = None, guidance_used: bool = True,
+        prompt_layout: tuple[Any, ...] = (),
     ) -> SamplingParamsKey:
         """Build the key of already-resolved params (height, width, steps, guidance set).
 
@@ -408,7 +414,8 @@ class SamplingParamsKey:
         CFG on, the guidance scale is left out of the key. With a `reference_size`
         (height, width; the pipeline packs requests of different sizes into one
         forward) the request's size leaves the key: it holds the reference size
-        instead, and `any_size`.
+        instead, and `any_size`. Without `guidance_used` (the pipeline ignores the
+        scale) the guidance scale is left out too.
         """
         assert params.height is not None and params.width is not None
         assert params.num_inference_steps is not None and params.guidance_scale is not None
@@ -422,7 +429,7 @@ class SamplingParamsKey:
             task=params.task,
             strength=float(params.strength) if params.strength is not None
             and params.task != TEXT_TO_IMAGE else None,
-            guidance_scale=None if per_request_guidance and cfg_enabled
+            guidance_scale=None if (per_request_guidance and cfg_enabled) or not guidance_used
             else float(params.guidance_scale),
             cfg_enabled=cfg_enabled,
             sigmas=params.sigmas,
@@ -431,6 +438,7 @@ class SamplingParamsKey:
             output_type=params.output_type,
             extra=_freeze(extra),
             any_size=reference_size is not None,
+            prompt_layout=prompt_layout,
         )
 
     def for_step_execution(self) -> SamplingParamsKey:

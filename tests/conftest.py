@@ -46,6 +46,7 @@ LONGEST_FIRST = (
     *RAY_TEST_FILES, "tests/test_e2e_step_execution.py", "tests/bench/test_benchmarks_smoke.py",
     "tests/executor/test_multiproc.py", "tests/bench/test_auto_benchmarks_smoke.py",
     "tests/entrypoints/test_cli_serve.py", "tests/bench/test_reliability_smoke.py",
+    "tests/pipelines/test_model_matrix_llm.py", "tests/pipelines/test_model_matrix_dit.py",
 )
 
 

@@ -57,6 +57,7 @@ from diffbatch.executor.abstract import Executor
 from diffbatch.metrics import EngineMetrics
 from diffbatch.models import DEFAULT_MODEL
 from diffbatch.outputs import DiffusionOutput, PartialImage, RequestError, finalize_images
+from diffbatch.pipelines.family_rules import prompt_layout
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus, validate_prompt
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
@@ -225,7 +226,11 @@ class Engine:
         if not output.ok:
             message = output.error.message if output.error else "aborted"
             self.close()
-            raise PipelineError(f"engine start-up failed: the warm-up request failed: {message}")
+            info = self.info
+            raise PipelineError(
+                f"engine start-up failed: the warm-up request failed: {message} (it ran at "
+                f"the model's default size {info.default_width}x{info.default_height}, 1 "
+                "step; start with --no-warmup, EngineConfig(warmup=False), to skip it)")
 
     # -- LoRA adapters served by name ------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -294,6 +299,8 @@ class Engine:
             per_request_guidance=self.info.supports_per_request_guidance
             and resolved.task == "text-to-image",
             reference_size=self._mixed_reference_size(resolved),
+            guidance_used=self.info.uses_guidance_scale,
+            prompt_layout=prompt_layout(self.info, prompt, resolved),
         )
         if self.config.step_execution:  # each request runs its own schedule
             request.key = request.key.for_step_execution()

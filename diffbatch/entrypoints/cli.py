@@ -219,9 +219,15 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_bench_parser(subparsers)
 
 
+def _add_check_model_parser(subparsers: argparse._SubParsersAction) -> None:
+    from diffbatch.entrypoints.check_model import add_check_model_parser
+
+    add_check_model_parser(subparsers)
+
+
 # (name, adds the subparser)
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_serve_parser, _add_bench_parser,
+    add_serve_parser, _add_bench_parser, _add_check_model_parser,
 ]
 
 

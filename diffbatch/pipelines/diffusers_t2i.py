@@ -40,7 +40,7 @@ import torch
 
 from diffbatch.errors import ConfigError, ModelNotFoundError
 from diffbatch.outputs import DiffusionOutput
-from diffbatch.pipelines import library_logs
+from diffbatch.pipelines import family_rules, library_logs
 from diffbatch.pipelines.diffusers_edit import (
     at_least_one_step,
     call_parameters,
@@ -73,8 +73,6 @@ _RESERVED = frozenset({
     "timesteps", "latents", "prompt_embeds", "negative_prompt_embeds", "image", "mask_image",
     "strength", "masked_image_latents",
 })
-# Sample sizes for which PixArt pipelines have resolution bins.
-_PIXART_BIN_SAMPLE_SIZES = (32, 64, 128, 256)
 # diffusers classes (exact, not subclasses: those may override __call__) whose only
 # uses of `guidance_scale` in __call__ are a `> 1` check and the CFG combine
 # `noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)`; read
@@ -270,7 +268,9 @@ class DiffusersT2IPipeline(BasePipeline):
         if unet is not None:  # every down block but the last halves the latent
             down = 2 ** (len(unet.config.block_out_channels) - 1)
         elif transformer is not None:
-            down = int(transformer.config.get("patch_size", 1) or 1)
+            # Z-Image names its patch sizes `all_patch_size`
+            down = int(transformer.config.get("patch_size")
+                       or max(transformer.config.get("all_patch_size") or [1]))
             if hasattr(type(pipe), "_pack_latents"):  # Flux packs 2x2 latent patches
                 down *= 2
         else:
@@ -279,6 +279,9 @@ class DiffusersT2IPipeline(BasePipeline):
         if sample is None and denoiser is not None:
             sample = denoiser.config.get("sample_size")
         size = int(sample) * vae_scale if isinstance(sample, int) else 512
+        # A transformer whose rotary table is shorter than the default size needs
+        # (Z-Image's `axes_lens`) gets the largest size the table covers.
+        size = min(size, family_rules.rotary_size_limit(transformer, vae_scale) or size)
         # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
         # is embedded in the model and never doubles the batch.
         embedded = "true_cfg_scale" in self._call_params
@@ -310,7 +313,31 @@ class DiffusersT2IPipeline(BasePipeline):
             negative_prompt=self._negative_prompt_use(),
             **self._prompt_limit(),
             supports_mixed_resolution=self._packable(),
+            uses_guidance_scale=family_rules.uses_guidance_scale(pipe),
+            true_cfg_default=family_rules.true_cfg_default(pipe),
+            negative_prompt_none_differs=family_rules.negative_none_differs(pipe),
+            **self._prompt_padding(),
         )
+
+    def _prompt_padding(self) -> dict[str, Any]:
+        """`prompt_pad_*` of a pipeline whose text encoder pads without a mask: a known
+        family's multiple (CogView4: 16), else, where encoding a short prompt beside a
+        long one changes it (a start-up check), its exact token count."""
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        folder = getattr(tokenizer, "name_or_path", None)
+        multiple = family_rules.prompt_pad_multiple(self.pipe)
+        if multiple is None and family_rules.encoding_depends_on_batch(self.pipe):
+            logger.warning(
+                "%s: a prompt's text embedding depends on the other prompts encoded with "
+                "it (padding without a mask); %s", type(self.pipe).__name__,
+                "requests are keyed by their prompts' token counts" if folder
+                else "its tokenizer has no folder, so waves may mix prompt lengths")
+            multiple = 1
+        if multiple is None or not isinstance(folder, str) or not folder:
+            return {}
+        max_length = self._call_default("max_sequence_length", 1024)
+        return {"prompt_pad_multiple": multiple, "prompt_pad_tokenizer": folder,
+                "prompt_pad_max_length": int(max_length)}
 
     def _prompt_limit(self) -> dict[str, Any]:
         """`prompt_tokenizer` and `max_prompt_tokens` of a pipeline with one tokenizer
@@ -515,10 +542,19 @@ class DiffusersT2IPipeline(BasePipeline):
             raise ValueError(f"{type(self._task_pipe(batch)).__name__} does not take the "
                              f"`extra` argument(s) {unknown}")
         kwargs.update(extra)
-        # 3. Per-request negative prompts (None -> ""), a list like the prompts (SD
-        #    rejects a string negative prompt beside a list prompt).
-        if "negative_prompt" in call_params and self._uses_negative_prompt(extra):
-            kwargs["negative_prompt"] = [p or "" for p in batch.negative_prompts]
+        # 3. Per-request negative prompts, a list like the prompts (SD rejects a string
+        #    negative prompt beside a list prompt). A wave without any passes none,
+        #    as the plain call would (SDXL's zero embeddings, Qwen-Image's true CFG
+        #    off); a wave that mixes them fills in what "none" means on this pipeline
+        #    (the key keeps them apart where none and "" differ).
+        negatives = batch.negative_prompts
+        if "negative_prompt" in call_params and self._uses_negative_prompt(extra, key) \
+                and any(p is not None for p in negatives):
+            if any(p is None for p in negatives) and self._info.negative_prompt_none_differs:
+                raise ValueError(f"{self._info.name}: a wave mixes requests with and "
+                                 "without a negative prompt, which it cannot share")
+            fill = family_rules.negative_prompt_fill(self.pipe)
+            kwargs["negative_prompt"] = [fill if p is None else p for p in negatives]
         # 4. Edits: each request's image (and mask), its strength.
         if params.task != "text-to-image":
             kwargs.update(edit_inputs(batch))
@@ -578,6 +614,8 @@ class DiffusersT2IPipeline(BasePipeline):
         use it does not expect raises instead of mixing scales. A wave whose requests
         all share one scale gets a plain float: the path a solo run takes.
         """
+        if not self._info.uses_guidance_scale:  # ignored here (Qwen-Image): not passed
+            return None
         scales = [p.guidance_scale for p in batch.sampling_params_list]
         key = batch.key
         if key is not None and key.guidance_scale is not None:
@@ -597,10 +635,13 @@ class DiffusersT2IPipeline(BasePipeline):
             )
         return PerSampleGuidance.from_batch(batch)
 
-    def _uses_negative_prompt(self, extra: dict[str, Any]) -> bool:
-        # NOTE: Flux uses negative prompts only with true CFG (true_cfg_scale > 1);
-        # passing them otherwise is wasted encoding at best.
+    def _uses_negative_prompt(self, extra: dict[str, Any], key: Any = None) -> bool:
+        # NOTE: Flux and Qwen-Image use negative prompts only with true CFG
+        # (true_cfg_scale > 1, and a negative prompt: the key's CFG flag); passing
+        # them otherwise is wasted encoding at best.
         if "true_cfg_scale" in self._call_params:
+            if key is not None and not key.cfg_enabled:
+                return False
             return float(extra.get("true_cfg_scale", self._true_cfg_default())) > 1.0
         return True
 
@@ -618,12 +659,11 @@ class DiffusersT2IPipeline(BasePipeline):
 
     def _apply_quirks(self, kwargs: dict[str, Any], extra: dict[str, Any],
                       call_params: Any) -> None:
-        transformer = getattr(self.pipe, "transformer", None)
-        # PixArt: resolution binning exists only for the released sample sizes and
-        # raises "Invalid sample size" for any other (e.g. tiny) transformer.
-        if "use_resolution_binning" in call_params and "use_resolution_binning" \
-                not in extra and transformer is not None \
-                and transformer.config.get("sample_size") not in _PIXART_BIN_SAMPLE_SIZES:
+        # PixArt, Sana: resolution binning exists only for the sample sizes in the
+        # pipeline's own table and raises "Invalid sample size" for any other (e.g.
+        # tiny) transformer; HunyuanDiT's would return another size than asked for.
+        if "use_resolution_binning" in call_params and "use_resolution_binning" not in extra \
+                and family_rules.resolution_binning(self.pipe) is False:
             kwargs["use_resolution_binning"] = False
         # PixArt: clean_caption=True without bs4/ftfy falls back to False with a
         # warning on every call; pass the fallback explicitly.

@@ -187,6 +187,25 @@ class PipelineInfo:
     # `forward` runs text-to-image requests of different sizes in one wave (a
     # transformer packing their tokens); with `mixed_resolution` on, size leaves the key.
     supports_mixed_resolution: bool = False
+    # Whether `guidance_scale` changes the result at all (False: Qwen-Image, whose
+    # transformer embeds no guidance; the scale then leaves the key).
+    uses_guidance_scale: bool = True
+    # The call's own `true_cfg_scale` for a pipeline with true CFG (Qwen-Image 4.0,
+    # Flux 1.0): CFG is on when it (or `extra["true_cfg_scale"]`) is > 1 AND the
+    # request has a negative prompt, diffusers' own rule. None: no true CFG.
+    true_cfg_default: float | None = None
+    # A request without a negative prompt computes something else than one with ""
+    # (SDXL's zero embeddings): the two are keyed apart. (True CFG's on/off follows
+    # the negative prompt through `cfg_enabled`.)
+    negative_prompt_none_differs: bool = False
+    # An unmasked text encoder pads a wave's prompts to the longest, rounded up to
+    # this multiple (CogView4: 16; 1 where only the start-up check found it); requests
+    # are keyed by their padded lengths, counted with `prompt_pad_tokenizer` (a
+    # folder) up to `prompt_pad_max_length` tokens.
+    prompt_pad_multiple: int | None = None
+    prompt_pad_tokenizer: str | None = None
+    prompt_pad_max_length: int = 1024
+
     # Video pipelines (`diffusers_video.py`): the frames a request gets without
     # `extra["num_frames"]`, the step its frame count moves in (num_frames - 1 must be
     # a multiple: the VAE's temporal compression), the most frames the model serves and
@@ -207,6 +226,9 @@ class PipelineInfo:
 
     def cfg_enabled(self, params: SamplingParams) -> bool:
         """Whether classifier-free guidance is on for these resolved params."""
+        if self.true_cfg_default is not None:
+            scale = params.extra.get("true_cfg_scale", self.true_cfg_default)
+            return params.negative_prompt is not None and float(scale) > 1.0
         threshold = self.cfg_threshold
         return threshold is not None and (params.guidance_scale or 0.0) > threshold
 

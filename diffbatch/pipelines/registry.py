@@ -41,16 +41,24 @@ logger = logging.getLogger(__name__)
 
 
 def _build_tiny(name: str) -> str:
+    import diffbatch.pipelines.tiny_families  # noqa: F401 - registers the other families
     from diffbatch.pipelines.tiny import ensure_tiny_model
 
     return ensure_tiny_model(name)
 
 
+# The tiny models of the other diffusers families (`tiny_families.py`); named here so
+# that listing them imports no diffusers.
+FAMILY_MODEL_NAMES = (
+    "tiny-sdxl", "tiny-qwen-image", "tiny-z-image", "tiny-flux2-klein", "tiny-sana",
+    "tiny-chroma", "tiny-lumina2", "tiny-cogview4", "tiny-auraflow", "tiny-hunyuandit",
+    "tiny-sd35", "tiny-lcm",
+)
 # Built-in tiny model name -> builder that ensures it is built and returns its folder.
 BUILTIN_MODELS: dict[str, Callable[[], str]] = {
     name: functools.partial(_build_tiny, name)
-    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", "tiny-wan",
-                 "tiny-ltx")
+    for name in ("tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", *FAMILY_MODEL_NAMES,
+                 "tiny-wan", "tiny-ltx")
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
 _PER_REQUEST_CLASSES: dict[type, type] = {}

@@ -327,6 +327,7 @@ BUILDERS: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "tiny-wan": _build_wan,
     "tiny-ltx": _build_ltx,
 }
+# NOTE: importing `tiny_families` adds the other diffusers families (`tiny-sdxl`, ...).
 
 
 # -- cache -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import types
 from pathlib import Path
@@ -407,6 +408,23 @@ def test_lora_modules_and_max_loras_reach_the_engine_config(tmp_path: Path) -> N
     for bad in ("ink", f"a/b={tmp_path}", "ink=/no/such/path"):
         with pytest.raises(SystemExit):
             parse("serve", "--lora-modules", bad)
+
+
+def test_lora_modules_take_vllms_json_form_beside_name_path(tmp_path: Path) -> None:
+    from diffbatch.config import EngineConfig
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    entry = json.dumps({"name": "ink", "path": str(tmp_path / "a"),
+                        "base_model_name": "tiny-sd"})
+    args = parse("serve", "--lora-modules", entry, f"oil={tmp_path / 'b'}")
+    config = EngineConfig.from_cli_args(args)
+    assert config.lora_modules == {"ink": str(tmp_path / "a"), "oil": str(tmp_path / "b")}
+    for bad in ({"name": "ink"}, {"name": "a/b", "path": str(tmp_path)},
+                {"name": "ink", "path": "/no/such/path"}, {"name": "ink", "path": 3},
+                {"name": "ink", "path": str(tmp_path), "rank": 4}, "{not json"):
+        with pytest.raises(SystemExit):
+            parse("serve", "--lora-modules", bad if isinstance(bad, str) else json.dumps(bad))
 
 
 def test_runtime_lora_updating_is_refused_with_ray(capsys: pytest.CaptureFixture[str]) -> None:

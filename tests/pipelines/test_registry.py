@@ -14,6 +14,7 @@ from diffbatch.pipelines.diffusers_t2i import DiffusersPerRequestPipeline, Diffu
 from diffbatch.pipelines.registry import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
+    FAMILY_MODEL_NAMES,
     builtin_model_names,
     check_model_spec,
     load_pipeline,
@@ -26,8 +27,14 @@ from tests.pipelines.conftest import TINY_NAMES
 
 def test_builtin_names_and_default() -> None:
     assert DEFAULT_MODEL == "shapes"  # the trained model shipped in the package
-    assert tuple(BUILTIN_MODELS) == (*TINY_NAMES, "tiny-wan", "tiny-ltx")  # images, videos
-    assert builtin_model_names()[:6] == [*TINY_NAMES, "tiny-wan", "tiny-ltx"]
+    assert tuple(BUILTIN_MODELS) == (*TINY_NAMES, *FAMILY_MODEL_NAMES, "tiny-wan", "tiny-ltx")
+    assert builtin_model_names()[:4] == list(TINY_NAMES)
+
+
+def test_the_family_names_are_those_with_builders() -> None:
+    from diffbatch.pipelines.tiny_families import FAMILY_BUILDERS
+
+    assert set(FAMILY_MODEL_NAMES) == set(FAMILY_BUILDERS)
 
 
 def test_none_resolves_to_the_shipped_default() -> None:

@@ -40,7 +40,7 @@ MAX_KEYED_BODY_BYTES = 1 << 20
 # the engine's batch key holds them).
 ADAPTER_FIELDS = ("lora",)
 # `SamplingParamsKey` fields no request carries (the engine derives them).
-_DERIVED_FIELDS = ("cfg_enabled", "num_frames")
+_DERIVED_FIELDS = ("cfg_enabled", "num_frames", "prompt_layout")
 
 
 @dataclass(frozen=True)
