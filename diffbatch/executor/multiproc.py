@@ -286,6 +286,13 @@ class MultiprocExecutor(Executor):
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self.submit_batch(scheduler_output).result()
 
+    def load_lora(self, key: str) -> str:
+        # (request mode: after the waves sent before it; step mode: between two ticks)
+        return self._submit("load_lora", key, "a LoRA adapter load", _raise_error).result()
+
+    def unload_lora(self, key: str) -> None:
+        self._submit("unload_lora", key, "a LoRA adapter unload", _raise_error)
+
     def check_health(self) -> None:
         with self._lock:
             if self._closed:
@@ -728,6 +735,13 @@ def _split_for_rerun(
     mid = len(crashed) // 2
     halves = [half for half in (crashed[:mid], crashed[mid:]) if half]
     return [*halves, *waiting.values()], len(halves), [], rest
+
+
+def _raise_error(reply: WorkerReply) -> Any:
+    """A plain call's result, or its error rebuilt here (a 400 stays a 400)."""
+    if reply.error is not None:
+        raise reply.error.to_exception("the worker")
+    return reply.result
 
 
 def _answer_aborted(calls: list[PendingCall]) -> None:
