@@ -179,14 +179,15 @@ class LoraResidency:
         """Load checked tensors into the model as adapter `key`; refuse them when they
         do not fit it or touch none of its layers."""
         name = adapter_name(key)
+        messages: list[str] = []
         try:
-            with _library_messages() as messages:
+            with _library_messages(messages):
                 layers = self.pipeline.load_lora(name, weights.tensors)
         except Exception as exc:
             if not _is_the_adapters_fault(exc):
                 raise
-            raise LoraLoadError(f"LoRA adapter {ref.name!r} {_model_reason(exc, name)}",
-                                param="lora") from None
+            reason = _model_reason(exc, name, messages)
+            raise LoraLoadError(f"LoRA adapter {ref.name!r} {reason}", param="lora") from None
         if layers == 0:
             self.pipeline.unload_lora(name)
             raise LoraLoadError(
@@ -213,16 +214,23 @@ def _is_the_adapters_fault(exc: BaseException) -> bool:
         and "OutOfMemory" not in type(exc).__name__
 
 
+# torch's `load_state_dict` error (diffusers' denoisers), and transformers' load report
+# (its text encoders), which it logs before raising a bare error
 _SIZE_MISMATCH = re.compile(
     r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) "
     r"from checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+_REPORTED_MISMATCH = re.compile(
+    r"(\S+)\s*\|\s*MISMATCH\s*\|[^\n]*?ckpt: torch\.Size\((\[[^\]]*\])\) vs "
+    r"model: ?torch\.Size\((\[[^\]]*\])\)")
 
 
-def _model_reason(exc: BaseException, name: str) -> str:
+def _model_reason(exc: BaseException, name: str, messages: list[str]) -> str:
     """Why tensors that passed the file checks do not load into the model, in words
     that hold no server path (the tensors came from memory, not from a file)."""
     text = str(exc).replace(f".{name}.", ".")
-    match = _SIZE_MISMATCH.search(text)
+    match = _SIZE_MISMATCH.search(text) or next(
+        (m for m in (_REPORTED_MISMATCH.search(s.replace(f".{name}.", "."))
+                     for s in messages) if m), None)
     if match:
         layer, given, wanted = match.groups()
         return (f"does not fit this model: its weight for `{layer:.160}` has shape "
@@ -235,10 +243,10 @@ def _model_reason(exc: BaseException, name: str) -> str:
 
 
 @contextlib.contextmanager
-def _library_messages() -> Iterator[list[str]]:
-    """Collect what diffusers, PEFT and transformers log or warn during a load, instead
-    of letting it reach the log (a load then logs one line: `_summary`)."""
-    messages: list[str] = []
+def _library_messages(messages: list[str]) -> Iterator[None]:
+    """Collect into `messages` what diffusers, PEFT and transformers log or warn during
+    a load, instead of letting it reach the log (a load then logs one line:
+    `_summary`)."""
 
     class _Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -253,7 +261,7 @@ def _library_messages() -> Iterator[list[str]]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            yield messages
+            yield
     finally:
         for library, handlers, propagate in saved:
             library.handlers, library.propagate = handlers, propagate
