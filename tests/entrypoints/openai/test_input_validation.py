@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -141,6 +142,27 @@ async def test_a_lora_load_that_fails_for_the_servers_reasons_is_no_400(tmp_path
     assert failed.status_code == 500, failed.text
     assert failed.json()["error"]["type"] == "server_error"
     assert plain.status_code == 200, plain.text
+
+
+# -- LoRA stacks -------------------------------------------------------------------
+@pytest.mark.parametrize(("stack", "param", "words"), [
+    ([{"name": "style", "scale": math.nan}], "lora[0].scale", "finite"),
+    ([{"name": "style", "scale": math.inf}], "lora[0].scale", "finite"),
+    ([{"name": "style", "scale": 1e30}], "lora[0].scale", "between -10 and 10"),
+    ([{"name": "style"}, {"name": "style", "scale": "0.5"}], "lora[1].scale", "a string"),
+    ([{"name": None}], "lora[0].name", "null"),
+    ([{"name": 7}], "lora[0].name", "a number"),
+    ([{"name": ""}], "lora[0].name", "name an adapter"),
+    ([{"name": "style"}, {"scale": 1}], "lora[1].name", "required"),
+    ([{"name": "style", "weight": 1}], "lora[0].weight", "unknown field"),
+    (["style"], "lora[0]", "object"),
+])
+async def test_every_bad_stack_field_gets_its_own_param(client, lora_dir: str, stack,
+                                                        param, words) -> None:
+    response = await client.post(ROUTE, content=json.dumps({"prompt": "p", "lora": stack}),
+                                 headers=JSON)
+    error = assert_openai_error(response, 400, param, private=_private(lora_dir))
+    assert words in error["message"], error["message"]
 
 
 # -- numbers ---------------------------------------------------------------------------
