@@ -30,9 +30,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from diffbatch import Engine
+from diffbatch import Engine, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
-from diffbatch.errors import ConfigError
+from diffbatch.errors import ConfigError, InvalidRequestError
 from diffbatch.pipelines.registry import resolve_model_path
 from diffbatch.pipelines.tiny_lora import make_tiny_lora
 from tests.entrypoints.openai.conftest import serve_in_thread
@@ -225,6 +225,35 @@ def test_a_bad_lora_module_fails_start_up_naming_it(adapters, tmp_path,
         Engine(MODEL, executor="inproc", max_num_seqs=2, warmup=False,
                step_execution=step_execution, lora_modules={"ok": adapters["one"],
                                                             "broken": bad})
+
+
+def test_pickle_adapters_load_only_with_the_opt_in(adapters, tmp_path) -> None:
+    folder = _variant(adapters["two"], tmp_path / "srv_pickle", "pickle")
+    with Engine(MODEL, executor="inproc", max_num_seqs=2, warmup=False) as engine, \
+            pytest.raises(InvalidRequestError, match="safetensors files only"):
+        engine.add_lora("pickled", folder)
+    with Engine(MODEL, executor="inproc", max_num_seqs=2, warmup=False,
+                lora_allow_pickle=True) as engine:
+        engine.add_lora("pickled", folder)
+        engine.add_lora("same", adapters["two"])
+        pickled, same = engine.generate(["a cat"] * 2, [
+            SamplingParams(lora=name, seed=1, num_inference_steps=2, height=64, width=64)
+            for name in ("pickled", "same")])
+    assert pickled.ok and same.ok
+    assert np.array_equal(np.asarray(pickled.images[0]), np.asarray(same.images[0]))
+
+
+def test_an_adapter_file_over_the_size_cap_is_refused_at_load(adapters, tmp_path) -> None:
+    big = tmp_path / "srv_big"
+    shutil.copytree(adapters["two"], big)
+    tensors = load_file(str(big / WEIGHTS))
+    save_file({**tensors, "unet.padding.lora_A.weight": torch.zeros(512, 600)},
+              str(big / WEIGHTS))  # 1.2 MB
+    with Engine(MODEL, executor="inproc", max_num_seqs=2, warmup=False,
+                max_lora_file_mb=1) as engine:
+        with pytest.raises(InvalidRequestError, match="larger than this server's limit of 1 MB"):
+            engine.add_lora("big", str(big))
+        engine.add_lora("small", adapters["two"])
 
 
 def test_a_load_logs_one_plain_line(adapters, caplog) -> None:
