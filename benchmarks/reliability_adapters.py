@@ -24,8 +24,10 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+import time
 from typing import Any
 from urllib.parse import urlparse
 
@@ -55,19 +57,42 @@ STACKS = [  # a bad stack -> the param its 400 must name
 ]
 
 
+def random_unet_lora(model: str, seed: int, rank: int = 4) -> dict[str, Any]:
+    """PEFT-format LoRA weights (`unet.<layer>.lora_A/B.weight`) on every attention
+    projection of `model`'s UNet, read from its weights file: no pipeline is loaded."""
+    import torch
+    from safetensors import safe_open
+
+    from diffbatch.pipelines.registry import resolve_model_path
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    file = os.path.join(resolve_model_path(model), "unet", "diffusion_pytorch_model.safetensors")
+    with safe_open(file, "pt") as weights:
+        for key in weights.keys():  # noqa: SIM118 - safe_open has no __iter__
+            layer = key.removesuffix(".weight")
+            if not re.search(r"\.attn\d\.to_(q|k|v|out\.0)$", layer):
+                continue
+            out_features, in_features = weights.get_slice(key).get_shape()
+            tensors[f"unet.{layer}.lora_A.weight"] = \
+                torch.randn(rank, in_features, generator=generator) * 0.3
+            tensors[f"unet.{layer}.lora_B.weight"] = \
+                torch.randn(out_features, rank, generator=generator) * 0.3
+    return tensors
+
+
 def make_adapter_files(model: str, root: str) -> dict[str, str]:
     """Two good adapters ("good", "other") and one folder per bad change, in `root`."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from diffbatch.pipelines.registry import resolve_model_path
-    from diffbatch.pipelines.tiny_lora import make_tiny_lora
-
-    path = resolve_model_path(model)
-    good = make_tiny_lora(path, os.path.join(root, f"{FOLDER_MARK}-good"), seed=0, rank=4)
-    other = make_tiny_lora(path, os.path.join(root, f"{FOLDER_MARK}-other"), seed=1, rank=4)
-    folders = {"good": good, "other": other}
-    tensors = load_file(os.path.join(good, WEIGHTS))
+    folders = {}
+    for seed, name in enumerate(("good", "other")):
+        folders[name] = os.path.join(root, f"{FOLDER_MARK}-{name}")
+        os.makedirs(folders[name])
+        save_file(random_unet_lora(model, seed), os.path.join(folders[name], WEIGHTS))
+    good = folders["good"]
+    tensors = random_unet_lora(model, 0)
     with open(os.path.join(good, WEIGHTS), "rb") as f:
         data = f.read()
     for i, change in enumerate(BAD):
@@ -131,6 +156,7 @@ def adapters(url: str, args: Any, client: httpx.Client) -> dict[str, Any]:
     """The scenario; returns its row of the campaign's table."""
     root = tempfile.mkdtemp(prefix=f"diffbatch-{FOLDER_MARK}-")
     statuses: list[int] = []
+    start = time.monotonic()
 
     def load(name: str, path: str) -> httpx.Response:
         response = client.post(f"{url}/v1/load_lora_adapter", timeout=120,
@@ -144,6 +170,7 @@ def adapters(url: str, args: Any, client: httpx.Client) -> dict[str, Any]:
 
     try:
         folders = make_adapter_files(args.model, root)
+        made_s = time.monotonic() - start
         nul_ok = _nul_keeps_the_connection(url)
         statuses.append(400 if nul_ok else 0)
         # bad files: a 400 at load naming the client's name and the reason, no folder
@@ -198,7 +225,7 @@ def adapters(url: str, args: Any, client: httpx.Client) -> dict[str, Any]:
     for status in statuses:
         answers[str(status)] = answers.get(str(status), 0) + 1
     return {"scenario": "adapters", "requests": len(statuses), "answers": answers,
-            "refused": refused, "leaked": leaked,
+            "refused": refused, "leaked": leaked, "files_made_s": made_s,
             "figure": f"{sum(refused.values())}/{len(BAD)} bad files refused at load; reload "
                       f"after overwrite: {old_diff} -> {new_diff} levels from the new "
                       f"adapter; {params_ok}/{len(STACKS)} stack fields named",

@@ -499,9 +499,10 @@ class MultiprocExecutor(Executor):
                 reply.result = shm.unpack(reply.result)
             except Exception as exc:  # e.g. a segment that is gone
                 reply = WorkerReply(reply.call_id, error=WorkerError.from_exception(exc))
-            if reply.error is not None:
-                logger.error("worker failed while running %s: %s", pending.what,
-                             reply.error.exc_type)
+            if reply.error is not None:  # (a refused input, e.g. a bad adapter: no failure)
+                logger.log(logging.INFO if reply.error.error.status_code < 500
+                           else logging.ERROR, "worker failed while running %s: %s",
+                           pending.what, reply.error.exc_type)
                 logger.debug("worker traceback:\n%s", reply.error.traceback)
             pending.resolve(reply)
         self._on_death(worker)
