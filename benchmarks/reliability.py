@@ -20,7 +20,11 @@ queue, `--worker-stall-timeout` and `--shutdown-timeout`), then runs, in order:
 5. soak: a closed loop for `--soak-s` seconds (300): RSS (server + worker) sampled
    every second, its slope over the second half (MiB/min), and errors (must be 0;
    the slope is judged, < 8 MiB/min, only for soaks of 2 minutes or more);
-6. SIGTERM with waves in flight (and more queued): the server exits
+6. adapters: hostile LoRA loads (`reliability_adapters.py`): a NUL in `lora_path`
+   (a 400 on a connection that stays usable), eight kinds of bad adapter file (each
+   refused at load with its reason, no server folder in any error), reload after
+   overwrite (the new weights are served), bad stack fields (each its own `param`);
+7. SIGTERM with waves in flight (and more queued): the server exits
    within `--shutdown-timeout` plus the worker's stop grace and a margin (5 s), and
    every client gets an answer: 200, or 503 in OpenAI JSON.
 
@@ -55,6 +59,7 @@ from typing import Any
 
 import httpx
 from peers_servers import harness
+from reliability_adapters import adapters
 
 ROUTE = "/v1/images/generations"
 SHM = Path("/dev/shm")
@@ -461,7 +466,7 @@ def server_spec(args: argparse.Namespace) -> harness.ServerSpec:
             "--max-queue-size", str(args.max_queue_size),
             "--worker-stall-timeout", str(args.stall_timeout),
             "--shutdown-timeout", str(args.shutdown_timeout),
-            "--log-level", args.server_log_level,
+            "--log-level", args.server_log_level, "--allow-runtime-lora-updating",
             *(["--step-execution"] if args.mode == "step" else [])])
 
 
@@ -484,6 +489,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 ("kills", lambda: kills(url, args, client, pid)),
                 ("freeze", lambda: freeze(url, args, client, pid)),
                 ("soak", lambda: soak(url, args, client, pid)),
+                ("adapters", lambda: adapters(url, args, client)),
                 ("sigterm", lambda: sigterm(url, args, client, server)),
             ]
             for name, step in steps:
@@ -551,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(--step-execution); each runs the whole campaign on its own server")
     parser.add_argument("--only", default="",
                         help="comma-separated scenarios to run (burst, disconnects, kills, "
-                        "freeze, soak, sigterm); all when empty")
+                        "freeze, soak, adapters, sigterm); all when empty")
     parser.add_argument("--kill-when-running", type=int, default=1,
                         help="each kill waits for this many requests running")
     parser.add_argument("--out", default="benchmarks/results/reliability.json")

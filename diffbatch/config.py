@@ -187,6 +187,13 @@ class EngineConfig:
         help="LoRA adapters served under names (vLLM's flag; NAME=PATH or vLLM's JSON form "
         "'{\"name\": ..., \"path\": ...}'): a request selects one with "
         "`lora` or `model`, /v1/models lists them", default_help="none")
+    lora_allow_pickle: bool = option(
+        False, rule=Flag(),
+        help="also load LoRA adapters in pickle formats (.bin, .pt, .pth, .ckpt; read "
+        "with torch's weights_only loader); by default only .safetensors files load")
+    max_lora_file_mb: int = option(
+        2048, rule=IntRange(1), metavar="MB",
+        help="largest LoRA adapter file loaded; a larger one is refused at load")
     max_loras: int = option(
         8, rule=IntRange(1),
         help="most LoRA adapters loaded at once, the least recently used unloaded first "

@@ -474,6 +474,48 @@ class SamplingParamsKey:
         return text
 
 
+def lora_entry(index: int, entry: Any) -> tuple[str, float]:
+    """Entry `index` of a `lora` stack checked, as (name, scale); each fault names its
+    own field (`lora[1].scale`, `lora[0].name`) and says what was expected."""
+    at = f"lora[{index}]"
+    if isinstance(entry, dict):
+        unknown = sorted(str(k) for k in entry if k not in ("name", "scale"))
+        if unknown:
+            raise InvalidRequestError(
+                f"`{at}` has an unknown field {unknown[0]!r:.60}; an entry is "
+                "{\"name\": <adapter>, \"scale\": <number>}", param=f"{at}.{unknown[0]:.60}")
+        if "name" not in entry:
+            raise InvalidRequestError(f"`{at}.name` is required: the adapter to apply",
+                                      param=f"{at}.name")
+        name, scale = entry["name"], entry.get("scale", 1.0)
+    elif isinstance(entry, list | tuple) and len(entry) == 2:
+        name, scale = entry
+    else:
+        raise InvalidRequestError(
+            f"`{at}` must be a {{\"name\", \"scale\"}} object (or a (name, scale) pair in "
+            f"Python), got {_json_type(entry)}", param=at)
+    if not isinstance(name, str):
+        raise InvalidRequestError(f"`{at}.name` must be a string, got {_json_type(name)}",
+                                  param=f"{at}.name")
+    if not name.strip():
+        raise InvalidRequestError(f"`{at}.name` must name an adapter, got {name!r:.60}",
+                                  param=f"{at}.name")
+    check_text(f"{at}.name", name, allow_nul=False)
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise InvalidRequestError(f"`{at}.scale` must be a number, got {_json_type(scale)}",
+                                  param=f"{at}.scale")
+    _check_float(f"{at}.scale", scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
+    return name, float(scale)
+
+
+def _json_type(value: Any) -> str:
+    """A value named by its JSON type, with a short form of it."""
+    kind = {bool: "a boolean", type(None): "null", str: "a string", dict: "an object",
+            list: "an array", tuple: "an array", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+    return kind if value is None else f"{kind} ({value!r:.60})"
+
+
 def _lora_value(lora: Any, lora_scale: float) -> str | LoraStack:
     """`lora` checked: a name stays a string; a stack becomes a tuple of (name, scale)."""
     if isinstance(lora, str):
@@ -486,28 +528,7 @@ def _lora_value(lora: Any, lora_scale: float) -> str | LoraStack:
         raise InvalidRequestError(
             f"`lora` must be an adapter name or a list of 1 to {MAX_LORA_STACK} "
             f"{{\"name\", \"scale\"}} entries, got {lora!r:.200}", param="lora")
-    stack: list[tuple[str, float]] = []
-    for entry in lora:
-        if isinstance(entry, dict):
-            unknown = set(entry) - {"name", "scale"}
-            if unknown or "name" not in entry:
-                raise InvalidRequestError(
-                    f"each `lora` entry must have a \"name\" and may have a \"scale\", got "
-                    f"{entry!r:.200}", param="lora")
-            name, scale = entry["name"], entry.get("scale", 1.0)
-        elif isinstance(entry, list | tuple) and len(entry) == 2:
-            name, scale = entry
-        else:
-            raise InvalidRequestError(
-                f"each `lora` entry must be a {{\"name\", \"scale\"}} dict or a (name, scale) "
-                f"pair, got {entry!r:.200}", param="lora")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError(
-                f"a `lora` entry's name must be a non-empty string, got {name!r:.200}",
-                param="lora")
-        check_text("lora", name, allow_nul=False)
-        _check_float("lora", scale, -MAX_ABS_LORA_SCALE, MAX_ABS_LORA_SCALE)
-        stack.append((name, float(scale)))
+    stack = [lora_entry(i, entry) for i, entry in enumerate(lora)]
     # An adapter named twice adds up (its delta is linear in the scale); `lora_scale`
     # scales the whole stack.
     merged: dict[str, float] = {}

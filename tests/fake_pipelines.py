@@ -45,6 +45,17 @@ def fake_images(prompt: str, generators: list[torch.Generator], h: int, w: int) 
     return torch.stack(images)
 
 
+def make_fake_adapter(folder: str | os.PathLike[str]) -> str:
+    """A folder holding a small valid LoRA weights file (the fake pipelines never apply
+    it; the runner reads and checks it as it would a real one); returns its path."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({"unet.layer.lora_A.weight": torch.full((2, 4), 0.5)},
+              os.path.join(folder, "pytorch_lora_weights.safetensors"))
+    return str(folder)
+
+
 def send_partial_images(batch: DiffusionRequestBatch, images: torch.Tensor,
                         num_steps: int) -> bool:
     """Send the previews the wave owes: after step s, rows of `images` [B*n, 3, H, W]
@@ -86,7 +97,7 @@ class FakeBatchPipeline(BasePipeline):
     def refresh_cache(self) -> None:
         self.cache_refreshes += 1
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, weights: Any) -> None:
         self.lora_loads.append(name)
 
     def unload_lora(self, name: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from diffbatch import Engine, SamplingParams
+from diffbatch.errors import InvalidRequestError
 from diffbatch.pipelines.registry import resolve_model_path
 from diffbatch.pipelines.tiny_lora import make_tiny_lora
 
@@ -69,18 +70,23 @@ def test_a_mixed_wave_equals_each_request_alone(adapters, family, step_execution
 
 
 def test_a_corrupt_adapter_fails_only_its_requests(adapters):
-    """A file that passes the admission check (a .safetensors name) but does not load:
-    a 400 naming `lora` and the adapter, and its wave mates run in the same wave."""
+    """A --lora-dir file that is corrupt at start-up is refused at admission with its
+    reason; one that turns up later is read at its first use, in the wave: a 400
+    naming `lora` and the adapter, and its wave mates run in the same wave."""
     root = adapters["tiny-sd"]
-    (root / "junk.safetensors").write_bytes(b"\x00\x17not a safetensors file" * 40)
+    junk = b"\x00\x17not a safetensors file" * 40
+    (root / "junk.safetensors").write_bytes(junk)
     with Engine("tiny-sd", executor="inproc", max_num_seqs=4, lora_dir=str(root),
                 torch_num_threads=1, request_batch_max_wait_ms=200) as engine:
-        junk, plain, styled = engine.generate(
-            ["a cat"] * 3, [params(lora="junk.safetensors"), params(), params(lora="style")])
-        assert junk.error is not None and plain.ok and styled.ok, (junk.error, plain.error)
-        assert (junk.error.status_code, junk.error.type, junk.error.param) == (
+        with pytest.raises(InvalidRequestError, match=r"'junk\.safetensors' is not a safe"):
+            engine.generate(["a cat"], params(lora="junk.safetensors"))
+        (root / "late.safetensors").write_bytes(junk)
+        late, plain, styled = engine.generate(
+            ["a cat"] * 3, [params(lora="late.safetensors"), params(), params(lora="style")])
+        assert late.error is not None and plain.ok and styled.ok, (late.error, plain.error)
+        assert (late.error.status_code, late.error.type, late.error.param) == (
             400, "invalid_request_error", "lora")
-        assert "'junk.safetensors' could not be loaded" in junk.error.message
+        assert "'late.safetensors' is not a safetensors file" in late.error.message
         assert plain.batch_size == styled.batch_size == 3  # one wave, its mates ran
         assert engine.generate(["a cat"], params(lora="style"))[0].ok
 
@@ -98,14 +104,15 @@ def test_an_adapter_that_fails_half_loaded_leaves_the_model_as_it_was(adapters):
     prefix = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
     wrong = {f"{prefix}.lora_A.weight": torch.randn(4, 999),
              f"{prefix}.lora_B.weight": torch.randn(999, 4)}
-    (root / "half").mkdir()
-    save_file({**weights, **wrong}, str(root / "half" / "pytorch_lora_weights.safetensors"))
     with Engine("tiny-sd", executor="inproc", max_num_seqs=4, lora_dir=str(root),
                 request_batch_max_wait_ms=0, torch_num_threads=1) as engine:
         base = engine.generate(["a cat"], params())[0]
+        (root / "half").mkdir()  # after start-up: read at its first use
+        save_file({**weights, **wrong}, str(root / "half" / "pytorch_lora_weights.safetensors"))
         failed = engine.generate(["a cat"] * 3, params(lora="half"))
         assert all(o.error is not None and o.error.param == "lora" for o in failed)
-        assert "'half' could not be loaded" in failed[0].error.message
+        assert "'half' does not fit this model: its weight for `encoder.layers.0.self_attn" \
+            in failed[0].error.message
         after = engine.generate(["a cat"], params())[0]
         assert (after.images - base.images).abs().max() <= 1e-5
         styled = engine.generate(["a cat"], params(lora="character"))[0]

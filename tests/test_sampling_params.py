@@ -51,12 +51,20 @@ def test_lora_stacks_are_normalised_and_checked():
     given = [{"name": "a", "scale": 0.5}, {"name": "b"}, ("c", -1)]
     params = SamplingParams(lora=given)
     assert params.lora == (("a", 0.5), ("b", 1.0), ("c", -1.0)) == params.lora_stack
-    for bad, match in [([], "list of 1 to"), ([{"name": "a", "weight": 1}], "may have"),
-                       ([{"name": "a", "scale": 6}, {"name": "a", "scale": 6}], "between"),
-                       ([{"name": "a", "scale": 1e9}], "between"),
-                       ([{"name": ""}], "non-empty"), (["a"], "pair")]:
-        with pytest.raises(InvalidRequestError, match=match):
+    for bad, match, param in [
+        ([], "list of 1 to", "lora"),
+        ([{"name": "a", "weight": 1}], "unknown field 'weight'", "lora[0].weight"),
+        ([{"name": "a", "scale": 6}, {"name": "a", "scale": 6}], "between", "lora"),
+        ([{"name": "a"}, {"name": "b", "scale": 1e9}], "between", "lora[1].scale"),
+        ([{"name": "a", "scale": float("nan")}], "finite", "lora[0].scale"),
+        ([{"name": "a", "scale": "1"}], "a string", "lora[0].scale"),
+        ([{"name": ""}], "name an adapter", "lora[0].name"),
+        ([{"name": None}], "got null", "lora[0].name"),
+        (["a"], "pair", "lora[0]"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match) as info:
             SamplingParams(lora=bad)
+        assert info.value.param == param
     # an adapter named twice adds up; lora_scale scales the stack (once: clone keeps it)
     scaled = SamplingParams(lora=[("a", 1.0), ("b", 2.0), ("a", 0.5)], lora_scale=0.5)
     assert scaled.lora_stack == (("a", 0.75), ("b", 1.0)) and scaled.lora_scale == 1.0

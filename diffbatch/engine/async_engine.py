@@ -155,6 +155,13 @@ class Engine:
                 f"{self.info.name} does not (supports_step_execution=False); serve it "
                 "without --step-execution"
             )
+        # LoRA adapters known at start-up are read and checked by the runner now: a bad
+        # --lora-modules entry fails start-up, naming it.
+        try:
+            self.loras.attach(self.executor)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         # 3. The loop with its metrics and wave log, then a warm-up request through the
         # whole path. The gauges read the core when scraped.
         self.max_request_work = self._request_work_limit()
@@ -235,12 +242,14 @@ class Engine:
     # -- LoRA adapters served by name ------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
         """Serve the adapter at `path` under `name` from now on (vLLM's
-        `load_lora_adapter`); the worker loads it when a request first uses it."""
+        `load_lora_adapter`). The runner reads, checks and loads it now (after the
+        running wave, or between two steps): a bad adapter raises
+        `InvalidRequestError` naming `name` and the reason."""
         self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> bool:
-        """Stop serving adapter `name` (False if it was not served by name); the worker
-        unloads it when it is the least recently used."""
+        """Stop serving adapter `name` (False if it was not served by name); the runner
+        drops its weights once no running wave uses them."""
         return self.loras.remove(name)
 
     # -- requests --------------------------------------------------------------------

@@ -150,7 +150,8 @@ def check_negative_prompt(info: PipelineInfo, params: SamplingParams) -> None:
 
 
 def resolve_lora(lora: str | None, lora_dir: str | None) -> str | None:
-    """The real path of adapter `lora`, checked to hold LoRA weights.
+    """The absolute path of adapter `lora` (symlinks kept: the runner checks where they
+    lead), checked to exist and to look like LoRA weights.
 
     NOTE: the weights check runs here, at admission, because a folder that is no
     adapter would otherwise fail inside the wave's forward: a 500 for every request
@@ -159,13 +160,17 @@ def resolve_lora(lora: str | None, lora_dir: str | None) -> str | None:
     """
     if lora is None:
         return None
+    if "\x00" in lora:  # (os.path raises ValueError on it)
+        raise InvalidRequestError("`lora` must not contain a NUL character", param="lora")
     if lora_dir is None:
+        given = os.path.abspath(lora)
         path = os.path.realpath(lora)
         if not os.path.exists(path):
             raise InvalidRequestError(f"LoRA adapter path {lora!r} does not exist",
                                       param="lora")
     else:
         root = os.path.realpath(lora_dir)
+        given = os.path.abspath(os.path.join(lora_dir, lora))
         path = os.path.realpath(os.path.join(root, lora))
         if os.path.commonpath([root, path]) != root or path == root:
             raise InvalidRequestError(
@@ -191,4 +196,4 @@ def resolve_lora(lora: str | None, lora_dir: str | None) -> str | None:
             "weights file, or a folder holding one, as `save_lora_weights` writes",
             param="lora",
         )
-    return path
+    return given

@@ -90,6 +90,16 @@ class Executor(ABC):
         long means a stuck runner (an executor that can replace its worker does so)."""
         raise ConfigError(f"the {type(self).__name__} executor does not run step mode")
 
+    def load_lora(self, key: str) -> str:
+        """Read, check and load a LoRA adapter in the runner (`LoraRef.key` names it);
+        returns the key of the version read. Raises `InvalidRequestError` naming the
+        client's adapter name and the reason when the adapter is refused."""
+        raise ConfigError(f"the {type(self).__name__} executor does not load LoRA adapters")
+
+    def unload_lora(self, key: str) -> None:  # noqa: B027 - optional
+        """Drop the weights of adapter `key` in the runner (once no wave uses them);
+        never blocks. An executor without `load_lora` ignores it."""
+
     def has_started(self, future: Future[BatchRunnerOutput]) -> bool:
         """Whether the runner started the call behind `future` (a wave queued behind
         the running one has not; in step mode, a request not yet in the running batch

@@ -14,11 +14,11 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from diffbatch.errors import EngineClosedError, EngineDeadError
 from diffbatch.executor.abstract import Executor
-from diffbatch.ipc.messages import StepJoin, WorkerCall, WorkerReply
+from diffbatch.ipc.messages import StepJoin, WorkerCall, WorkerMethod, WorkerReply
 from diffbatch.outputs import BatchRunnerOutput
 from diffbatch.worker.model_runner import ModelRunner
 from diffbatch.worker.step_runner import StepRunner
@@ -47,6 +47,10 @@ class InprocExecutor(Executor):
         self._futures: dict[int, tuple[Future[BatchRunnerOutput], str]] = {}
         self._futures_lock = threading.Lock()
         self._step_thread: threading.Thread | None = None
+        # call id -> the future of a plain call (a LoRA load) run by the step thread
+        self._calls: dict[int, Future[Any]] = {}
+        # request mode: a LoRA load from another thread waits for the running wave
+        self._run_lock = threading.Lock()
         if config.step_execution:
             self._steps = StepRunner(self.runner)
             self._steps.send_partial_images_to(
@@ -61,8 +65,34 @@ class InprocExecutor(Executor):
         return self.runner
 
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return self._runner().execute_batch(scheduler_output,
-                                            on_partial_image=self._notify_partial_image)
+        with self._run_lock:
+            return self._runner().execute_batch(scheduler_output,
+                                                on_partial_image=self._notify_partial_image)
+
+    # -- LoRA adapters -----------------------------------------------------------------
+    def load_lora(self, key: str) -> str:
+        return self._call("load_lora", key).result()
+
+    def unload_lora(self, key: str) -> None:
+        self._call("unload_lora", key)
+
+    def _call(self, method: WorkerMethod, arg: Any) -> Future[Any]:
+        """Run a plain runner call: between two ticks on the step thread, or now,
+        between two waves, in request mode."""
+        future: Future[Any] = Future()
+        runner = self._runner()
+        if self._steps is None:
+            with self._run_lock:
+                try:
+                    future.set_result(getattr(runner, method)(arg))
+                except Exception as exc:
+                    future.set_exception(exc)
+            return future
+        call_id = next(self._call_ids)
+        with self._futures_lock:
+            self._calls[call_id] = future
+        self._inbox.put(WorkerCall(call_id, method, arg))
+        return future
 
     # -- step mode -------------------------------------------------------------------
     def submit_join(self, wave: SchedulerOutput, capacity: int, *,
@@ -94,13 +124,20 @@ class InprocExecutor(Executor):
             serve_steps(self._steps, self.runner, self._inbox, self._resolve, None)
         finally:
             with self._futures_lock:
-                left, self._futures = list(self._futures.values()), {}
-            for future, _ in left:
+                left = [f for f, _ in self._futures.values()] + list(self._calls.values())
+                self._futures, self._calls = {}, {}
+            for future in left:
                 future.set_exception(EngineClosedError("the executor is shut down"))
 
     def _resolve(self, reply: WorkerReply) -> bool:
         with self._futures_lock:
+            call = self._calls.pop(reply.call_id, None)
             entry = self._futures.pop(reply.call_id, None)
+        if call is not None:
+            if reply.error is not None:
+                call.set_exception(reply.error.to_exception("the runner"))
+            else:
+                call.set_result(reply.result)
         if entry is not None:
             future, request_id = entry
             if reply.error is not None:

@@ -286,6 +286,13 @@ class MultiprocExecutor(Executor):
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return self.submit_batch(scheduler_output).result()
 
+    def load_lora(self, key: str) -> str:
+        # (request mode: after the waves sent before it; step mode: between two ticks)
+        return self._submit("load_lora", key, "a LoRA adapter load", _raise_error).result()
+
+    def unload_lora(self, key: str) -> None:
+        self._submit("unload_lora", key, "a LoRA adapter unload", _raise_error)
+
     def check_health(self) -> None:
         with self._lock:
             if self._closed:
@@ -492,9 +499,10 @@ class MultiprocExecutor(Executor):
                 reply.result = shm.unpack(reply.result)
             except Exception as exc:  # e.g. a segment that is gone
                 reply = WorkerReply(reply.call_id, error=WorkerError.from_exception(exc))
-            if reply.error is not None:
-                logger.error("worker failed while running %s: %s", pending.what,
-                             reply.error.exc_type)
+            if reply.error is not None:  # (a refused input, e.g. a bad adapter: no failure)
+                logger.log(logging.INFO if reply.error.error.status_code < 500
+                           else logging.ERROR, "worker failed while running %s: %s",
+                           pending.what, reply.error.exc_type)
                 logger.debug("worker traceback:\n%s", reply.error.traceback)
             pending.resolve(reply)
         self._on_death(worker)
@@ -728,6 +736,13 @@ def _split_for_rerun(
     mid = len(crashed) // 2
     halves = [half for half in (crashed[:mid], crashed[mid:]) if half]
     return [*halves, *waiting.values()], len(halves), [], rest
+
+
+def _raise_error(reply: WorkerReply) -> Any:
+    """A plain call's result, or its error rebuilt here (a 400 stays a 400)."""
+    if reply.error is not None:
+        raise reply.error.to_exception("the worker")
+    return reply.result
 
 
 def _answer_aborted(calls: list[PendingCall]) -> None:

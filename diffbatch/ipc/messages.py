@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from diffbatch.pipelines.interface import PipelineInfo
     from diffbatch.sched.output import SchedulerOutput
 
-WorkerMethod = Literal["execute_batch", "join", "shutdown"]
-WORKER_METHODS: tuple[str, ...] = ("execute_batch", "join", "shutdown")
+WorkerMethod = Literal["execute_batch", "join", "load_lora", "unload_lora", "shutdown"]
+WORKER_METHODS: tuple[str, ...] = ("execute_batch", "join", "load_lora", "unload_lora",
+                                  "shutdown")
 # The call id of a reply to a call the worker could not unpickle (so it cannot know
 # the id). The worker answers calls in the order they were sent, so the executor
 # takes it as the answer to its oldest unanswered call.
@@ -98,8 +99,9 @@ class WorkerCall:
     call_id: int  # increasing per executor; the reply echoes it
     method: WorkerMethod  # one of WORKER_METHODS
     # a SchedulerOutput for "execute_batch"; a `StepJoin` for "join" (step mode: each
-    # joining request has a call id of its own, answered when it finishes); None for
-    # "shutdown"
+    # joining request has a call id of its own, answered when it finishes); a
+    # `LoraRef.key` for "load_lora" (its reply: the key of the version read) and
+    # "unload_lora"; None for "shutdown"
     arg: Any = None
 
 

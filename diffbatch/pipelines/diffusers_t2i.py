@@ -674,28 +674,30 @@ class DiffusersT2IPipeline(BasePipeline):
                 kwargs["clean_caption"] = False
 
     # -- LoRA ------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str) -> None:
-        """Load the adapter at `path` under `name`, once per name, into the denoiser and
-        the text encoders it touches; each sample of a forward then picks its own
-        adapters (`set_lora_wave`, `lora_rows`; see `lora_mixing.py`)."""
+    def load_lora(self, name: str, weights: str | dict[str, torch.Tensor]) -> int | None:
+        """Load the adapter `weights` (a path, or the tensors of one already read) under
+        `name`, once per name, into the denoiser and the text encoders it touches; each
+        sample of a forward then picks its own adapters (`set_lora_wave`, `lora_rows`;
+        see `lora_mixing.py`). Returns the number of layers it touches."""
+        source = weights if isinstance(weights, str) else "<tensors>"
         if name in self._loras:
-            if self._loras[name] != path:
-                raise ValueError(
-                    f"LoRA adapter name {name!r} is already loaded from {self._loras[name]!r}, "
-                    f"not {path!r}"
-                )
-            return
+            if self._loras[name] != source:
+                raise ValueError(f"LoRA adapter name {name!r} is already loaded")
+            return None
         mixer = self._lora_mixer()
         try:
             with warnings.catch_warnings():
                 # PEFT warns that a model holding an adapter gets another: the point here
                 warnings.filterwarnings("ignore", message="Already found a `peft_config`")
                 if hasattr(self.pipe, "load_lora_weights"):
-                    self.pipe.load_lora_weights(path, adapter_name=name)
+                    # (a copy: diffusers pops the keys it converts)
+                    self.pipe.load_lora_weights(
+                        weights if isinstance(weights, str) else dict(weights),
+                        adapter_name=name)
                 else:  # a pipeline without a loader (PixArt): PEFT into its transformer
-                    _inject_lora(self.pipe.transformer, _read_safetensors(path),
-                                 "transformer", name)
-            mixer.add(name)
+                    _inject_lora(self.pipe.transformer, _read_safetensors(weights)
+                                 if isinstance(weights, str) else weights, "transformer", name)
+            layers = mixer.add(name)
         except Exception:
             # diffusers loads an adapter component by component and cleans up only the
             # one that failed: take out what did load
@@ -704,7 +706,8 @@ class DiffusersT2IPipeline(BasePipeline):
             raise
         finally:
             self._disable_peft_application()
-        self._loras[name] = path
+        self._loras[name] = source
+        return layers
 
     def unload_lora(self, name: str) -> None:
         """Take adapter `name` out of the model (its memory is freed)."""

@@ -279,8 +279,10 @@ class BasePipeline(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement step execution")
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Load a LoRA adapter under `name` (once); pipelines without LoRA raise."""
+    def load_lora(self, name: str, weights: Any) -> int | None:
+        """Load a LoRA adapter (a path, or a dict of its tensors) under `name` (once);
+        returns the number of layers it touches (None: not known). Pipelines without
+        LoRA raise."""
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
 
     def unload_lora(self, name: str) -> None:  # noqa: B027 - nothing to unload by default

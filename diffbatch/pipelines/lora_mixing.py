@@ -125,9 +125,10 @@ class LoraMixer:
     def adapters(self) -> list[str]:
         return list(self._slots)
 
-    def add(self, name: str) -> None:
+    def add(self, name: str) -> int:
         """Take adapter `name` (just loaded into the roots by PEFT) into the gathered
-        weights; raises `UnsupportedAdapterError` for layers it cannot apply."""
+        weights; returns how many layers it touches. Raises `UnsupportedAdapterError`
+        for layers it cannot apply."""
         from peft.tuners.lora import LoraLayer
 
         found = []
@@ -158,6 +159,7 @@ class LoraMixer:
         for weights in self._layers.values():  # every layer gathers any slot
             weights.grow(slot + 1)
         self._slots[name] = slot
+        return len(found)
 
     def remove(self, name: str) -> None:
         slot = self._slots.pop(name, None)

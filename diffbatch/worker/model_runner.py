@@ -32,6 +32,7 @@ from diffbatch.errors import InvalidRequestError, PipelineError, WaveInterrupted
 from diffbatch.outputs import BatchRunnerOutput, DiffusionOutput, PartialImage, RequestError
 from diffbatch.pipelines.interface import DiffusionRequestBatch
 from diffbatch.sched.output import SchedulerOutput
+from diffbatch.worker.lora_files import LoraFileRules
 from diffbatch.worker.lora_residency import LoraResidency
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class ModelRunner:
             )
         self.pipeline = pipeline
         self._info = pipeline.info()
-        self.loras = LoraResidency(pipeline, config.max_loras)
+        self.loras = LoraResidency(pipeline, config.max_loras, lora_file_rules(config))
         self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
         self._should_stop: Callable[[], bool] = lambda: False  # the current wave's
         # where the current wave's partial images go; None: nobody listens
@@ -157,6 +158,23 @@ class ModelRunner:
 
     def info(self) -> PipelineInfo:
         return self._info
+
+    # -- LoRA adapters loaded by the engine ------------------------------------------
+    def load_lora(self, key: str) -> str:
+        """Read, check and load the adapter `key` names (`LoraResidency.load`); returns
+        the key of the version read. A refused adapter raises `InvalidRequestError`
+        (`lora_path`) naming the client's adapter name and the reason."""
+        try:
+            return self.loras.load(key)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.message, param="lora_path") from None
+        except NotImplementedError:
+            raise InvalidRequestError(f"{self._info.name} does not support LoRA adapters",
+                                      param="lora_path") from None
+
+    def unload_lora(self, key: str) -> None:
+        """Drop the weights of adapter `key` (when the last wave using it ends)."""
+        self.loras.forget(key)
 
     # -- the entry -------------------------------------------------------------------
     def execute_batch(
@@ -355,3 +373,11 @@ def partial_image_sender(
         on_partial_image(partial)
 
     return send
+
+
+def lora_file_rules(config: EngineConfig) -> LoraFileRules:
+    """The adapter file rules of `config` (`--lora-allow-pickle`, `--max-lora-file-mb`;
+    symlinks may lead into `--lora-dir`)."""
+    return LoraFileRules(allow_pickle=config.lora_allow_pickle,
+                         max_bytes=config.max_lora_file_mb << 20,
+                         roots=(config.lora_dir,) if config.lora_dir else ())

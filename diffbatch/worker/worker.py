@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list, pin_to_cpus
-from diffbatch.errors import ConfigError
+from diffbatch.errors import ConfigError, InvalidRequestError
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -450,8 +450,9 @@ def _handle(
                 call.arg, **{name: given[name] for name in accepted})
         else:
             result = getattr(runner, call.method)(call.arg)
-    except Exception as exc:
-        logger.error("worker %d: %s raised %s", os.getpid(), call.method, type(exc).__name__)
+    except Exception as exc:  # (a refused input, e.g. a bad adapter, is no worker error)
+        logger.log(logging.INFO if isinstance(exc, InvalidRequestError) else logging.ERROR,
+                   "worker %d: %s raised %s", os.getpid(), call.method, type(exc).__name__)
         return WorkerReply(call.call_id, error=WorkerError.from_exception(exc))
     return _pack_reply(call.call_id, result, threshold_bytes)
 

@@ -16,7 +16,8 @@ def test_reliability_smoke(tmp_path: Path) -> None:
     report = run_script("reliability.py", tmp_path / "reliability.json", "--quick",
                         "--burst", "30", "--disconnects", "6", "--kills", "1", "--soak-s", "3",
                         "--clients", "4", "--sigterm-requests", "4")
-    scenarios = ["burst", "disconnects", "worker kills", "worker freeze", "soak", "SIGTERM"]
+    scenarios = ["burst", "disconnects", "worker kills", "worker freeze", "soak", "adapters",
+                 "SIGTERM"]
     assert [(row["mode"], row["scenario"]) for row in report["results"]] == \
         [(mode, scenario) for mode in ("request", "step") for scenario in scenarios]
     for mode in ("request", "step"):
@@ -27,3 +28,4 @@ def test_reliability_smoke(tmp_path: Path) -> None:
         assert len(rows["worker kills"]["recovery_s"]) == 1
         assert "detect_s" in rows["worker freeze"] and "exit_s" in rows["SIGTERM"]
         assert rows["soak"]["rss_mib"]
+        assert all(rows["adapters"]["checks"].values()), rows["adapters"]

@@ -20,7 +20,12 @@ from diffbatch import (
     QueueFullError,
     SamplingParams,
 )
-from tests.fake_pipelines import FakeBatchPipeline, FakeSinglePipeline, GatedPipeline
+from tests.fake_pipelines import (
+    FakeBatchPipeline,
+    FakeSinglePipeline,
+    GatedPipeline,
+    make_fake_adapter,
+)
 
 FAKE = "tests.fake_pipelines.FakeBatchPipeline"
 
@@ -260,8 +265,7 @@ def test_queue_full_is_rejected_at_once(gate):
 
 
 def test_bad_input_fails_at_the_call_and_leaves_the_engine_serving(tmp_path):
-    (tmp_path / "good").mkdir()
-    (tmp_path / "good" / "pytorch_lora_weights.safetensors").write_bytes(b"")  # never loaded
+    make_fake_adapter(tmp_path / "good")
     with Engine(pipeline_class=FAKE, executor="inproc", max_num_seqs=4,
                 lora_dir=str(tmp_path)) as engine:
         with pytest.raises(InvalidRequestError, match="multiple of 8"):

@@ -398,6 +398,10 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
                            "tests/entrypoints/openai/test_lora_adapters.py::"
                            "test_model_and_lora_select_adapters_through_the_openai_client",
                            text=f"style={ROOT / 'tests'}"),
+    "lora_allow_pickle": option(True, "tests/entrypoints/openai/test_lora_loading.py::"
+                                "test_pickle_adapters_load_only_with_the_opt_in"),
+    "max_lora_file_mb": option(1, "tests/entrypoints/openai/test_lora_loading.py::"
+                               "test_an_adapter_file_over_the_size_cap_is_refused_at_load"),
     "max_loras": option(2, "tests/test_e2e_lora.py::"
                         "test_four_adapters_under_max_loras_two_lose_no_request"),
     "model": option("tiny-sd", E2E + "test_batch_invariance_each_image_equals_its_solo_run"),

@@ -20,6 +20,7 @@ from diffbatch.pipelines.registry import load_pipeline
 from diffbatch.sched.output import SchedulerOutput
 from diffbatch.worker.model_runner import ModelRunner
 from diffbatch.worker.step_runner import StepRunner
+from tests.fake_pipelines import make_fake_adapter
 from tests.pipelines.conftest import TOLERANCE, make_request
 
 FAMILIES = ["tiny-sd", "tiny-sd3", "tiny-flux", "tiny-pixart", "shapes"]
@@ -152,7 +153,7 @@ def test_an_adapter_that_fails_to_load_fails_only_the_request_that_uses_it(
         raise RuntimeError("adapter weights do not fit this model")
 
     monkeypatch.setattr(pipeline, "load_lora", broken)
-    (tmp_path / "bad").mkdir()
+    make_fake_adapter(tmp_path / "bad")
     requests = [step_request(pipeline, 0, 3, lora=str(tmp_path / "bad"))[0],
                 step_request(pipeline, 1, 3)[0]]
     join(steps, requests, 0, capacity=2)

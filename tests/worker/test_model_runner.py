@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from tests.fake_pipelines import (
     WrongCountPipeline,
     WrongTypePipeline,
     fake_images,
+    make_fake_adapter,
 )
 
 
@@ -134,7 +133,7 @@ def test_cache_refresh_and_adapter_loads_happen_once_per_wave(tmp_path):
     runner = runner_with(pipeline)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     for folder in (a, b):
-        os.mkdir(folder)
+        make_fake_adapter(folder)
     out = runner.execute_batch(wave(make_request("a", lora=a), make_request("b", lora=b),
                                     make_request("c", lora=a), make_request("d")))
     assert pipeline.cache_refreshes == 1 and out.num_forwards == 1
@@ -151,7 +150,7 @@ def test_cache_refresh_and_adapter_loads_happen_once_per_wave(tmp_path):
 def test_a_missing_adapter_fails_only_its_requests(tmp_path):
     pipeline = FakeBatchPipeline()
     runner = runner_with(pipeline)
-    os.mkdir(tmp_path / "a")
+    make_fake_adapter(tmp_path / "a")
     out = runner.execute_batch(wave(make_request("a", lora=str(tmp_path / "a")),
                                     make_request("m", lora=str(tmp_path / "nope")),
                                     make_request("p")))
@@ -167,7 +166,7 @@ def test_eviction_is_least_recently_used_and_a_wave_never_loses_its_adapters(tmp
     runner = ModelRunner(EngineConfig(executor="inproc", max_loras=2), pipeline=pipeline)
     paths = []
     for name in "abcd":
-        os.mkdir(tmp_path / name)
+        make_fake_adapter(tmp_path / name)
         paths.append(str(tmp_path / name))
     a, b, c, d = paths
     runner.execute_batch(wave(make_request("1", lora=a), make_request("2", lora=b)))

@@ -30,6 +30,7 @@ from diffbatch.sampling_params import (
     MAX_GUIDANCE_SCALE,
     MAX_LORA_STACK,
     MAX_NUM_INFERENCE_STEPS,
+    lora_entry,
 )
 
 # OpenAI's own bound on `n` for image generation.
@@ -351,6 +352,18 @@ class ImageGenerationRequest(OpenAIBaseModel):
             raise InvalidRequestError(
                 f"`lora` may stack at most {MAX_LORA_STACK} adapters, got {len(value)}",
                 param="lora")
+        if isinstance(value, list):  # each entry's fault under its own param
+            for i, entry in enumerate(value):
+                if not isinstance(entry, dict):
+                    raise InvalidRequestError(
+                        f"`lora[{i}]` must be a {{\"name\", \"scale\"}} object, got "
+                        f"{type(entry).__name__ if entry is not None else 'null'}",
+                        param=f"lora[{i}]")
+                lora_entry(i, entry)
+        elif value is not None and not isinstance(value, str):
+            raise InvalidRequestError(
+                "`lora` must be an adapter name or a list of {\"name\", \"scale\"} objects, "
+                f"got {type(value).__name__}", param="lora")
         return value
 
     @field_validator("guidance_scale", "lora_scale", mode="before")

@@ -101,11 +101,15 @@ async def app_client(engine: Engine, **app_kwargs: Any) -> AsyncIterator[httpx.A
 
 
 def make_lora_dir(root: Any) -> str:
-    """A LoRA folder: "style" looks like an adapter (the fake pipelines never read its
-    weights), "notes" is a folder without weights, "training" holds only an optimizer
-    file and a checkpoint folder."""
+    """A LoRA folder: "style" holds a small valid safetensors file (the fake pipelines
+    never apply its weights), "notes" is a folder without weights, "training" holds
+    only an optimizer file and a checkpoint folder."""
+    import torch
+    from safetensors.torch import save_file
+
     os.makedirs(root / "style")
-    (root / "style" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    save_file({"unet.layer.lora_A.weight": torch.zeros(2, 4)},
+              str(root / "style" / "pytorch_lora_weights.safetensors"))
     os.makedirs(root / "notes")
     (root / "notes" / "README.txt").write_text("not an adapter")
     os.makedirs(root / "training" / "checkpoint-500")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +25,7 @@ from diffbatch import Engine, InvalidRequestError, SamplingParams
 from diffbatch.entrypoints.openai.api_server import build_app
 from diffbatch.entrypoints.openai.serving_images import OpenAIServingImages
 from tests.entrypoints.openai.conftest import app_client, make_gate, make_lora_dir
-from tests.fake_pipelines import FakeBatchPipeline, SmallModelPipeline
+from tests.fake_pipelines import FakeBatchPipeline, SmallModelPipeline, make_fake_adapter
 from tests.process_utils import wait_until
 
 ROUTE = "/v1/images/generations"
@@ -32,11 +33,11 @@ JSON = {"content-type": "application/json"}
 MAX_PIXELS = 32 * 32  # the app's --max-image-pixels; the fake model's multiple is 8
 
 
-class PathRevealingLoraPipeline(FakeBatchPipeline):
-    """Fails to load any adapter with a message naming its path, as diffusers does."""
+class RefusingLoraPipeline(FakeBatchPipeline):
+    """Refuses every adapter's weights, as diffusers refuses another model's."""
 
-    def load_lora(self, name: str, path: str) -> None:
-        raise OSError(f"Error no file named pytorch_lora_weights.bin found in directory {path}")
+    def load_lora(self, name: str, weights: Any) -> None:
+        raise RuntimeError("Error(s) in loading state_dict: the weights do not fit")
 
 
 @pytest.fixture
@@ -102,9 +103,9 @@ async def test_an_unknown_lora_is_a_404_and_a_weights_file_is_an_adapter(client,
     (await client.post(ROUTE, json={"prompt": "p", "lora": "style"})).raise_for_status()
 
 
-async def test_a_pipeline_error_naming_the_lora_folder_is_redacted(tmp_path) -> None:
+async def test_an_adapter_the_pipeline_refuses_is_a_400_naming_only_its_name(tmp_path) -> None:
     lora_dir = make_lora_dir(tmp_path)
-    with Engine(pipeline_class=PathRevealingLoraPipeline, executor="inproc",
+    with Engine(pipeline_class=RefusingLoraPipeline, executor="inproc",
                 lora_dir=lora_dir) as engine:
         async with app_client(engine) as client:
             response = await client.post(ROUTE, json={"prompt": "p", "lora": "style"})
@@ -113,7 +114,7 @@ async def test_a_pipeline_error_naming_the_lora_folder_is_redacted(tmp_path) -> 
     error = response.json()["error"]
     assert error["param"] == "lora"
     message = error["message"]
-    assert "<lora-dir>/style" in message
+    assert message.startswith("LoRA adapter 'style' does not fit this model"), message
     for path in _private(lora_dir):
         assert path not in response.text
 
@@ -122,8 +123,8 @@ class ServerFaultLoraPipeline(FakeBatchPipeline):
     """Fails to load an adapter for a reason of the server's, chosen by the adapter's
     folder name (out of memory, a file it may not read)."""
 
-    def load_lora(self, name: str, path: str) -> None:
-        raise MemoryError() if "memory" in path else PermissionError(13, "denied", path)
+    def load_lora(self, name: str, weights: Any) -> None:
+        raise MemoryError() if "memory" in name else PermissionError(13, "denied")
 
 
 @pytest.mark.parametrize("adapter", ["memory", "permission"])
@@ -132,8 +133,7 @@ async def test_a_lora_load_that_fails_for_the_servers_reasons_is_no_400(tmp_path
     """Only an adapter's own fault (a corrupt file, another model's weights) is the
     caller's 400; a server fault stays a 500 a client may retry, and harms nothing."""
     lora_dir = tmp_path / "loras"
-    (lora_dir / adapter).mkdir(parents=True)
-    (lora_dir / adapter / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    make_fake_adapter(lora_dir / adapter)
     with Engine(pipeline_class=ServerFaultLoraPipeline, executor="inproc",
                 lora_dir=str(lora_dir)) as engine:
         async with app_client(engine) as client:
@@ -142,6 +142,27 @@ async def test_a_lora_load_that_fails_for_the_servers_reasons_is_no_400(tmp_path
     assert failed.status_code == 500, failed.text
     assert failed.json()["error"]["type"] == "server_error"
     assert plain.status_code == 200, plain.text
+
+
+# -- LoRA stacks -------------------------------------------------------------------
+@pytest.mark.parametrize(("stack", "param", "words"), [
+    ([{"name": "style", "scale": math.nan}], "lora[0].scale", "finite"),
+    ([{"name": "style", "scale": math.inf}], "lora[0].scale", "finite"),
+    ([{"name": "style", "scale": 1e30}], "lora[0].scale", "between -10 and 10"),
+    ([{"name": "style"}, {"name": "style", "scale": "0.5"}], "lora[1].scale", "a string"),
+    ([{"name": None}], "lora[0].name", "null"),
+    ([{"name": 7}], "lora[0].name", "a number"),
+    ([{"name": ""}], "lora[0].name", "name an adapter"),
+    ([{"name": "style"}, {"scale": 1}], "lora[1].name", "required"),
+    ([{"name": "style", "weight": 1}], "lora[0].weight", "unknown field"),
+    (["style"], "lora[0]", "object"),
+])
+async def test_every_bad_stack_field_gets_its_own_param(client, lora_dir: str, stack,
+                                                        param, words) -> None:
+    response = await client.post(ROUTE, content=json.dumps({"prompt": "p", "lora": stack}),
+                                 headers=JSON)
+    error = assert_openai_error(response, 400, param, private=_private(lora_dir))
+    assert words in error["message"], error["message"]
 
 
 # -- numbers ---------------------------------------------------------------------------
