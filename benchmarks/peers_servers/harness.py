@@ -6,6 +6,14 @@ their base URLs and, whatever happens, stops them: SIGINT first (each server shu
 down cleanly on it), then SIGTERM and SIGKILL to the whole group. Servers bind
 127.0.0.1 only. Their logs go to files whose tail is shown if one fails to start.
 
+A benchmark killed outright (SIGKILL: `kill -9`, a test's `subprocess.run` timeout)
+runs no `finally`, so every process it starts is also tied to it by the kernel
+(`die_with_this_process`): Linux's parent-death signal (`PR_SET_PDEATHSIG`) kills
+the server when the benchmark dies, and the server's worker follows through its own
+lifeline (`diffbatch/worker/lifeline.py`). Ray's local cluster ties its processes to their
+driver the same way. The signal follows the thread that started the process, so
+servers are started from the benchmark's main thread.
+
 Threads: every server gets `OMP_NUM_THREADS` / `MKL_NUM_THREADS` = `threads` (the
 diffbatch worker inherits them; torch reads them at start) and the peers also call
 `torch.set_num_threads(threads)` themselves (Ray would otherwise impose its own).
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib.util
 import json
 import os
@@ -48,6 +57,40 @@ PEER_MODULES = {
 }
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
+
+
+_PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's `prctl` on Linux, looked up once here: the child between fork and exec
+    must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _load_prctl()
+
+
+def die_with_this_process() -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen`/`run` of a process that must not outlive
+    this one: on Linux it gets SIGKILL when this process dies, however it dies (None
+    elsewhere: only the `finally` paths stop it)."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+    prctl = _prctl
+
+    def arm() -> None:  # runs in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def set_thread_env(threads: int | None) -> None:
@@ -209,6 +252,7 @@ class Server:
         self.process = subprocess.Popen(
             spec.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=str(root), start_new_session=True,
+            preexec_fn=die_with_this_process(),
         )
 
     @property
