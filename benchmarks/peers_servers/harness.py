@@ -14,6 +14,13 @@ lifeline (`diffbatch/worker/lifeline.py`). Ray's local cluster ties its processe
 driver the same way. The signal follows the thread that started the process, so
 servers are started from the benchmark's main thread.
 
+One shared server (`SHARED_SERVER_ENV=1`, what the smoke tests in `tests/bench/`
+set): every `diffbatch serve` server a benchmark asks for is the same one, started
+by the first `running` that asks and stopped when the benchmark exits. Each name
+still gets its own entry (its own `spec`, the shared server's URL), so the script
+runs every step and writes every field of its report, in the time of one server's
+start-up; the figures then compare a server with itself. Peer servers start as usual.
+
 Threads: every server gets `OMP_NUM_THREADS` / `MKL_NUM_THREADS` = `threads` (the
 diffbatch worker inherits them; torch reads them at start) and the peers also call
 `torch.set_num_threads(threads)` themselves (Ray would otherwise impose its own).
@@ -27,6 +34,7 @@ the thread choices of torch and diffbatch themselves, as under a user's shell.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import importlib.util
@@ -41,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,7 @@ PEER_MODULES = {
 }
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
+SHARED_SERVER_ENV = "DIFFBATCH_BENCH_SHARED_SERVER"
 
 
 _PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
@@ -306,24 +315,63 @@ def running(
     so a diffbatch server picks its threads and calibrates `auto` on an otherwise idle
     machine (started together, each sees the others' start-up as load). Raises
     RuntimeError with the log tail if a server exits or is not healthy in time; every
-    server started is stopped on the way out, in any case.
+    server started is stopped on the way out, in any case. With `SHARED_SERVER_ENV`
+    set, the diffbatch servers are the one shared server (see the module docstring).
     """
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"server names must be unique, got {names}")
     log_dir = log_dir or tempfile.mkdtemp(prefix="diffbatch-bench-logs-")
+    shared = [s for s in specs if _uses_shared_server(s)]
     servers: list[Server] = []
     try:
         with _exit_on_sigterm():
-            groups = [[spec] for spec in specs] if one_at_a_time else [list(specs)]
+            by_name: dict[str, Server] = {}
+            if shared:
+                server = _shared_server(shared[0], log_dir, startup_timeout_s)
+                by_name.update({s.name: _SharedServerView(s, server) for s in shared})
+            own = [s for s in specs if s not in shared]
+            groups = [[spec] for spec in own] if one_at_a_time else [own]
             for group in groups:
                 started = [Server(spec, log_dir) for spec in group]
                 servers.extend(started)
                 _wait_healthy(started, startup_timeout_s)
-            yield {s.spec.name: s for s in servers}
+            by_name.update({s.spec.name: s for s in servers})
+            yield {name: by_name[name] for name in names}
     finally:
         for server in reversed(servers):
             server.stop()
+
+
+_shared: Server | None = None
+
+
+def _uses_shared_server(spec: ServerSpec) -> bool:
+    return os.environ.get(SHARED_SERVER_ENV) == "1" \
+        and "diffbatch.entrypoints.cli" in spec.cmd and "serve" in spec.cmd
+
+
+def _shared_server(spec: ServerSpec, log_dir: str, startup_timeout_s: float) -> Server:
+    """The benchmark's one diffbatch server, started from `spec` at the first call."""
+    global _shared
+    if _shared is None:
+        server = Server(spec, log_dir)
+        atexit.register(server.stop)
+        _wait_healthy([server], startup_timeout_s)
+        _shared = server
+    return _shared
+
+
+class _SharedServerView(Server):
+    """A name's entry for the shared server: its own spec, the shared server's process
+    and URL (see the module docstring)."""
+
+    def __init__(self, spec: ServerSpec, server: Server) -> None:  # no process of its own
+        self.spec = replace(spec, port=server.spec.port)
+        self.log_path, self.log, self.process = server.log_path, server.log, server.process
+
+    def stop(self) -> None:
+        """Nothing: the shared server stops when the benchmark exits."""
 
 
 @contextlib.contextmanager
