@@ -14,12 +14,16 @@ lifeline (`diffbatch/worker/lifeline.py`). Ray's local cluster ties its processe
 driver the same way. The signal follows the thread that started the process, so
 servers are started from the benchmark's main thread.
 
-One shared server (`SHARED_SERVER_ENV=1`, what the smoke tests in `tests/bench/`
-set): every `diffbatch serve` server a benchmark asks for is the same one, started
-by the first `running` that asks and stopped when the benchmark exits. Each name
-still gets its own entry (its own `spec`, the shared server's URL), so the script
-runs every step and writes every field of its report, in the time of one server's
-start-up; the figures then compare a server with itself. Peer servers start as usual.
+Smoke mode (`SMOKE_ENV=1`, what the smoke tests in `tests/bench/` set) proves a
+script runs, in seconds; its figures mean nothing. Every `diffbatch serve` server a
+benchmark asks for is one shared server, started by the first `running` that asks
+and stopped when the benchmark exits, without the start-up calibration
+(`--calibration-budget-s 0`: it learns from the traffic). Each name still gets its
+own entry (its own `spec`, the shared server's URL), so the script runs every step
+and writes every field of its report in the time of one server's start-up. Peer
+servers start as usual. And `user_env` keeps the caller's thread settings: a test
+run's processes share the cores, where torch's default threads would spin-wait for
+each other.
 
 Threads: every server gets `OMP_NUM_THREADS` / `MKL_NUM_THREADS` = `threads` (the
 diffbatch worker inherits them; torch reads them at start) and the peers also call
@@ -65,7 +69,13 @@ PEER_MODULES = {
 }
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
-SHARED_SERVER_ENV = "DIFFBATCH_BENCH_SHARED_SERVER"
+SMOKE_ENV = "DIFFBATCH_BENCH_SMOKE"
+
+
+def smoke_mode() -> bool:
+    """Whether this run only proves the script runs (see the module docstring)."""
+    return os.environ.get(SMOKE_ENV) == "1"
+
 
 
 _PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
@@ -145,7 +155,10 @@ THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")
 
 def user_env() -> dict[str, str]:
     """This process' environment without thread settings: what a user's script or
-    `diffbatch serve` gets from a plain shell (torch and diffbatch choose themselves)."""
+    `diffbatch serve` gets from a plain shell (torch and diffbatch choose themselves).
+    In smoke mode, the environment as it is (see the module docstring)."""
+    if smoke_mode():
+        return dict(os.environ)
     return {k: v for k, v in os.environ.items() if k not in THREAD_ENV_VARS}
 
 
@@ -315,8 +328,8 @@ def running(
     so a diffbatch server picks its threads and calibrates `auto` on an otherwise idle
     machine (started together, each sees the others' start-up as load). Raises
     RuntimeError with the log tail if a server exits or is not healthy in time; every
-    server started is stopped on the way out, in any case. With `SHARED_SERVER_ENV`
-    set, the diffbatch servers are the one shared server (see the module docstring).
+    server started is stopped on the way out, in any case. In smoke mode the diffbatch
+    servers are the one shared server (see the module docstring).
     """
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -347,14 +360,15 @@ _shared: Server | None = None
 
 
 def _uses_shared_server(spec: ServerSpec) -> bool:
-    return os.environ.get(SHARED_SERVER_ENV) == "1" \
-        and "diffbatch.entrypoints.cli" in spec.cmd and "serve" in spec.cmd
+    return smoke_mode() and "diffbatch.entrypoints.cli" in spec.cmd and "serve" in spec.cmd
 
 
 def _shared_server(spec: ServerSpec, log_dir: str, startup_timeout_s: float) -> Server:
     """The benchmark's one diffbatch server, started from `spec` at the first call."""
     global _shared
     if _shared is None:
+        if "--calibration-budget-s" not in spec.cmd:
+            spec = replace(spec, cmd=[*spec.cmd, "--calibration-budget-s", "0"])
         server = Server(spec, log_dir)
         atexit.register(server.stop)
         _wait_healthy([server], startup_timeout_s)

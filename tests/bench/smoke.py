@@ -4,12 +4,12 @@ setting and reading back its JSON report.
 The smoke tests start real servers (diffbatch, and the peers when the `[bench]` extra
 is installed), so they are `slow`; they check that each script finishes and writes
 its report with the figures it promises, never how fast anything was. Each runs one
-short round against one diffbatch server: the harness's shared-server mode
-(`SHARED_SERVER_ENV`) stands that one server in for every diffbatch server the
-script asks for, so a script that compares five settings starts one server, not
-five. The plots are drawn when matplotlib is installed and skipped (`--no-plot`)
-otherwise. They are spread over a few files so that a parallel run (`pytest -n`)
-can share them out.
+short round against one diffbatch server: the harness's smoke mode (`SMOKE_ENV`)
+stands that one server in for every diffbatch server the script asks for, so a
+script that compares five settings starts one server, not five, and keeps the
+test run's one torch thread per process. The plots are drawn when matplotlib is
+installed and skipped (`--no-plot`) otherwise. They are spread over a few files so
+that a parallel run (`pytest -n`) can share them out.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
-TIMEOUT_S = 180  # bounds a broken script only
+TIMEOUT_S = 240  # bounds a broken script only
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_PYINSTRUMENT = importlib.util.find_spec("pyinstrument") is not None
 MINIMAL = ["--steps", "1"]
@@ -31,7 +31,7 @@ MINIMAL = ["--steps", "1"]
 
 def smoke_env() -> dict[str, str]:
     """The environment of a benchmark script in a smoke test."""
-    return dict(os.environ, HF_HUB_OFFLINE="1", DIFFBATCH_BENCH_SHARED_SERVER="1")
+    return dict(os.environ, HF_HUB_OFFLINE="1", DIFFBATCH_BENCH_SMOKE="1")
 
 
 def run_script(name: str, out: Path, *args: str) -> dict:

@@ -42,7 +42,8 @@ def test_policy_bars_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bars.json"
     cmd = [sys.executable, str(BENCHMARKS / "policy_bars.py"), *MINIMAL, "--rounds", "1",
            "--lone-requests", "2", "--burst", "3", "--capacity-requests", "4",
-           "--poisson-s", "0.5", "--bars", "lone", "poisson", "--out", str(out)]
+           "--poisson-s", "0.5", "--min-poisson-requests", "2", "--warmup-requests", "1",
+           "--bars", "lone", "poisson", "--out", str(out)]
     result = subprocess.run(cmd, cwd=BENCHMARKS.parent, capture_output=True, text=True,
                             env=smoke_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
