@@ -27,7 +27,7 @@ FAULTS = "tests.fake_tiny_sd.StepFaultTinySD"
 # Bounds a broken test only: a batch re-run across worker deaths and restarts answers
 # well within it, and a request left without an answer fails the test here instead of
 # at pytest's timeout.
-ANSWER_TIMEOUT_S = 120.0
+ANSWER_TIMEOUT_S = 180.0
 
 
 def pt(seed: int, steps: int = 6) -> SamplingParams:
