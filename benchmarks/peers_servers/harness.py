@@ -16,8 +16,8 @@ servers are started from the benchmark's main thread.
 
 Smoke mode (`SMOKE_ENV=1`, what the smoke tests in `tests/bench/` set) proves a
 script runs, in seconds; its figures mean nothing. Every `diffbatch serve` server a
-benchmark asks for is one shared server, started by the first `running` that asks
-and stopped when the benchmark exits, without the start-up calibration
+benchmark asks for is one shared server (per model), started by the first `running`
+that asks and stopped when the benchmark exits, without the start-up calibration
 (`--calibration-budget-s 0`: it learns from the traffic). Each name still gets its
 own entry (its own `spec`, the shared server's URL), so the script runs every step
 and writes every field of its report in the time of one server's start-up. Peer
@@ -75,7 +75,6 @@ SMOKE_ENV = "DIFFBATCH_BENCH_SMOKE"
 def smoke_mode() -> bool:
     """Whether this run only proves the script runs (see the module docstring)."""
     return os.environ.get(SMOKE_ENV) == "1"
-
 
 
 _PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
@@ -356,7 +355,7 @@ def running(
             server.stop()
 
 
-_shared: Server | None = None
+_shared: dict[str, Server] = {}  # model -> its shared server (smoke mode)
 
 
 def _uses_shared_server(spec: ServerSpec) -> bool:
@@ -364,16 +363,17 @@ def _uses_shared_server(spec: ServerSpec) -> bool:
 
 
 def _shared_server(spec: ServerSpec, log_dir: str, startup_timeout_s: float) -> Server:
-    """The benchmark's one diffbatch server, started from `spec` at the first call."""
-    global _shared
-    if _shared is None:
+    """The benchmark's one diffbatch server of `spec`'s model, started from `spec` at
+    the first call."""
+    model = spec.cmd[spec.cmd.index("serve") + 1]
+    if model not in _shared:
         if "--calibration-budget-s" not in spec.cmd:
             spec = replace(spec, cmd=[*spec.cmd, "--calibration-budget-s", "0"])
         server = Server(spec, log_dir)
         atexit.register(server.stop)
         _wait_healthy([server], startup_timeout_s)
-        _shared = server
-    return _shared
+        _shared[model] = server
+    return _shared[model]
 
 
 class _SharedServerView(Server):
