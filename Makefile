@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TORCH_PIN)" -e .
 	touch $@
 
-# The test install adds the [dev] extra (pytest, ruff, the openai client, Ray Serve,
-# playwright) and the browser the playground's tests drive.
+# The test install adds the [dev] extra (pytest, ruff, mypy, the openai client, Ray
+# Serve, playwright) and the browser the playground's tests drive.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev]"
 	$(MAKE) browser
@@ -56,15 +56,17 @@ TEST_WORKERS ?= 2
 
 test: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
+	$(VENV)/bin/mypy
 	DIFFBATCH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
+	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff format --check diffbatch tests benchmarks scripts
 
 bench: install-dev
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[bench]"
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -99,7 +99,8 @@ def plain_round(model: str, args: argparse.Namespace, batches: list[int]) -> dic
     if args.device:
         cmd += ["--device", args.device]
     result = subprocess.run(cmd, env=env, cwd=str(harness.REPO_ROOT), capture_output=True,
-                            text=True, timeout=PLAIN_TIMEOUT_S)
+                            text=True, timeout=PLAIN_TIMEOUT_S,
+                            preexec_fn=harness.die_with_this_process())
     if result.returncode != 0:
         raise RuntimeError(f"plain loop failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -85,7 +85,7 @@ def lone_and_burst(args: argparse.Namespace) -> dict[str, Any]:
     names = ["auto", "1:0", "1:0-twin", "16:0", "16:0-twin"]
     with harness.running([spec(n, args) for n in names], one_at_a_time=True) as servers:
         for name in names:  # warm-up, not measured
-            load(servers[name], args, 99, num_prompts=8, max_concurrency=1)
+            load(servers[name], args, 99, num_prompts=args.warmup_requests, max_concurrency=1)
         print("lone: p50 ms per round", flush=True)
         lone = rounds(servers, ["auto", "1:0", "1:0-twin"], args, lambda s, seed: load(
             s, args, seed, num_prompts=args.lone_requests, max_concurrency=1)["p50_e2e_ms"])
@@ -112,7 +112,7 @@ def poisson(args: argparse.Namespace) -> dict[str, Any]:
         capacity = load(servers["auto"], args, 98, num_prompts=args.capacity_requests,
                         max_concurrency=32)["request_throughput"]
         rate = 0.5 * capacity
-        num = max(16, int(rate * args.poisson_s))
+        num = max(args.min_poisson_requests, int(rate * args.poisson_s))
         print(f"poisson: capacity {capacity:.1f} requests/s -> {rate:.1f}/s, {num} per round",
               flush=True)
 
@@ -157,6 +157,10 @@ def main() -> None:
     parser.add_argument("--capacity-requests", type=int, default=128)
     parser.add_argument("--poisson-s", type=float, default=8.0,
                         help="seconds of arrivals per server and round")
+    parser.add_argument("--min-poisson-requests", type=int, default=16,
+                        help="fewest Poisson requests per server and round")
+    parser.add_argument("--warmup-requests", type=int, default=8,
+                        help="sequential requests per server before the lone and burst rounds")
     parser.add_argument("--bars", nargs="+", default=["lone", "poisson"],
                         choices=["lone", "poisson"], help="lone: lone and burst")
     parser.add_argument("--step-execution", action="store_true",

@@ -47,6 +47,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
+from peers_servers import harness
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def plain_server(args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Pop
     cmd = [sys.executable, "-m", "diffbatch", "serve", args.model, "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--request-batch-max-wait-ms",
            str(args.wait_ms), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=harness.die_with_this_process())
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:

@@ -260,7 +260,7 @@ class EngineConfig:
                 raise ConfigError(f"`{f.name}` must be {rule.text}, got {value!r}")
         # 2. Rules between fields.
         if self.worker_cpus is not None:
-            self._check_worker_cpus()
+            self._check_worker_cpus(self.worker_cpus)
         if self.max_num_seqs_limit is not None and self.max_num_seqs != AUTO:
             raise ConfigError(
                 f"`max_num_seqs_limit` bounds the waves `max_num_seqs='auto'` chooses; with "
@@ -323,9 +323,9 @@ class EngineConfig:
             return self.max_num_seqs
         return self.max_num_seqs_limit or DEFAULT_MAX_NUM_SEQS_LIMIT
 
-    def _check_worker_cpus(self) -> None:
+    def _check_worker_cpus(self, worker_cpus: str) -> None:
         try:
-            cpus = parse_cpu_list(self.worker_cpus)
+            cpus = parse_cpu_list(worker_cpus)
         except ValueError as exc:
             raise ConfigError(f"`worker_cpus` {exc}") from None
         if self.executor != "mp":

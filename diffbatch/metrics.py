@@ -31,7 +31,7 @@ class _WaitingByKey(Collector):
     def __init__(self, read: Callable[[], dict[str, int]]) -> None:
         self.read = read
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         family = GaugeMetricFamily(
             "diffbatch_num_requests_waiting_by_key",
             "Waiting requests per batch key (short form: WxH/steps/guidance/n[/lora]).",
@@ -60,7 +60,7 @@ class _LearnedBatching(Collector):
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         cost = GaugeMetricFamily(
             "diffbatch_learned_cost_per_image_ms",
             "Learned forward time per image (ms) of a wave of `wave_size` requests, per shape "
@@ -91,7 +91,7 @@ class _WorkerHealth(Collector):
     def __init__(self, read: Callable[[], dict[str, float]]) -> None:
         self.read = read
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         stats = self.read()
         if not stats:
             return

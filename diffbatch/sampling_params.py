@@ -167,7 +167,7 @@ def _refusing_unknown_options(cls: type) -> type:
     """Make `cls(foo=1)` an `InvalidRequestError` that names the option and suggests
     the closest known one (Python's own TypeError says neither what is known nor
     where a pipeline's own arguments go)."""
-    init = cls.__init__
+    init = cls.__init__  # type: ignore[misc]  # the dataclass' own, replaced below
     known = [f.name for f in fields(cls)]
 
     @functools.wraps(init)

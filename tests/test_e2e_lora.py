@@ -143,3 +143,28 @@ def test_four_adapters_under_max_loras_two_lose_no_request(tmp_path, step_execut
         assert (outs[i].images - alone[i].images).abs().max().item() <= TOLERANCE
     assert evictions and evictions >= 2 and loads and loads >= 4
     assert waves and one_adapter < waves  # some wave (or step) mixed adapters
+
+
+def test_step_mode_never_evicts_the_adapter_of_a_running_request(tmp_path):
+    """--max-loras 2 in step mode: `long` (adapter a, 6 steps) and `short` (b, 1 step)
+    run together; `late` (c) waits for room, joins once `short` left, and its load
+    evicts one adapter. a heads the LRU list then, but `long` still runs with it: b
+    goes, and `long` ends with the image it has alone."""
+    model = resolve_model_path("tiny-sd")
+    for i, name in enumerate("abc"):
+        make_tiny_lora(model, tmp_path / name, seed=20 + i)
+    long = params(lora="a", seed=1).clone(num_inference_steps=6)
+    wanted = [long, params(lora="b", seed=2).clone(num_inference_steps=1),
+              params(lora="c", seed=3)]
+    with Engine("tiny-sd", executor="inproc", max_num_seqs=4, lora_dir=str(tmp_path),
+                max_loras=2, torch_num_threads=1, step_execution=True,
+                warmup=False) as engine:
+        alone = engine.generate(["a cat"], long)[0]
+        sample = engine.metrics.registry.get_sample_value
+        evictions = sample("diffbatch_lora_adapter_evictions_total") or 0.0
+        outs = engine.generate(["a cat"] * 3, wanted)
+        evictions = sample("diffbatch_lora_adapter_evictions_total") - evictions
+    assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
+    assert outs[0].batch_size >= 2, "long and short did not share the running batch"
+    assert evictions == 1  # b, for c (a and the loads of b and c left room before)
+    assert (outs[0].images - alone.images).abs().max().item() <= TOLERANCE

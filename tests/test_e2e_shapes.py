@@ -70,27 +70,32 @@ def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
 
 
 async def test_a_prompt_longer_than_the_text_encoder_reads_is_refused_over_http(capfd):
-    """shapes' tokenizer holds 20 tokens: the server answers a longer prompt with a 400
-    naming the limit (the pipeline would cut it silently), and logs no warning for it."""
+    """shapes' tokenizer holds 20 tokens, its start and end tokens included: a prompt of
+    18 words (20 tokens) is served, one of 19 words (21 tokens) is answered with a 400
+    naming the limit (the pipeline would cut it silently), with no warning logged."""
     import httpx
 
     from diffbatch.entrypoints.openai.api_server import build_app
 
+    words = ("a large blue square on a white background " * 3).split()
     with Engine(None, executor="inproc", torch_num_threads=1, max_num_seqs=1,
                 request_batch_max_wait_ms=0, warmup=False) as engine:
         assert engine.info.max_prompt_tokens == 20
         app = build_app(engine, served_model_name="shapes", close_engine_on_shutdown=False)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-            fits = await client.post("/v1/images/generations", json={
-                "prompt": "a large blue square on a white background",
-                "num_inference_steps": 1})
-            assert fits.status_code == 200, fits.text
+            at_limit = await client.post("/v1/images/generations", json={
+                "prompt": " ".join(words[:18]), "num_inference_steps": 1})
+            assert at_limit.status_code == 200, at_limit.text
+            over = await client.post("/v1/images/generations", json={
+                "prompt": " ".join(words[:19]), "num_inference_steps": 1})
             long = await client.post("/v1/images/generations", json={
-                "prompt": "a large blue square on a white background " * 3})
-    assert long.status_code == 400, long.text
-    error = long.json()["error"]
-    assert error["param"] == "prompt"
-    assert "reads at most 20 tokens" in error["message"]
+                "prompt": " ".join(words)})
+    for refused, num_tokens in ((over, 21), (long, 26)):
+        assert refused.status_code == 400, refused.text[:500]
+        error = refused.json()["error"]
+        assert error["param"] == "prompt"
+        assert f"`prompt` is {num_tokens} tokens long" in error["message"]
+        assert "reads at most 20 tokens" in error["message"]
     assert engine.metrics.count("completed") == 1
     assert "longer than the specified maximum" not in capfd.readouterr().err

@@ -6,6 +6,25 @@ their base URLs and, whatever happens, stops them: SIGINT first (each server shu
 down cleanly on it), then SIGTERM and SIGKILL to the whole group. Servers bind
 127.0.0.1 only. Their logs go to files whose tail is shown if one fails to start.
 
+A benchmark killed outright (SIGKILL: `kill -9`, a test's `subprocess.run` timeout)
+runs no `finally`, so every process it starts is also tied to it by the kernel
+(`die_with_this_process`): Linux's parent-death signal (`PR_SET_PDEATHSIG`) kills
+the server when the benchmark dies, and the server's worker follows through its own
+lifeline (`diffbatch/worker/lifeline.py`). Ray's local cluster ties its processes to their
+driver the same way. The signal follows the thread that started the process, so
+servers are started from the benchmark's main thread.
+
+Smoke mode (`SMOKE_ENV=1`, what the smoke tests in `tests/bench/` set) proves a
+script runs, in seconds; its figures mean nothing. Every `diffbatch serve` server a
+benchmark asks for is one shared server (per model), started by the first `running`
+that asks and stopped when the benchmark exits, without the start-up calibration
+(`--calibration-budget-s 0`: it learns from the traffic). Each name still gets its
+own entry (its own `spec`, the shared server's URL), so the script runs every step
+and writes every field of its report in the time of one server's start-up. Peer
+servers start as usual. And `user_env` keeps the caller's thread settings: a test
+run's processes share the cores, where torch's default threads would spin-wait for
+each other.
+
 Threads: every server gets `OMP_NUM_THREADS` / `MKL_NUM_THREADS` = `threads` (the
 diffbatch worker inherits them; torch reads them at start) and the peers also call
 `torch.set_num_threads(threads)` themselves (Ray would otherwise impose its own).
@@ -19,7 +38,9 @@ the thread choices of torch and diffbatch themselves, as under a user's shell.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import ctypes
 import importlib.util
 import json
 import os
@@ -32,7 +53,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,6 +69,46 @@ PEER_MODULES = {
 }
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
+SMOKE_ENV = "DIFFBATCH_BENCH_SMOKE"
+
+
+def smoke_mode() -> bool:
+    """Whether this run only proves the script runs (see the module docstring)."""
+    return os.environ.get(SMOKE_ENV) == "1"
+
+
+_PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's `prctl` on Linux, looked up once here: the child between fork and exec
+    must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _load_prctl()
+
+
+def die_with_this_process() -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen`/`run` of a process that must not outlive
+    this one: on Linux it gets SIGKILL when this process dies, however it dies (None
+    elsewhere: only the `finally` paths stop it)."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+    prctl = _prctl
+
+    def arm() -> None:  # runs in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def set_thread_env(threads: int | None) -> None:
@@ -93,7 +154,10 @@ THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")
 
 def user_env() -> dict[str, str]:
     """This process' environment without thread settings: what a user's script or
-    `diffbatch serve` gets from a plain shell (torch and diffbatch choose themselves)."""
+    `diffbatch serve` gets from a plain shell (torch and diffbatch choose themselves).
+    In smoke mode, the environment as it is (see the module docstring)."""
+    if smoke_mode():
+        return dict(os.environ)
     return {k: v for k, v in os.environ.items() if k not in THREAD_ENV_VARS}
 
 
@@ -209,6 +273,7 @@ class Server:
         self.process = subprocess.Popen(
             spec.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=str(root), start_new_session=True,
+            preexec_fn=die_with_this_process(),
         )
 
     @property
@@ -262,24 +327,65 @@ def running(
     so a diffbatch server picks its threads and calibrates `auto` on an otherwise idle
     machine (started together, each sees the others' start-up as load). Raises
     RuntimeError with the log tail if a server exits or is not healthy in time; every
-    server started is stopped on the way out, in any case.
+    server started is stopped on the way out, in any case. In smoke mode the diffbatch
+    servers are the one shared server (see the module docstring).
     """
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"server names must be unique, got {names}")
     log_dir = log_dir or tempfile.mkdtemp(prefix="diffbatch-bench-logs-")
+    shared = [s for s in specs if _uses_shared_server(s)]
     servers: list[Server] = []
     try:
         with _exit_on_sigterm():
-            groups = [[spec] for spec in specs] if one_at_a_time else [list(specs)]
+            by_name: dict[str, Server] = {}
+            if shared:
+                server = _shared_server(shared[0], log_dir, startup_timeout_s)
+                by_name.update({s.name: _SharedServerView(s, server) for s in shared})
+            own = [s for s in specs if s not in shared]
+            groups = [[spec] for spec in own] if one_at_a_time else [own]
             for group in groups:
                 started = [Server(spec, log_dir) for spec in group]
                 servers.extend(started)
                 _wait_healthy(started, startup_timeout_s)
-            yield {s.spec.name: s for s in servers}
+            by_name.update({s.spec.name: s for s in servers})
+            yield {name: by_name[name] for name in names}
     finally:
         for server in reversed(servers):
             server.stop()
+
+
+_shared: dict[str, Server] = {}  # model -> its shared server (smoke mode)
+
+
+def _uses_shared_server(spec: ServerSpec) -> bool:
+    return smoke_mode() and "diffbatch.entrypoints.cli" in spec.cmd and "serve" in spec.cmd
+
+
+def _shared_server(spec: ServerSpec, log_dir: str, startup_timeout_s: float) -> Server:
+    """The benchmark's one diffbatch server of `spec`'s model, started from `spec` at
+    the first call."""
+    model = spec.cmd[spec.cmd.index("serve") + 1]
+    if model not in _shared:
+        if "--calibration-budget-s" not in spec.cmd:
+            spec = replace(spec, cmd=[*spec.cmd, "--calibration-budget-s", "0"])
+        server = Server(spec, log_dir)
+        atexit.register(server.stop)
+        _wait_healthy([server], startup_timeout_s)
+        _shared[model] = server
+    return _shared[model]
+
+
+class _SharedServerView(Server):
+    """A name's entry for the shared server: its own spec, the shared server's process
+    and URL (see the module docstring)."""
+
+    def __init__(self, spec: ServerSpec, server: Server) -> None:  # no process of its own
+        self.spec = replace(spec, port=server.spec.port)
+        self.log_path, self.log, self.process = server.log_path, server.log, server.process
+
+    def stop(self) -> None:
+        """Nothing: the shared server stops when the benchmark exits."""
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any
 
 from diffbatch.config import AUTO_REQUEST_WORK_FACTOR, EngineConfig
@@ -139,7 +139,8 @@ class Engine:
                     "pipeline")
             raise ConfigError(
                 f"max_num_seqs={config.max_num_seqs} needs a pipeline with "
-                f"`supports_request_batch = True`, but {self.pipeline_class.__name__} does "
+                f"`supports_request_batch = True`, but "
+                f"{getattr(self.pipeline_class, '__name__', 'the pipeline')} does "
                 "not declare it; use max_num_seqs=1 or a batch-capable pipeline class"
             )
         # 2. The executor loads the pipeline (in a worker process for "mp"); partial
@@ -171,8 +172,10 @@ class Engine:
         # without `close()` is collected, and its finalizer stops them and the worker.
         me = weakref.ref(self)
         self.metrics = EngineMetrics(
-            lambda: me().core.num_waiting, lambda: me().core.num_running,
-            lambda: me().core.num_waiting_by_key(), self.policy,
+            # (me() is alive while its metrics are scraped)
+            lambda: me().core.num_waiting,  # type: ignore[union-attr]
+            lambda: me().core.num_running,  # type: ignore[union-attr]
+            lambda: me().core.num_waiting_by_key(), self.policy,  # type: ignore[union-attr]
             worker_health=self.executor.health_stats,
         )
         self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
@@ -490,7 +493,7 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[PartialImage | DiffusionOutput]:
+    ) -> AsyncGenerator[PartialImage | DiffusionOutput, None]:
         """Submit one request; yield its partial images as its wave makes them, then its
         output, last. Leaving the iteration early (or cancelling it) aborts the request.
 

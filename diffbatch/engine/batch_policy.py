@@ -105,7 +105,7 @@ class BatchPolicy:
         self._lock = threading.Lock()
         # the last window's (time, requests that arrived, forward s of a wave that ended)
         self._events: deque[tuple[float, int, float]] = deque()
-        self._backlog_waves: dict[SamplingParamsKey, int] = {}  # waves in a row (above)
+        self._backlog_waves: dict[SamplingParamsKey | None, int] = {}  # waves in a row (above)
         self.serving = False  # waves teach only once serving (the warm-up would skew them)
 
     @property

@@ -60,7 +60,7 @@ def interpolate(table: Table, size: float) -> float:
     """`table`'s forward ms at `size`: measured, interpolated between the nearest
     measured sizes, or beyond them at the nearest one's cost per image (no gain)."""
     if size in table:
-        return table[size]
+        return table[int(size)]
     below = [b for b in table if b < size]
     above = [b for b in table if b > size]
     if below and above:

@@ -36,6 +36,9 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
                         max_request_work: int | None) -> None:
     """The checks that depend on the loaded model, run once, at admission (the HTTP
     server checks only its own limits: see `diffbatch.image_size`)."""
+    # the engine resolved every default before (`Engine.resolve_params`)
+    assert params.height is not None and params.width is not None \
+        and params.num_inference_steps is not None
     pixels = params.height * params.width
     size = f"{params.width}x{params.height}"
     cap, multiple = info.model_max_pixels, info.size_multiple
@@ -68,7 +71,8 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
         size = f"{size} x {frames} frames"
     step_cap = None if max_request_work is None else \
         max_steps(max_request_work, pixels, default_pixels)
-    if step_cap is not None and params.num_inference_steps > step_cap:
+    if max_request_work is not None and step_cap is not None \
+            and params.num_inference_steps > step_cap:
         work = describe_work(params.width, params.height, params.num_inference_steps,
                              default_pixels, pixels=pixels)
         # the size when even one step of it is over the limit (the HTTP layer names the

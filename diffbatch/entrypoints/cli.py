@@ -253,7 +253,7 @@ def _command_parser(parser: argparse.ArgumentParser,
         action = next((a for a in parser._actions
                        if isinstance(a, argparse._SubParsersAction)), None)
         chosen = None if action is None else getattr(args, action.dest, None)
-        if chosen is None:
+        if action is None or chosen is None:
             return parser
         parser = action.choices[chosen]
 

@@ -56,7 +56,7 @@ class Executor(ABC):
     max_concurrent_waves: int = 1
 
     _ready_listener: Callable[[], None] | None = None
-    _partial_image_listener: Callable[[PartialImage], None] | None = None
+    _partial_image_listener: Callable[[PartialImage], object] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -131,7 +131,7 @@ class Executor(ABC):
         if self._ready_listener is not None:
             self._ready_listener()
 
-    def set_partial_image_listener(self, listener: Callable[[PartialImage], None]) -> None:
+    def set_partial_image_listener(self, listener: Callable[[PartialImage], object]) -> None:
         """Call `listener` with each partial image a running wave sends, from the thread
         that receives it (it must not block), before that wave's output is returned."""
         self._partial_image_listener = listener

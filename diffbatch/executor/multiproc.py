@@ -239,7 +239,7 @@ class MultiprocExecutor(Executor):
             held = self._take_held(lambda call: call.future is future)
         _answer_aborted(held)
         call_id = worker.call_id_of(future) if worker is not None else None
-        if call_id is None:  # answered already, or its worker is gone
+        if worker is None or call_id is None:  # answered already, or its worker is gone
             return
         with contextlib.suppress(Exception):  # a dead worker's reader fails the call anyway
             worker.send(WorkerCancel(call_id))

@@ -33,6 +33,7 @@ from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
     WorkerCall,
+    WorkerCancel,
     WorkerReady,
     WorkerReply,
     WorkerStart,
@@ -241,7 +242,7 @@ class WorkerProcess:
         raise RuntimeError(f"worker process {self.pid} exited during start-up "
                            f"({describe_exit(self.exitcode())}); see its log above")
 
-    def send(self, call: WorkerCall) -> None:
+    def send(self, call: WorkerStart | WorkerCall | WorkerCancel) -> None:
         with self.send_lock:
             send_message(self.conn, call)
 

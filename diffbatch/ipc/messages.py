@@ -30,7 +30,7 @@ from __future__ import annotations
 import pickle
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from diffbatch import errors
 from diffbatch.outputs import RequestError
@@ -201,7 +201,13 @@ class WorkerReply:
 # says; large ones were already moved to shm by `shm.pack`.
 
 
-def send_message(conn: Connection, message: Any) -> None:
+class ByteSink(Protocol):
+    """What `send_message` writes to: a `Connection`, or anything with its `send_bytes`."""
+
+    def send_bytes(self, buf: bytes, /) -> None: ...
+
+
+def send_message(conn: ByteSink, message: Any) -> None:
     """Pickle `message` with plain pickle and send it. Pickling errors raise before
     anything is written; a closed pipe raises OSError (BrokenPipeError)."""
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))

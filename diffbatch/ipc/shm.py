@@ -34,7 +34,7 @@ descriptor is Linux behaviour (macOS shm objects only map), like the engine's ta
 
 from __future__ import annotations
 
-import _posixshmem
+import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs
 import copy
 import dataclasses
 import errno
@@ -90,7 +90,7 @@ def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     if isinstance(obj, ShmTensorHandle | InlineTensor | torch.Tensor | np.ndarray):
         return leaf(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changed = {}
+        changed: dict[Any, Any] = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             new = _map(value, leaf)
@@ -112,9 +112,9 @@ def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
                 changed[key] = new
         if not changed:
             return obj
-        out = copy.copy(obj)
-        out.update(changed)
-        return out
+        copied = copy.copy(obj)
+        copied.update(changed)
+        return copied
     if isinstance(obj, list | tuple):
         items = [_map(value, leaf) for value in obj]
         if all(new is old for new, old in zip(items, obj, strict=True)):
@@ -149,7 +149,7 @@ def _write_segment(data: np.ndarray) -> str:
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, data.nbytes)
-        view, done = memoryview(data), 0
+        view, done = data.data, 0  # the array's own memoryview (1-D, uint8)
         while done < data.nbytes:
             done += os.pwrite(fd, view[done:], done)
     except BaseException:
@@ -192,6 +192,7 @@ def _to_shm(value: Any, threshold_bytes: int, created: list[ShmTensorHandle]) ->
     """Move one tensor or array above the threshold into a segment; small torch tensors
     become `InlineTensor` bytes; leave anything else."""
     global _warned_full
+    kind: Literal["torch", "numpy"]
     if isinstance(value, torch.Tensor) and value.layout == torch.strided:
         nbytes = value.numel() * value.element_size()
         if nbytes <= threshold_bytes:

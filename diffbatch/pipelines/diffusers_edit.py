@@ -43,13 +43,13 @@ def edit_inputs(batch: DiffusionRequestBatch) -> dict[str, Any]:
     images = [image for image in batch.images for _ in range(n)]
     if any(image is None for image in images):
         raise ValueError("an edit wave needs an image for every request")
-    stacked = torch.stack(images).permute(0, 3, 1, 2)  # [B*n, 3, H, W] uint8
+    stacked = torch.stack(images).permute(0, 3, 1, 2)  # type: ignore[arg-type]  # [B*n, 3, H, W] uint8
     inputs: dict[str, Any] = {"image": stacked.to(torch.float32) / 255.0}
     masks = [mask for mask in batch.masks for _ in range(n)]
     if any(mask is not None for mask in masks):
         if any(mask is None for mask in masks):
             raise ValueError("an inpainting wave needs a mask for every request")
-        mask = torch.stack(masks).unsqueeze(1)  # [B*n, 1, H, W] uint8
+        mask = torch.stack(masks).unsqueeze(1)  # type: ignore[arg-type]  # [B*n, 1, H, W] uint8
         inputs["mask_image"] = mask.to(torch.float32) / 255.0
     return inputs
 

@@ -103,6 +103,7 @@ class DiffusersPreviews:
         self.batch = batch
         self.pipe = pipe
         params = batch.requests[0].sampling_params
+        assert params.height is not None and params.width is not None  # resolved
         self.height, self.width = params.height, params.width
         self.plan: PartialImagePlan | None = None
         self._planned = False

@@ -239,13 +239,15 @@ class DiffusersT2IPipeline(BasePipeline):
                 kwargs.setdefault(name, None)
         loader = diffusers_class or cls.diffusers_class or DiffusionPipeline
         target = loader if loader is not DiffusionPipeline else _index_class(index)
-        init_params = inspect.signature(target.__init__).parameters if target else {}
+        init_params = inspect.signature(
+            target.__init__).parameters if target else {}  # type: ignore[misc]
         if "safety_checker" in init_params:
             kwargs.setdefault("safety_checker", None)
         if "requires_safety_checker" in init_params:
             kwargs.setdefault("requires_safety_checker", False)
         # 2. Load, move, silence the per-step progress bar.
-        pipe = loader.from_pretrained(model, **{_dtype_kwarg(): torch_dtype}, **kwargs)
+        pipe = loader.from_pretrained(  # type: ignore[union-attr]
+            model, **{_dtype_kwarg(): torch_dtype}, **kwargs)
         pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         defaults: dict[str, Any] = {}
@@ -485,8 +487,9 @@ class DiffusersT2IPipeline(BasePipeline):
         for name in _DENOISERS:
             module = getattr(pipe, name, None)
             if module is not None:
-                points.append(FusionPoint(module, "forward", "step", name, _SHARED_ARGUMENTS,
-                                          pack=pack if name == "transformer" else None))
+                points.append(FusionPoint(
+                    module, "forward", "step", name, _SHARED_ARGUMENTS,
+                    pack=pack if name == "transformer" else None))  # type: ignore[arg-type]
         for name in _TEXT_ENCODERS:
             module = getattr(pipe, name, None)
             if module is not None:

@@ -55,5 +55,5 @@ def _install() -> bool:
         pinned = self.__dict__.get(_PINNED)
         return pinned if pinned is not None else compute(self)
 
-    DiffusionPipeline._execution_device = property(execution_device)  # type: ignore[method-assign]
+    DiffusionPipeline._execution_device = property(execution_device)
     return True

@@ -138,12 +138,12 @@ class TokenPacker:
                               latents[0].device)
         layout = PackedLayout(groups, (height // patch) * (width // patch))
         results = self._run(calls, carriers, layout)
-        return [_map_tensors(r, lambda t, x=x: _crop_latent(t, x))
+        return [_map_tensors(r, lambda t, x=x: _crop_latent(t, x))  # type: ignore[misc]
                 for r, x in zip(results, latents, strict=True)]
 
     def _pack_sequences(self, calls: Sequence[ModuleCall]) -> list[Any]:
         tokens = [c.kwargs["hidden_states"] for c in calls]  # [b_i, N_i, C]
-        img_ids = [c.kwargs.get("img_ids") for c in calls]
+        img_ids: list[Any] = [c.kwargs.get("img_ids") for c in calls]  # checked below
         txt_ids = calls[0].kwargs.get("txt_ids")
         if any(x.ndim != 3 for x in tokens) or txt_ids is None or txt_ids.ndim != 2 \
                 or any(i is None or i.ndim != 2 or i.shape[0] != x.shape[1]
@@ -166,7 +166,7 @@ class TokenPacker:
         # every call passes the longest call's ids: the carrier's (ignored) RoPE
         overrides = {"img_ids": img_ids[longest]}
         results = self._run(calls, carriers, layout, overrides)
-        return [_map_tensors(r, lambda t, n=x.shape[1]: t[:, :n])
+        return [_map_tensors(r, lambda t, n=x.shape[1]: t[:, :n])  # type: ignore[misc]
                 for r, x in zip(results, tokens, strict=True)]
 
     # -- shared steps ------------------------------------------------------------------
@@ -186,7 +186,8 @@ class TokenPacker:
     @staticmethod
     def _group_calls(calls: Sequence[ModuleCall], groups: list[SizeGroup]) -> list[ModuleCall]:
         """A call of each group (the first whose rows start the group)."""
-        firsts, start = {}, 0
+        firsts: dict[int, ModuleCall] = {}
+        start = 0
         for call in calls:
             firsts.setdefault(start, call)
             start += call.batch_size

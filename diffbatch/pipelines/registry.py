@@ -224,7 +224,7 @@ def load_pipeline(
     if dtype is not None:
         kwargs["dtype"] = dtype
     try:
-        return cls.from_pretrained(path, **kwargs)
+        return cls.from_pretrained(path, **kwargs)  # type: ignore[attr-defined]
     except DiffbatchError:
         raise
     except Exception as exc:

@@ -58,7 +58,7 @@ def fused_scheduler_step(calls: Sequence[ModuleCall]) -> list[Any]:
     if any(type(s) is not cls or (s.config is not first.config and s.config != first.config)
            for s in schedulers[1:]):
         raise Unfusable("the calls' schedulers differ in class or config")
-    names = _parameter_names(cls)
+    names = _parameter_names(cls)  # type: ignore[arg-type]  # (classes hash)
     bound = []
     for call in calls:
         values = dict(zip(names, call.args, strict=False))
@@ -132,6 +132,10 @@ def _ddim_step(schedulers: list[Any], bound: list[dict[str, Any]], sizes: list[i
     # Per call, in double precision: the scheduler's square roots, and x0 and epsilon
     # as linear forms in the sample s and the model output m (x0 = ps*s + pm*m,
     # eps = es*s + em*m), the scheduler's formulas rearranged.
+    ps: list[Any]
+    pm: list[Any]
+    es: list[Any]
+    em: list[Any]
     ps, pm, es, em, root_prev, root_prev_b = [], [], [], [], [], []
     for scheduler, values, timestep in zip(schedulers, bound, timesteps, strict=True):
         if values.get("eta", 0.0) or values.get("variance_noise") is not None \
@@ -225,6 +229,6 @@ def _families() -> dict[type, _Family]:
 
 
 @functools.cache
-def _parameter_names(cls: type) -> tuple[str, ...]:
+def _parameter_names(cls: Any) -> tuple[str, ...]:
     """The names of `cls.step`'s parameters after `self`, to bind a call's arguments."""
     return tuple(inspect.signature(cls.step).parameters)[1:]

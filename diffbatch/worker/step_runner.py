@@ -108,13 +108,13 @@ class StepRunner:
         # where partial images go: (the request's call id, the image); None: nowhere
         self._send_partial: Callable[[int, PartialImage], None] | None = None
         # told the call ids of the requests entering the batch; None: nobody
-        self._on_join: Callable[[list[int]], None] | None = None
+        self._on_join: Callable[[list[int]], object] | None = None
 
     def send_partial_images_to(self, send: Callable[[int, PartialImage], None]) -> None:
         """Hand the running requests' partial images to `send(call_id, partial)`."""
         self._send_partial = send
 
-    def report_joins_to(self, report: Callable[[list[int]], None]) -> None:
+    def report_joins_to(self, report: Callable[[list[int]], object]) -> None:
         """Call `report(call_ids)` when requests enter the running batch, before any of
         their code runs (the engine then knows which requests had started)."""
         self._on_join = report

@@ -47,6 +47,7 @@ from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
     WORKER_METHODS,
+    ByteSink,
     WorkerCall,
     WorkerCancel,
     WorkerError,
@@ -470,7 +471,7 @@ def _pack_reply(call_id: int, result: Any, threshold_bytes: int | None) -> Worke
     return WorkerReply(call_id, result=packed)
 
 
-def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
+def _send_reply(conn: ByteSink, reply: WorkerReply) -> bool:
     """Send a reply; a result that does not pickle becomes an error reply instead.
 
     Returns False if the engine process is gone (the segments are released then).
@@ -490,7 +491,7 @@ def _send_reply(conn: Connection, reply: WorkerReply) -> bool:
     return True
 
 
-def _send_quietly(conn: Connection, message: Any) -> bool:
+def _send_quietly(conn: ByteSink, message: Any) -> bool:
     """Send `message`; False (instead of raising) if the engine process is gone."""
     try:
         send_message(conn, message)

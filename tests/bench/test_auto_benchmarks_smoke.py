@@ -5,14 +5,13 @@ each runs end to end on a minimal setting (see `tests.bench.smoke`)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.bench.smoke import BENCHMARKS, MINIMAL, TIMEOUT_S, run_script
+from tests.bench.smoke import BENCHMARKS, MINIMAL, TIMEOUT_S, run_script, smoke_env
 
 pytestmark = pytest.mark.slow
 
@@ -39,29 +38,22 @@ def test_defaults_smoke(tmp_path: Path) -> None:
     assert base["baseline_over_plain_at_B"] == pytest.approx(base["images_per_s"] / plain_b)
 
 
-def run_policy_bars(out: Path, bars: str) -> dict:
+def test_policy_bars_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bars.json"
     cmd = [sys.executable, str(BENCHMARKS / "policy_bars.py"), *MINIMAL, "--rounds", "1",
            "--lone-requests", "2", "--burst", "3", "--capacity-requests", "4",
-           "--poisson-s", "0.5", "--bars", bars, "--out", str(out)]
+           "--poisson-s", "0.5", "--min-poisson-requests", "2", "--warmup-requests", "1",
+           "--bars", "lone", "poisson", "--out", str(out)]
     result = subprocess.run(cmd, cwd=BENCHMARKS.parent, capture_output=True, text=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=TIMEOUT_S)
+                            env=smoke_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return json.loads(out.read_text())
-
-
-def test_policy_bars_lone_and_burst_smoke(tmp_path: Path) -> None:
-    report = run_policy_bars(tmp_path / "bars.json", "lone")
+    report = json.loads(out.read_text())
     assert set(report["lone"]["p50_ms_rounds"]) == {"auto", "1:0", "1:0-twin"}
     assert set(report["burst"]["makespan_ms_rounds"]) == {"auto", "16:0", "16:0-twin"}
-    assert "poisson" not in report
     for bar in ("lone", "burst"):
         assert isinstance(report[bar]["met"], bool)
-
-
-def test_policy_bars_poisson_smoke(tmp_path: Path) -> None:
-    report = run_policy_bars(tmp_path / "bars.json", "poisson")
     poisson = report["poisson"]
     assert poisson["rate_per_s"] > 0 and poisson["best_fixed_first_round"] in ("1:0", "8:0",
                                                                                "16:10")
     assert f"{poisson['best_fixed_first_round']}-twin" in poisson["p50_ms_rounds"]
-    assert isinstance(poisson["met"], bool) and "lone" not in report
+    assert isinstance(poisson["met"], bool)

@@ -444,7 +444,8 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
                              "test_mixed_step_counts_share_the_batch_and_the_short_request_"
                              "leaves_first", text=""),
     "max_head_wait_ms": option(
-        100.0, "tests/sched/test_grouped.py::test_a_steady_stream_cannot_starve_a_different_group"),
+        100.0, "tests/engine/test_core.py::"
+        "test_max_head_wait_ms_reaches_the_grouped_scheduler_from_the_config"),
     "max_wave_pixels": option(4096, "tests/sched/test_scheduler.py::"
                               "test_the_pixel_cap_bounds_fifo_waves_too",
                               with_flags=("--no-step-execution",)),

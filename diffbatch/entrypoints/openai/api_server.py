@@ -408,13 +408,13 @@ def run_server(args: argparse.Namespace) -> None:
     else:  # the system picks the port when uvicorn binds: its "running on" line names it
         logger.info("listening on %s at a port the system picks (see below; docs at /docs)",
                     args.host)
-    config = uvicorn_config(
+    server_config = uvicorn_config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         limit_concurrency=args.limit_concurrency,
         timeout_graceful_shutdown=shutdown_timeout_s + _UVICORN_SHUTDOWN_MARGIN_S,
     )
-    server = DrainingServer(config, engine=engine, shutdown_timeout_s=shutdown_timeout_s)
+    server = DrainingServer(server_config, engine=engine, shutdown_timeout_s=shutdown_timeout_s)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
@@ -465,6 +465,5 @@ def served_name_of(engine: Engine, model: str | None) -> str:
     the engine's model."""
     if model:
         return model.rstrip("/" + os.sep) or model
-    if getattr(engine.config, "model", None):
-        return engine.config.model
-    return DEFAULT_MODEL
+    configured: str | None = getattr(engine.config, "model", None)
+    return configured or DEFAULT_MODEL

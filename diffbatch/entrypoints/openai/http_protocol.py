@@ -35,7 +35,7 @@ import asyncio
 import itertools
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -71,7 +71,13 @@ def http_protocol_class(
     )
 
 
-class _GuardedHTTPProtocol:
+if TYPE_CHECKING:  # what the mixin's `super()` calls reach: the uvicorn protocol
+    _ProtocolBase = asyncio.Protocol
+else:
+    _ProtocolBase = object
+
+
+class _GuardedHTTPProtocol(_ProtocolBase):
     """The additions, over a uvicorn HTTP protocol (see the module docstring)."""
 
     header_timeout_s: float | None = None

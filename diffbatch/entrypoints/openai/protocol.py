@@ -21,7 +21,7 @@ import re
 import time
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from diffbatch.errors import InvalidRequestError
 from diffbatch.request import MAX_PROMPT_CHARS, validate_prompt
@@ -81,7 +81,7 @@ _OUTPUT_COMPRESSION_RULE: dict[str, Any] = {
     "then": {"properties": {"output_format": {"enum": ["jpeg", "webp", "jpg"]}},
              "required": ["output_format"]},
 }
-_STREAM_RULES: list[dict[str, Any]] = [
+_STREAM_RULES: list[JsonValue] = [
     # A stream is one image, base64 in its events.
     {"anyOf": [{"properties": {"stream": {"enum": [False, None]}}},
                {"properties": {"n": {"enum": [1]},

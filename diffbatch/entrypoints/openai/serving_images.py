@@ -202,8 +202,9 @@ class OpenAIServingImages:
             max_pixels=min(max_image_pixels, info.model_max_pixels or max_image_pixels),
             default_size=(info.default_width, info.default_height),
         )
-        self._tokenizer = _load_tokenizer(info.prompt_tokenizer) \
-            if getattr(info, "max_prompt_tokens", None) else None
+        tokenizer_folder = getattr(info, "prompt_tokenizer", None)
+        self._tokenizer = _load_tokenizer(tokenizer_folder) \
+            if tokenizer_folder and getattr(info, "max_prompt_tokens", None) else None
         lora_dir = engine.config.lora_dir
         # Folder names that must not reach a client in an error message.
         self._private_paths = sorted(
@@ -288,9 +289,9 @@ class OpenAIServingImages:
     def _check_prompt_length(self, request: ImageGenerationRequest) -> None:
         """Refuse a prompt longer than the model's text encoder reads (a 400 naming the
         limit), rather than let the pipeline cut it silently."""
-        if self._tokenizer is None:
-            return
         limit = self.engine.info.max_prompt_tokens
+        if self._tokenizer is None or limit is None:
+            return
         # verbose=False: no "longer than the maximum" warning per request
         num_tokens = len(self._tokenizer(request.prompt, verbose=False)["input_ids"])
         if num_tokens > limit:

@@ -34,7 +34,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -126,7 +126,7 @@ class StreamedImages:
         timeout_s: The request timeout, over the whole stream (None: none).
     """
 
-    def __init__(self, items: AsyncIterator[PartialImage | DiffusionOutput],
+    def __init__(self, items: AsyncGenerator[PartialImage | DiffusionOutput, None],
                  request: ImageGenerationRequest, *, kind: EventKind, size: str,
                  encode: Callable[[Any], str], redact: Callable[[str], str],
                  timeout_s: float | None) -> None:

@@ -115,7 +115,7 @@ class DiffbatchDeployment:
             (replicas, resources, health checks) are applied by `build_deployment`.
     """
 
-    async def __init__(self, args: RayServeArgs) -> None:
+    async def __init__(self, args: RayServeArgs) -> None:  # type: ignore[misc]  # Ray awaits it
         from diffbatch import Engine
 
         self.args = args
@@ -164,4 +164,5 @@ def build_deployment(args: RayServeArgs) -> serve.Application:
         args.num_cpus_per_replica, args.num_gpus_per_replica, options["max_ongoing_requests"],
         config.model, config.max_num_seqs, config.executor, args.ray_router,
     )
-    return DiffbatchDeployment.options(**options).bind(args)
+    # (`@serve.deployment` adds `options`; mypy reads class decorators as no-ops)
+    return DiffbatchDeployment.options(**options).bind(args)  # type: ignore[attr-defined]

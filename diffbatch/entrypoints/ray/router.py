@@ -229,7 +229,8 @@ class DiffbatchRequestRouter(LocalityMixin, RequestRouter):
         key = self.route_key(pending_request)
         request_id = None if pending_request is None else \
             pending_request.metadata.internal_request_id
-        self._waiting.pop(request_id, None)  # it is being chosen for again
+        if request_id is not None:
+            self._waiting.pop(request_id, None)  # it is being chosen for again
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         # In random order: a request without a key goes to one of the least loaded at
         # random, as with Ray Serve's default router.

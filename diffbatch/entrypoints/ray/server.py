@@ -51,11 +51,11 @@ MIN_RAY_VERSION = (2, 60)  # see `_require_ray`
 _INSTALL_HINT = "Ray Serve is not installed; install the extra: pip install 'diffbatch[ray]'"
 
 
-def build_app(args: dict[str, Any]) -> Application:
+def build_app(args: dict[str, Any] | RayServeArgs) -> Application:
     """Ray Serve application builder: validate `args` and bind the deployment.
 
     Args:
-        args: `RayServeArgs` fields by name (strings are converted), e.g.
+        args: `RayServeArgs`, or its fields by name (strings are converted), e.g.
             `{"model": "tiny-sd", "num_replicas": "2", "max_num_seqs": "4"}`.
 
     Returns:

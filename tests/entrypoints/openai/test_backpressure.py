@@ -27,6 +27,10 @@ pytestmark = pytest.mark.slow
 
 ROUTE = "/v1/images/generations"
 GATE_TIMEOUT_S = 30.0  # bounds a broken test only
+# How long a request answered without a forward (a refusal, a timeout) may take: far
+# above the milliseconds it needs, far below the gate's wait, so a broken test fails
+# in seconds instead of waiting for the gate.
+ANSWER_TIMEOUT_S = 10.0
 
 
 @pytest.fixture
@@ -40,6 +44,16 @@ def post_in_thread(pool: ThreadPoolExecutor, server: RunningServer,
     """POST one image request from a worker thread; the future holds the response."""
     return pool.submit(httpx.post, f"{server.url}{ROUTE}", json={"prompt": prompt},
                        headers=server.headers, timeout=120)
+
+
+def post_answered_at_once(server: RunningServer, prompt: str) -> httpx.Response:
+    """POST one image request that the server must answer while the gate stays shut."""
+    try:
+        return httpx.post(f"{server.url}{ROUTE}", json={"prompt": prompt},
+                          headers=server.headers, timeout=ANSWER_TIMEOUT_S)
+    except httpx.TimeoutException:
+        pytest.fail(f"{prompt!r} got no answer in {ANSWER_TIMEOUT_S} s: it waited "
+                    "behind the blocked forward")
 
 
 def assert_engine_empty(server: RunningServer) -> None:
@@ -93,8 +107,7 @@ def test_full_queue_answers_503_while_accepted_requests_complete(
         accepted += [post_in_thread(pool, server, f"waiting {i}") for i in range(2)]
         wait_until(lambda: server.engine.num_waiting == 2, what="two waiting requests")
         # Answered while the forward is still blocked: the refusal does not queue.
-        response = httpx.post(f"{server.url}{ROUTE}", json={"prompt": "one too many"},
-                              timeout=60)
+        response = post_answered_at_once(server, "one too many")
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] == "1"
         error = response.json()["error"]
@@ -109,7 +122,7 @@ def test_full_queue_answers_503_while_accepted_requests_complete(
 def test_request_timeout_aborts_and_answers_504() -> None:
     with gated_server(request_timeout_s=0.5) as (server, gate):
         aborted = server.engine.metrics.count("aborted")
-        response = httpx.post(f"{server.url}{ROUTE}", json={"prompt": "too slow"}, timeout=60)
+        response = post_answered_at_once(server, "too slow")
         assert response.status_code == 504, response.text
         error = response.json()["error"]
         assert error["type"] == "timeout_error"
