@@ -65,7 +65,7 @@ def check_against_model(info: PipelineInfo, params: SamplingParams,
     # pixels are those of all its frames, against the model's default clip.
     default_pixels = info.default_height * info.default_width
     frames = 1
-    if info.is_video:
+    if info.default_num_frames is not None:  # a video pipeline
         frames = int(params.extra.get("num_frames", info.default_num_frames))
         pixels, default_pixels = pixels * frames, default_pixels * info.default_num_frames
         size = f"{size} x {frames} frames"
@@ -115,10 +115,10 @@ def resolve_num_frames(info: PipelineInfo, params: SamplingParams) -> dict[str, 
     multiple of the VAE's temporal step (Wan would round any other count silently).
     Image pipelines' extras pass unchanged (`num_frames` is then an unknown extra)."""
     extra = dict(params.extra)
-    if not info.is_video:
+    if info.default_num_frames is None:  # an image pipeline
         return extra
     frames = extra.get("num_frames", info.default_num_frames)
-    most = info.max_num_frames or frames
+    most = info.max_num_frames or info.default_num_frames
     if isinstance(frames, bool) or not isinstance(frames, int) or not 1 <= frames <= most:
         raise InvalidRequestError(
             f"`num_frames` must be an integer from 1 to {most} for {info.name}, got "

@@ -98,9 +98,9 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         # Wan names the VAE's compression `vae_scale_factor_*`, LTX
         # `vae_*_compression_ratio`; Wan's patch is (t, h, w), LTX's one spatial side.
         spatial = int(getattr(pipe, "vae_scale_factor_spatial", None)
-                      or getattr(pipe, "vae_spatial_compression_ratio", 8))
+                      or getattr(pipe, "vae_spatial_compression_ratio", 8))  # type: ignore[arg-type]
         temporal = int(getattr(pipe, "vae_scale_factor_temporal", None)
-                       or getattr(pipe, "vae_temporal_compression_ratio", 4))
+                       or getattr(pipe, "vae_temporal_compression_ratio", 4))  # type: ignore[arg-type]
         patch = pipe.transformer.config.get("patch_size", 1)
         multiple = spatial * int(patch[-1] if isinstance(patch, list | tuple) else patch)
         call_arguments = frozenset(
@@ -194,6 +194,8 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         num_steps = int(batch.requests[0].sampling_params.num_inference_steps or 0)
 
         def tell(done: int) -> None:
+            if send is None:
+                return
             for request_id in listeners:
                 send(PartialImage(request_id=request_id, index=done, image_index=0,
                                   step=done, num_steps=num_steps, image=None))
@@ -216,8 +218,9 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         params = batch.requests[0].sampling_params
         kwargs = super().call_kwargs(batch)
         kwargs["num_videos_per_prompt"] = kwargs.pop("num_images_per_prompt")
-        kwargs["num_frames"] = int(params.extra.get("num_frames",
-                                                    self._info.default_num_frames))
+        frames = params.extra.get("num_frames", self._info.default_num_frames)
+        assert frames is not None  # a video pipeline's info always has a default
+        kwargs["num_frames"] = int(frames)
         kwargs.setdefault("max_sequence_length", self._max_sequence_length())
         return kwargs
 

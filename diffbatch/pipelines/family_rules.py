@@ -100,7 +100,7 @@ def resolution_binning(pipe: Any) -> bool | None:
     if type(pipe).__name__ in _RESHAPING_BINS:
         return False
     transformer = getattr(pipe, "transformer", None)
-    sizes = _binning_sizes_of(type(pipe))
+    sizes = _binning_sizes_of(type(pipe))  # type: ignore[arg-type]  # classes hash
     if transformer is None or sizes is None:
         return None
     return None if transformer.config.get("sample_size") in sizes else False

@@ -50,12 +50,12 @@ def build_byte_bpe_tokenizer(folder: str, cls_name: str, specials: list[str],
     import transformers
 
     vocab, merges = _word_bpe(list(tiny.bytes_to_unicode().values()), "Ġ")
-    merges = [tuple(m.split()) for m in merges]
+    merge_pairs = [(m.split()[0], m.split()[1]) for m in merges]
     cls = getattr(transformers, cls_name)
     if cls_name == "PreTrainedTokenizerFast":
-        tokenizer = _fast_byte_bpe(vocab, merges, prefix=specials, **kwargs)
+        tokenizer = _fast_byte_bpe(vocab, merge_pairs, prefix=specials, **kwargs)
     else:
-        tokenizer = cls(vocab=vocab, merges=merges, **kwargs)
+        tokenizer = cls(vocab=vocab, merges=merge_pairs, **kwargs)
         tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.save_pretrained(folder)
     return getattr(transformers, cls_name).from_pretrained(folder)
