@@ -25,6 +25,7 @@ wave, so the growth per extra image is known, and a wave may use at most
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -98,10 +99,8 @@ class _Ladder:
             output = future.result(timeout=max(0.0, self.remaining_ms() / 1000.0))
         except FutureTimeout:
             self.executor.cancel(future)
-            try:
+            with contextlib.suppress(Exception):  # cancelled: its result is not used
                 future.result(timeout=_CANCEL_GRACE_S)
-            except Exception:  # noqa: BLE001 - it was cancelled: its result is not used
-                pass
             return None
         wall_ms = (time.monotonic() - began) * 1000.0
         self.spent_ms += output.forward_time_ms

@@ -2,12 +2,18 @@
 
 Per size it keeps the last `WINDOW` forward times and estimates with their median,
 and their spread (the interquartile range, relative to the median), so no decision
-rests on one slow or fast timing; between measured sizes it interpolates. Elsewhere a curve follows a guide, anchored at
-its nearest measured size: the same shape at the step count known at most sizes (times
-scale with steps), else the default shape's curve, a request priced as default-size
-requests of as many pixels. The **capacity** is the knee: from the smallest measured
-size, by doublings up to the largest (or the limit), keep each size whose cost per
-image is at least `MIN_GAIN` below that of the last size kept.
+rests on one slow or fast timing; between measured sizes it interpolates. Elsewhere
+a curve follows a guide, anchored at its nearest measured size: the same shape at the
+step count known at most sizes (times scale with steps), else the default shape's
+curve, a request priced as default-size requests of as many pixels.
+
+The **capacity** is the knee: from the smallest measured size, by doublings up to
+the largest (or the limit), keep each size unless there is evidence that it does not
+cut the cost per image by `MIN_GAIN` against the last size kept: its cost per image
+above that mark by more than the two sizes' spreads. When unsure, the larger wave is
+kept: a wave slowed by other work (a co-tenant, a busy start) must not pin the
+capacity low, and on every model measured the cost per image falls or stays flat with
+the wave size, up to memory.
 """
 
 from __future__ import annotations
