@@ -20,9 +20,10 @@ Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through. "
   It waits for the `k` that saves the most, if any, at most one request's wave time
   (and `MAX_WAIT_MS`): at low load `d` is long and waiting never pays.
 - **requests sent together** share a wave: where the rule above starts now, an idle
-  worker still waits until no request has arrived for `TOGETHER_MS` (at most
-  `TOGETHER_MAX_MS`), so a client's batch sent at once (a page's four requests)
-  arrives whole; a lone request pays `TOGETHER_MS`.
+  worker still waits until no request has arrived for `TOGETHER_MS` and none is on
+  its way in through the front end (at most `TOGETHER_MAX_MS`), so a client's batch
+  sent at once (a page's four requests) arrives whole; a lone request pays
+  `TOGETHER_MS`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ BUSY_SHARE = 0.5  # a worker busy this share of the window has a sustained load
 PERSIST_WAVES = 3  # waves in a row with a backlog that fills a doubling before it is probed
 SLACK = 2.0  # Poisson arrivals: wait up to this many times the expected time
 TOGETHER_MS = 2.0  # arrivals this close to each other were sent together
-TOGETHER_MAX_MS = 10.0  # and a run of them is gathered for at most this long
+TOGETHER_MAX_MS = 20.0  # and a run of them is gathered for at most this long
 
 
 @dataclass(frozen=True)
