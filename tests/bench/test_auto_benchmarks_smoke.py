@@ -80,3 +80,11 @@ def test_policy_bars_busy_start_smoke(tmp_path: Path) -> None:
     [run] = busy["runs"]["busy"]
     assert run["images_per_s"] > 0 and run["tenant_stopped_s_after_ready"] >= 0.5
     assert run["capacity_log"] and isinstance(busy["met"], bool)
+
+
+def test_openmp_wait_smoke(tmp_path: Path) -> None:
+    report = run_script("openmp_wait.py", tmp_path / "wait.json", *MINIMAL, "--rounds", "1",
+                        "--candidates", "default", "1thread", "--batches", "1",
+                        "--num-images", "1")
+    assert set(report["median_images_per_s"]) == {"default", "1thread"}
+    assert all(v["1"] > 0 for v in report["median_images_per_s"].values())
