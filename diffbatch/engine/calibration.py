@@ -79,17 +79,21 @@ class _Ladder:
         self.start = time.monotonic()
         self.budget_ms = budget_s * 1000.0
         self.spent_ms = 0.0  # forward time so far (the wall clock counts too)
-        self.slowest_ms_per_image = 0.0  # of any wave so far, wall clock or forward
+        # wave size -> the slowest ms per image of its waves, wall clock or forward
+        self.slowest_ms_per_image: dict[int, float] = {}
         self.samples: dict[int, list[float]] = {}  # wave size -> forward ms
         self.peaks: list[tuple[int, int]] = []  # (wave size, peak memory after it)
         self.free_bytes = 0
+        self.out_of_time = False  # a wave was cancelled at the deadline
 
     def remaining_ms(self) -> float:
         return self.budget_ms - max((time.monotonic() - self.start) * 1000.0, self.spent_ms)
 
     def fits(self, size: int) -> bool:
-        """Whether a wave of `size` is expected to end within the budget."""
-        return size * self.slowest_ms_per_image <= self.remaining_ms()
+        """Whether a wave of `size` is expected to end within the budget: at the slowest
+        cost per image of the largest size measured up to it (no gain beyond it)."""
+        known = [b for b in self.slowest_ms_per_image if b <= size] or [0]
+        return size * self.slowest_ms_per_image.get(max(known), 0.0) <= self.remaining_ms()
 
     def run(self, size: int, steps: int) -> BatchRunnerOutput | None:
         """One wave; None when it failed or the budget ran out under it (cancelled)."""
@@ -98,14 +102,15 @@ class _Ladder:
         try:
             output = future.result(timeout=max(0.0, self.remaining_ms() / 1000.0))
         except FutureTimeout:
+            self.out_of_time = True
             self.executor.cancel(future)
             with contextlib.suppress(Exception):  # cancelled: its result is not used
                 future.result(timeout=_CANCEL_GRACE_S)
             return None
         wall_ms = (time.monotonic() - began) * 1000.0
         self.spent_ms += output.forward_time_ms
-        self.slowest_ms_per_image = max(self.slowest_ms_per_image,
-                                        max(wall_ms, output.forward_time_ms) / size)
+        self.slowest_ms_per_image[size] = max(self.slowest_ms_per_image.get(size, 0.0),
+                                              max(wall_ms, output.forward_time_ms) / size)
         if not all(o.ok for o in output.outputs.values()):
             return None
         self.free_bytes = self.free_bytes or output.free_memory_bytes
@@ -118,7 +123,7 @@ class _Ladder:
             return "budget"
         output = self.run(size, steps)
         if output is None:
-            return "budget" if self.remaining_ms() <= 0 else "error"
+            return "budget" if self.out_of_time else "error"
         self.samples.setdefault(size, []).append(output.forward_time_ms)
         self.policy.cost.observe(self.policy.default_shape, size, steps,
                                  output.forward_time_ms)
@@ -135,12 +140,12 @@ def calibrate(
     #    enough that the ladder up to ~8 fits the budget (a real model on a CPU gets 1).
     probe = ladder.run(1, 1)
     if probe is None:
-        report.stop_reason = "budget" if ladder.remaining_ms() <= 0 else "error"
+        report.stop_reason = "budget" if ladder.out_of_time else "error"
         report.elapsed_s = time.monotonic() - ladder.start
         return report
     fit = int(ladder.budget_ms / (_LADDER_TO_8 * max(probe.forward_time_ms, 1e-3)))
     report.steps = steps = max(1, min(info.default_num_inference_steps, fit))
-    ladder.slowest_ms_per_image *= steps  # the probe ran one step
+    ladder.slowest_ms_per_image[1] *= steps  # the probe ran one step
     # 2. The ladder: size 1 alone, then each doubling beside the size below it.
     size, stop = 1, None
     while stop is None:
