@@ -81,7 +81,7 @@ def spread_at(spreads: Spreads, size: float) -> float:
     if not spreads:
         return 0.0
     if size in spreads:
-        return spreads[size]
+        return spreads[int(size)]
     below = [b for b in spreads if b < size]
     above = [b for b in spreads if b > size]
     return max(spreads[max(below)] if below else 0.0, spreads[min(above)] if above else 0.0)
