@@ -13,6 +13,15 @@ each calibrates on an otherwise idle machine), `tiny-sd` at 64x64, 4 steps:
   arrival rate (at least `RATE_BAR` of it), and its p50 at most `POISSON_BAR` x the
   best of fixed 1:0, 8:0 and 16:10.
 
+- **busy_start**: a CPU-bound co-tenant (`harness.CoTenant`, a busy loop per CPU)
+  runs while an auto server starts and calibrates, and stops `--tenant-after-s` (10)
+  after `/health` says ready; then `--clients` (16) closed-loop clients send requests
+  for `--load-s` (30). The same runs on a server started without the co-tenant
+  ("quiet start") and its twin, in the same rounds. Bars: in the last `--tail-s` (15)
+  the busy start's mean wave (`/v1/waves`) is at least `BUSY_START_BAR` x the quiet
+  start's, and so is its throughput; its capacity (`/metrics`, sampled each second)
+  grows after the co-tenant stops, or already stands at the quiet start's.
+
 Each bar has a noise floor: a "twin", a second server of the fixed setting it is
 judged against (for poisson: the best one in a first, unmeasured round), measured in
 the same rounds. A miss by no more than the twin's distance from its original counts
@@ -26,9 +35,14 @@ serves the auto server in step mode (the fixed servers stay in request mode).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import statistics
+import threading
+import time
 from typing import Any
 
+import httpx
 from peers_servers import harness
 
 from diffbatch.bench.serve import BenchConfig, run_benchmark
@@ -145,6 +159,122 @@ def poisson(args: argparse.Namespace) -> dict[str, Any]:
             "met": ratio <= POISSON_BAR + twin and served >= RATE_BAR}
 
 
+BUSY_START_BAR = 0.8
+
+
+def capacity_now(client: httpx.Client, server: harness.Server) -> float | None:
+    """The largest `diffbatch_capacity_requests` the server reports now."""
+    try:
+        text = client.get(server.base_url + "/metrics").text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("diffbatch_capacity_requests{")]
+    return max(values) if values else None
+
+
+async def closed_loop(base_url: str, args: argparse.Namespace, seed: int) -> list[float]:
+    """`--clients` clients, each sending its next request when its last one returns,
+    for `--load-s`; the monotonic end time of every request answered."""
+    deadline = time.monotonic() + args.load_s
+    done: list[float] = []
+    body = {"prompt": "", "size": f"{args.size}x{args.size}",
+            "num_inference_steps": args.steps}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600.0, trust_env=False) as client:
+        async def one(client_id: int) -> None:
+            n = 0
+            while time.monotonic() < deadline:
+                json = {**body, "prompt": f"a busy start {seed} {client_id} {n}",
+                        "seed": seed * 100_000 + client_id * 1000 + n}
+                response = await client.post("/v1/images/generations", json=json)
+                if response.status_code != 200:
+                    raise RuntimeError(f"request failed: {response.status_code} "
+                                       f"{response.text[:300]}")
+                done.append(time.monotonic())
+                n += 1
+        await asyncio.gather(*(one(i) for i in range(args.clients)))
+    return done
+
+
+def busy_start_run(args: argparse.Namespace, name: str, busy: bool, seed: int) -> dict:
+    """Start an auto server (beside the co-tenant when `busy`), then the closed loop."""
+    spec = harness.diffbatch_defaults_spec(args.model, name=name, log_level="warning")
+    capacity: list[tuple[float, float]] = []  # (s since ready, capacity)
+    with contextlib.ExitStack() as stack:
+        tenant = stack.enter_context(harness.CoTenant()) if busy else None
+        servers = stack.enter_context(harness.running([spec]))
+        server = servers[name]
+        ready = time.monotonic()
+        stop_sampling = threading.Event()
+
+        def sample() -> None:
+            with httpx.Client(timeout=5.0, trust_env=False) as client:
+                while not stop_sampling.wait(1.0 if capacity else 0.0):
+                    value = capacity_now(client, server)
+                    if value is not None:
+                        capacity.append((time.monotonic() - ready, value))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        tenant_stopped_at = None
+        if tenant is not None:
+            time.sleep(max(0.0, ready + args.tenant_after_s - time.monotonic()))
+            tenant.stop()
+            tenant_stopped_at = time.monotonic() - ready
+        load_start = time.monotonic()
+        done = asyncio.run(closed_loop(server.base_url, args, seed))
+        load_end = time.monotonic()
+        stop_sampling.set()
+        sampler.join()
+        waves = httpx.get(server.base_url + "/v1/waves", timeout=10.0,
+                          trust_env=False).json()["data"]
+    tail_from = time.time() - (time.monotonic() - load_end) - args.tail_s
+    tail = [w["num_requests"] for w in waves if w["finished_at"] >= tail_from]
+    at_start = [c for t, c in capacity if t <= load_start - ready]
+    return {
+        "images_per_s": len([t for t in done if t <= load_end]) / (load_end - load_start),
+        "tail_mean_wave": statistics.mean(tail) if tail else 0.0,
+        "capacity_at_load_start": at_start[-1] if at_start else None,
+        "capacity_at_end": capacity[-1][1] if capacity else None,
+        "capacity_log": capacity,
+        "tenant_stopped_s_after_ready": tenant_stopped_at,
+    }
+
+
+def busy_start(args: argparse.Namespace) -> dict[str, Any]:
+    """The busy-start scenario (module docstring), in paired rounds."""
+    names = ["busy", "quiet", "quiet-twin"]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(args.rounds):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            runs[name].append(busy_start_run(args, name, name == "busy", rep))
+        print(f"  round {rep}: " + ", ".join(
+            f"{n} {r[-1]['images_per_s']:.1f} img/s, tail wave {r[-1]['tail_mean_wave']:.1f}, "
+            f"capacity {r[-1]['capacity_at_load_start']} -> {r[-1]['capacity_at_end']}"
+            for n, r in runs.items()), flush=True)
+
+    def per_round(field: str) -> dict[str, list[float]]:
+        return {n: [r[field] for r in runs[n]] for n in names}
+
+    wave, throughput = per_round("tail_mean_wave"), per_round("images_per_s")
+    wave_ratio = median_ratio(wave["busy"], wave["quiet"])
+    wave_twin = abs(median_ratio(wave["quiet-twin"], wave["quiet"]) - 1.0)
+    rate_ratio = median_ratio(throughput["busy"], throughput["quiet"])
+    rate_twin = abs(median_ratio(throughput["quiet-twin"], throughput["quiet"]) - 1.0)
+    grew = [
+        (busy["capacity_at_end"] or 0) > (busy["capacity_at_load_start"] or 0)
+        or (busy["capacity_at_load_start"] or 0) >= (quiet["capacity_at_end"] or 0)
+        for busy, quiet in zip(runs["busy"], runs["quiet"], strict=True)]
+    return {
+        "runs": runs, "tail_mean_wave_rounds": wave, "images_per_s_rounds": throughput,
+        "tail_wave_busy_over_quiet": wave_ratio, "tail_wave_twin_spread": wave_twin,
+        "throughput_busy_over_quiet": rate_ratio, "throughput_twin_spread": rate_twin,
+        "capacity_grew_or_stood_at_quiet": grew, "bar": BUSY_START_BAR,
+        "met": (wave_ratio >= BUSY_START_BAR - wave_twin
+                and rate_ratio >= BUSY_START_BAR - rate_twin and all(grew)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -161,8 +291,16 @@ def main() -> None:
                         help="fewest Poisson requests per server and round")
     parser.add_argument("--warmup-requests", type=int, default=8,
                         help="sequential requests per server before the lone and burst rounds")
-    parser.add_argument("--bars", nargs="+", default=["lone", "poisson"],
-                        choices=["lone", "poisson"], help="lone: lone and burst")
+    parser.add_argument("--bars", nargs="+", default=["lone", "poisson", "busy_start"],
+                        choices=["lone", "poisson", "busy_start"],
+                        help="lone: lone and burst")
+    parser.add_argument("--clients", type=int, default=16, help="busy_start: closed loop")
+    parser.add_argument("--load-s", type=float, default=30.0,
+                        help="busy_start: seconds of closed-loop load per run")
+    parser.add_argument("--tail-s", type=float, default=15.0,
+                        help="busy_start: the last seconds whose waves are judged")
+    parser.add_argument("--tenant-after-s", type=float, default=10.0,
+                        help="busy_start: the co-tenant stops this long after ready")
     parser.add_argument("--step-execution", action="store_true",
                         help="serve the auto server with --step-execution (the fixed ones "
                              "stay in request mode)")
@@ -173,7 +311,9 @@ def main() -> None:
         report.update(lone_and_burst(args))
     if "poisson" in args.bars:
         report["poisson"] = poisson(args)
-    for bar in ("lone", "burst", "poisson"):
+    if "busy_start" in args.bars:
+        report["busy_start"] = busy_start(args)
+    for bar in ("lone", "burst", "poisson", "busy_start"):
         if bar in report:
             print(f"{bar}: {'PASS' if report[bar]['met'] else 'MISS'}", flush=True)
     harness.write_report(report, args.out)

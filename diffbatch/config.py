@@ -235,8 +235,8 @@ class EngineConfig:
         help="tensors above this many bytes cross processes in shared memory")
     torch_num_threads: int | None = option(
         None, rule=Optional(IntRange(1)), flag="--torch-threads",
-        help="torch threads in the worker", default_help="the CPUs the worker may use "
-        "(docs/serving.md#threads)")
+        help="torch threads in the worker", default_help="the CPUs the worker may use, less "
+        "one left to the front end when it shares them (docs/serving.md#threads)")
     worker_cpus: str | None = option(
         None, rule=Optional(CpuList()), metavar="LIST",
         help="pin the worker process to these CPUs, e.g. 1 or 2-7 (taskset -c syntax; "

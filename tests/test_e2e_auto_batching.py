@@ -49,7 +49,8 @@ def test_defaults_are_auto_and_calibrated(engine):
     # waves larger than one: what waits when a wave ends goes in the next one.
     [((calibrated, steps), curve)] = engine.policy.cost.tables().items()  # its own curve
     assert calibrated == shape
-    assert engine.policy.cost.capacity(shape, steps) == knee(curve, engine.policy.limit)
+    spreads = engine.policy.cost.spreads(shape, steps)
+    assert engine.policy.cost.capacity(shape, steps) == knee(curve, engine.policy.limit, spreads)
     text = engine.metrics.registry.get_sample_value(
         "diffbatch_capacity_requests", {"shape": shape.label(steps)})
     assert text == engine.policy.cost.capacity(shape, steps)

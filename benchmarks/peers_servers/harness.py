@@ -33,6 +33,9 @@ two torch threads on a busy shared 2-core machine slowed a 64x64 tiny-sd call fr
 ~0.15 s to 4-11 s (see docs/benchmarks.md). A spec with `threads=None` gets none of
 these three settings, not even inherited ones (`user_env()`): the server runs with
 the thread choices of torch and diffbatch themselves, as under a user's shell.
+
+`CoTenant` is other CPU work beside a server: one busy-loop process per CPU, for the
+scenarios that ask how a server fares on a machine it does not have to itself.
 """
 
 from __future__ import annotations
@@ -546,3 +549,41 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _busy_loop(stop: Any) -> None:
+    """A plain Python loop that keeps one CPU busy until `stop` is set."""
+    while not stop.is_set():
+        for _ in range(20_000):
+            pass
+
+
+class CoTenant:
+    """Other CPU work on this machine: one busy-loop process per CPU, at the benchmark's
+    own priority, as a neighbour's job would run. `stop()` ends them (idempotent);
+    use it as a context manager so they never outlive the benchmark."""
+
+    def __init__(self, num_processes: int | None = None) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        count = num_processes or os.cpu_count() or 1
+        self.processes = [context.Process(target=_busy_loop, args=(self._stop,), daemon=True)
+                          for _ in range(count)]
+        for process in self.processes:
+            process.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for process in self.processes:
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def __enter__(self) -> CoTenant:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -11,7 +11,9 @@ numbers come from the engine's `BatchPolicy` for the next wave: a fixed
   planned target);
 - `stable`: the waiting count has not grown for a stable window (for a fixed wait
   `min(50 ms, max_wait / 5)`; the plan's own otherwise; only growth resets the
-  window, an abort does not);
+  window, an abort does not), and no request is on its way in (a front end has begun
+  to receive it: requests sent together arrive whole, however slowly the server
+  parses them);
 - `deadline`: `start + max_wait` passed;
 - `stopped`: the engine is stopping.
 
@@ -58,6 +60,7 @@ class AdmissionWait:
         is_stopped: Callable[[], bool],
         wait_s: Callable[[float], object],
         clock: Callable[[], float] = time.monotonic,
+        num_incoming: Callable[[], int] = lambda: 0,
     ) -> str:
         """Wait until one of the exit conditions holds; return its name.
 
@@ -67,6 +70,7 @@ class AdmissionWait:
             wait_s: blocks up to the given seconds or until notified, e.g. the bound
                 `Condition.wait` of the engine's condition (called with its lock held).
             clock: monotonic seconds.
+            num_incoming: requests on their way in, not yet waiting.
         """
         start = clock()
         deadline = start + self.max_wait_ms / 1000.0
@@ -86,5 +90,7 @@ class AdmissionWait:
                 return "deadline"
             window_end = last_growth + window_s
             if now >= window_end:
-                return "stable"
+                if not num_incoming():
+                    return "stable"
+                window_end = deadline  # one is on its way in: wait for it (or the deadline)
             wait_s(min(deadline, window_end) - now)

@@ -465,6 +465,19 @@ class Engine:
                 self.abort([request.request_id for request in requests])
                 raise
 
+    def incoming_request(self) -> Callable[[], None]:
+        """Tell the engine a request is on its way in (a front end began receiving it),
+        so an admission wait gathers it with the requests sent beside it; call the
+        returned function (idempotent) once it is added or will not be."""
+        self.core.announce_incoming(1)
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self.core.announce_incoming(-1)
+        return release
+
     async def generate_async(
         self,
         prompt: str,

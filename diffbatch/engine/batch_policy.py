@@ -4,8 +4,10 @@ Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through. "
 
 - **capacity** per shape is the knee of the learned cost curve, bounded by memory and
   `--max-num-seqs-limit`. The next doubling is probed only while a backlog persists:
-  after `PERSIST_WAVES` waves in a row started with more waiting than it, until it has
-  `MIN_SAMPLES` waves; the curve then says whether it pays.
+  after `PERSIST_WAVES` waves in a row started with enough waiting to fill it, until it has
+  `MIN_SAMPLES` waves; the curve then says whether it pays (on the median and spread
+  of its waves: without evidence that it costs more per image, the larger size wins,
+  and the doubling above it is probed next, so a capacity learned too small heals).
 - **the admission wait** runs only at an idle worker not under sustained load (busy
   `BUSY_SHARE` of the last `LOAD_WINDOW_S`: the queue refills while each wave runs).
   With `q` waiting, arrivals at rate `r` and wave times `t(B)`, waiting `d = k / r`
@@ -17,6 +19,11 @@ Fixed numbers (`max_num_seqs=8`, `request_batch_max_wait_ms=20`) pass through. "
 
   It waits for the `k` that saves the most, if any, at most one request's wave time
   (and `MAX_WAIT_MS`): at low load `d` is long and waiting never pays.
+- **requests sent together** share a wave: where the rule above starts now, an idle
+  worker still waits until no request has arrived for `TOGETHER_MS` and none is on
+  its way in through the front end (at most `TOGETHER_MAX_MS`), so a client's batch
+  sent at once (a page's four requests) arrives whole; a lone request pays
+  `TOGETHER_MS`.
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ if TYPE_CHECKING:
 MAX_WAIT_MS = 1000.0  # never wait longer than this for a wave, whatever the curve says
 LOAD_WINDOW_S = 1.0  # arrivals and busy time of this recent window give rate and load
 BUSY_SHARE = 0.5  # a worker busy this share of the window has a sustained load
-PERSIST_WAVES = 3  # waves in a row with a backlog beyond a doubling before it is probed
+PERSIST_WAVES = 3  # waves in a row with a backlog that fills a doubling before it is probed
 SLACK = 2.0  # Poisson arrivals: wait up to this many times the expected time
+TOGETHER_MS = 2.0  # arrivals this close to each other were sent together
+TOGETHER_MAX_MS = 20.0  # and a run of them is gathered for at most this long
 
 
 @dataclass(frozen=True)
@@ -159,10 +168,12 @@ class BatchPolicy:
 
     def observe_backlog(self, key: SamplingParamsKey | None, num_waiting: int) -> None:
         """The engine is about to schedule a wave of `key` with `num_waiting` waiting:
-        count the waves in a row that found a backlog beyond the probe size."""
+        count the waves in a row that found a backlog that fills the probe size (with
+        a wave running and a full one queued behind it, a closed loop of 4x the
+        capacity leaves exactly 2x waiting)."""
         probe = self._knee_and_probe(key)[1]
         with self._lock:
-            if probe is not None and num_waiting > probe:
+            if probe is not None and num_waiting >= probe:
                 self._backlog_waves[key] = self._backlog_waves.get(key, 0) + 1
             else:
                 self._backlog_waves.pop(key, None)
@@ -181,9 +192,13 @@ class BatchPolicy:
         if key is None or busy_share >= BUSY_SHARE:
             return WaitPlan.start_now(num_waiting)
         shape, steps = Shape.of(key), key.num_denoising_steps
-        return choose_wait(num_waiting, rate_per_s,
+        plan = choose_wait(num_waiting, rate_per_s,
                            lambda size: self.cost.estimate_ms(shape, size, steps) or math.inf,
                            capacity, self.wait_bound_ms(shape, steps))
+        if plan.max_wait_ms > 0 or num_waiting >= capacity:
+            return plan
+        return WaitPlan(target=capacity, max_wait_ms=TOGETHER_MAX_MS,
+                        stable_window_ms=TOGETHER_MS)  # (module docstring)
 
     def wait_bound_ms(self, shape: Shape, steps: int) -> float:
         """The longest wait: the fixed one, or one request's wave time, at most
@@ -242,4 +257,5 @@ class BatchPolicy:
             self.step_cost.observe(shape, size, 1, tick.forward_ms)
 
 
-__all__ = ["MAX_WAIT_MS", "BatchPolicy", "WaitPlan", "choose_wait"]
+__all__ = ["MAX_WAIT_MS", "TOGETHER_MAX_MS", "TOGETHER_MS", "BatchPolicy", "WaitPlan",
+           "choose_wait"]

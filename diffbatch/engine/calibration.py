@@ -1,14 +1,22 @@
 """The start-up calibration: seed the cost curve at the model's default shape.
 
 With `max_num_seqs="auto"` (or an "auto" wait), the engine runs a few synthetic
-waves through the normal executor path before it serves: sizes 1, 2, 4, ... at the
-model's default size, each twice (the faster counts, so a first allocation does
-not), until a doubling stops cutting the cost per image by 5%, the size limit is
-reached, or the next waves (a doubling's pair, or the re-measure that confirms a
-doubling did not pay) would overrun the time budget (`calibration_budget_s`, 10 s
-by default). A one-step probe first sets the step count: the model's default,
-or fewer when sizes up to about 8 would not fit the budget at it (the curve scales
-with steps, so a real model on a CPU is measured at one step).
+waves through the normal executor path before it serves, at the model's default
+size: sizes 1, 2, 4, ..., each new size measured `REPEATS` times in waves that
+alternate with the size below it, so a neighbour's burst of work lands on both
+sizes rather than on one. Every wave teaches the cost curve, whose capacity rule
+compares medians and asks for evidence beyond the measured spread before it calls a
+doubling not worth it (`diffbatch.engine.cost_model`). The ladder stops at the first
+of: the curve has that evidence against the newest size ("gain"), the size limit,
+memory, or the time budget.
+
+The budget (`calibration_budget_s`, 10 s by default) is a bound: a wave starts only
+if it is expected to end within it (expected at the slowest time measured per image,
+with no gain for a new size), and a wave still running at the deadline is cancelled
+(the runner stops it at its next denoising step). A one-step probe first sets the
+step count: the model's default, or fewer when the ladder up to about 8 would not
+fit the budget at it (the curve scales with steps, so a real model on a CPU is
+measured at one step).
 
 It also bounds wave sizes by memory: the runner reports its peak memory after each
 wave, so the growth per extra image is known, and a wave may use at most
@@ -17,13 +25,15 @@ wave, so the growth per extra image is known, and a wave may use at most
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import statistics
 import time
 import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from diffbatch.engine.cost_model import MIN_GAIN
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
 from diffbatch.sched.output import SchedulerOutput
@@ -31,12 +41,16 @@ from diffbatch.sched.output import SchedulerOutput
 if TYPE_CHECKING:
     from diffbatch.engine.batch_policy import BatchPolicy
     from diffbatch.executor.abstract import Executor
+    from diffbatch.outputs import BatchRunnerOutput
     from diffbatch.pipelines.interface import PipelineInfo
 
 logger = logging.getLogger(__name__)
 
 MEMORY_SHARE = 0.5  # a wave may use at most this share of the memory free at start-up
-REPEATS = 2  # waves per size; the fastest counts
+REPEATS = 3  # waves per size, each beside one of the size below
+# probe-wave units the ladder up to 8 takes: REPEATS x (1 + (2 + 1) + (4 + 2) + (8 + 4))
+_LADDER_TO_8 = REPEATS * 22
+_CANCEL_GRACE_S = 5.0  # a cancelled wave ends at its next step; wait this long for it
 
 
 @dataclass
@@ -44,7 +58,7 @@ class CalibrationReport:
     """What the calibration measured, for the start-up log."""
 
     steps: int  # the step count it measured at
-    forward_ms: dict[int, float] = field(default_factory=dict)  # wave size -> fastest ms
+    forward_ms: dict[int, float] = field(default_factory=dict)  # wave size -> median ms
     memory_limit: int | None = None  # largest wave memory allows; None = not measured
     elapsed_s: float = 0.0
     stop_reason: str = ""  # gain, limit, budget, memory, error
@@ -56,89 +70,113 @@ class CalibrationReport:
                 f"{self.elapsed_s:.1f} s (stopped: {self.stop_reason}){memory}")
 
 
+class _Ladder:
+    """The waves of one calibration, within its budget; see the module docstring."""
+
+    def __init__(self, executor: Executor, info: PipelineInfo, policy: BatchPolicy,
+                 budget_s: float) -> None:
+        self.executor, self.info, self.policy = executor, info, policy
+        self.start = time.monotonic()
+        self.budget_ms = budget_s * 1000.0
+        self.spent_ms = 0.0  # forward time so far (the wall clock counts too)
+        # wave size -> the slowest ms per image of its waves, wall clock or forward
+        self.slowest_ms_per_image: dict[int, float] = {}
+        self.samples: dict[int, list[float]] = {}  # wave size -> forward ms
+        self.peaks: list[tuple[int, int]] = []  # (wave size, peak memory after it)
+        self.free_bytes = 0
+        self.out_of_time = False  # a wave was cancelled at the deadline
+
+    def remaining_ms(self) -> float:
+        return self.budget_ms - max((time.monotonic() - self.start) * 1000.0, self.spent_ms)
+
+    def fits(self, size: int) -> bool:
+        """Whether a wave of `size` is expected to end within the budget: at the slowest
+        cost per image of the largest size measured up to it (no gain beyond it)."""
+        known = [b for b in self.slowest_ms_per_image if b <= size] or [0]
+        return size * self.slowest_ms_per_image.get(max(known), 0.0) <= self.remaining_ms()
+
+    def run(self, size: int, steps: int) -> BatchRunnerOutput | None:
+        """One wave; None when it failed or the budget ran out under it (cancelled)."""
+        began = time.monotonic()
+        future = self.executor.submit_batch(_wave(self.info, size, steps))
+        try:
+            output = future.result(timeout=max(0.0, self.remaining_ms() / 1000.0))
+        except FutureTimeout:
+            self.out_of_time = True
+            self.executor.cancel(future)
+            with contextlib.suppress(Exception):  # cancelled: its result is not used
+                future.result(timeout=_CANCEL_GRACE_S)
+            return None
+        wall_ms = (time.monotonic() - began) * 1000.0
+        self.spent_ms += output.forward_time_ms
+        self.slowest_ms_per_image[size] = max(self.slowest_ms_per_image.get(size, 0.0),
+                                              max(wall_ms, output.forward_time_ms) / size)
+        if not all(o.ok for o in output.outputs.values()):
+            return None
+        self.free_bytes = self.free_bytes or output.free_memory_bytes
+        self.peaks.append((size, output.peak_memory_bytes))
+        return output
+
+    def measure(self, size: int, steps: int) -> str | None:
+        """One wave of `size` taught to the curve; the stop reason if it did not run."""
+        if not self.fits(size):
+            return "budget"
+        output = self.run(size, steps)
+        if output is None:
+            return "budget" if self.out_of_time else "error"
+        self.samples.setdefault(size, []).append(output.forward_time_ms)
+        self.policy.cost.observe(self.policy.default_shape, size, steps,
+                                 output.forward_time_ms)
+        return None
+
+
 def calibrate(
     executor: Executor, info: PipelineInfo, policy: BatchPolicy, budget_s: float,
 ) -> CalibrationReport:
     """Run the calibration waves and feed them to `policy`; see the module docstring."""
-    start = time.monotonic()
+    ladder = _Ladder(executor, info, policy, budget_s)
+    report = CalibrationReport(steps=1)
     # 1. A one-step probe sizes the step count: enough steps to be representative, few
-    #    enough that sizes up to ~8 fit the budget (a real model on a CPU gets 1).
-    probe = executor.execute_batch(_wave(info, 1, 1))
-    probe_ms = max(probe.forward_time_ms, 1e-3)
-    spent_ms = probe.forward_time_ms  # forward time so far (the wall clock counts too)
-    fit = int(budget_s * 1000.0 / (REPEATS * 8 * probe_ms))
-    report = CalibrationReport(steps=max(1, min(info.default_num_inference_steps, fit)))
-    peaks: list[tuple[int, int]] = []  # (wave size, peak memory after it)
-    free_at_start = probe.free_memory_bytes
-
-    def remaining_ms() -> float:  # the budget left, by the wall clock or forward time
-        return budget_s * 1000.0 - max((time.monotonic() - start) * 1000.0, spent_ms)
-
-    size = 1
-    while True:
+    #    enough that the ladder up to ~8 fits the budget (a real model on a CPU gets 1).
+    probe = ladder.run(1, 1)
+    if probe is None:
+        report.stop_reason = "budget" if ladder.out_of_time else "error"
+        report.elapsed_s = time.monotonic() - ladder.start
+        return report
+    fit = int(ladder.budget_ms / (_LADDER_TO_8 * max(probe.forward_time_ms, 1e-3)))
+    report.steps = steps = max(1, min(info.default_num_inference_steps, fit))
+    ladder.slowest_ms_per_image[1] *= steps  # the probe ran one step
+    # 2. The ladder: size 1 alone, then each doubling beside the size below it.
+    size, stop = 1, None
+    while stop is None:
         if size > policy.limit:
-            report.stop_reason = "limit"
+            stop = "limit"
             break
-        expected_ms = _expected_ms(report, size)
-        if expected_ms is not None and REPEATS * expected_ms > remaining_ms():
-            report.stop_reason = "budget"
-            break
-        best = None
-        for _ in range(REPEATS):
-            output = executor.execute_batch(_wave(info, size, report.steps))
-            if not all(o.ok for o in output.outputs.values()):
-                report.stop_reason = "error"
+        half = size // 2
+        for repeat in range(REPEATS):
+            order = (size,) if not half else (size, half) if repeat % 2 == 0 else (half, size)
+            for b in order:
+                stop = ladder.measure(b, steps)
+                if stop:
+                    break
+            if stop:
                 break
-            spent_ms += output.forward_time_ms
-            best = output.forward_time_ms if best is None else min(best, output.forward_time_ms)
-            free_at_start = free_at_start or output.free_memory_bytes
-            peaks.append((size, output.peak_memory_bytes))
-        if report.stop_reason == "error" or best is None:
+        if size not in ladder.samples:
             break
-        report.forward_ms[size] = best
-        policy.cost.observe(policy.default_shape, size, report.steps, best)
-        memory_limit = _memory_limit(peaks, free_at_start)
+        memory_limit = _memory_limit(ladder.peaks, ladder.free_bytes)
         if memory_limit is not None:
             report.memory_limit = memory_limit
             if memory_limit < policy.limit:
                 policy.set_limit(memory_limit)
             if size * 2 > memory_limit:
-                report.stop_reason = "memory"
-                break
-        if size > 1 and not _pays(report, size):
-            # Confirm before stopping: re-measure both sizes once (a neighbour's burst
-            # of work during one of them would otherwise end the ladder early), where
-            # the budget still holds both waves.
-            if report.forward_ms[size // 2] + report.forward_ms[size] > remaining_ms():
-                report.stop_reason = "budget"
-                break
-            for again in (size // 2, size):
-                output = executor.execute_batch(_wave(info, again, report.steps))
-                spent_ms += output.forward_time_ms
-                report.forward_ms[again] = min(report.forward_ms[again],
-                                               output.forward_time_ms)
-                policy.cost.observe(policy.default_shape, again, report.steps,
-                                    output.forward_time_ms)
-            if not _pays(report, size):
-                report.stop_reason = "gain"
-                break
+                stop = stop or "memory"
+        if stop is None and policy.cost.capacity(policy.default_shape, steps) < size:
+            stop = "gain"  # evidence beyond the spread that this doubling does not pay
         size *= 2
-    report.elapsed_s = time.monotonic() - start
+    report.stop_reason = stop or ""
+    report.forward_ms = {b: statistics.median(ms) for b, ms in sorted(ladder.samples.items())}
+    report.elapsed_s = time.monotonic() - ladder.start
     return report
-
-
-def _pays(report: CalibrationReport, size: int) -> bool:
-    """Whether doubling to `size` cut the measured cost per image by `MIN_GAIN`."""
-    half = size // 2
-    return report.forward_ms[size] / size <= (1.0 - MIN_GAIN) * report.forward_ms[half] / half
-
-
-def _expected_ms(report: CalibrationReport, size: int) -> float | None:
-    """A guess of the next wave's time: the last one's, scaled by size (no gain)."""
-    if not report.forward_ms:
-        return None
-    last = max(report.forward_ms)
-    return report.forward_ms[last] * size / last
 
 
 def _memory_limit(peaks: list[tuple[int, int]], free_bytes: int) -> int | None:

@@ -112,6 +112,9 @@ class EngineCore:
         self.scheduler = make_scheduler(config, capacity_of=policy.capacity)
         self.cond = threading.Condition()
         self._stopped = False
+        # requests a front end has begun to receive and not yet added (or dropped): the
+        # admission wait does not call a burst complete while any is on its way
+        self._incoming = 0
         self._thread: threading.Thread | None = None
         # finished (request, output) pairs for the delivery thread; None stops it
         self._outbox: queue.SimpleQueue[tuple[DiffusionRequest, DiffusionOutput] | None] = (
@@ -268,6 +271,20 @@ class EngineCore:
     def stopped(self) -> bool:
         """Whether `stop()` was called."""
         return self._stopped
+
+    @property
+    def num_incoming(self) -> int:
+        """Requests a front end announced (`announce_incoming`) and has not added."""
+        return self._incoming
+
+    def announce_incoming(self, delta: int) -> None:
+        """A front end began (+1) or ended (-1: added, refused, gone) receiving a
+        request. An arrival wakes the loop; an end does not (the add that follows it
+        does), so a wait never ends in the moment between the two."""
+        with self.cond:
+            self._incoming = max(0, self._incoming + delta)
+            if delta > 0:
+                self.cond.notify_all()
 
     @property
     def num_waiting(self) -> int:

@@ -1,18 +1,25 @@
 """The learned cost curve: how long a wave of B requests takes, per shape and step count.
 
-Per size it keeps the last `WINDOW` forward times and estimates with their lower
-quartile, so a wave slowed by other work does not teach that big waves stopped paying;
-between measured sizes it interpolates. Elsewhere a curve follows a guide, anchored at
-its nearest measured size: the same shape at the step count known at most sizes (times
-scale with steps), else the default shape's curve, a request priced as default-size
-requests of as many pixels. The **capacity** is the knee: from the smallest measured
-size, by doublings up to the largest (or the limit), keep each size whose cost per
-image is at least `MIN_GAIN` below that of the last size kept.
+Per size it keeps the last `WINDOW` forward times and estimates with their median,
+and their spread (the interquartile range, relative to the median), so no decision
+rests on one slow or fast timing; between measured sizes it interpolates. Elsewhere
+a curve follows a guide, anchored at its nearest measured size: the same shape at the
+step count known at most sizes (times scale with steps), else the default shape's
+curve, a request priced as default-size requests of as many pixels.
+
+The **capacity** is the knee: from the smallest measured size, by doublings up to
+the largest (or the limit), keep each size unless there is evidence that it does not
+cut the cost per image by `MIN_GAIN` against the last size kept: its cost per image
+above that mark by more than the two sizes' spreads. When unsure, the larger wave is
+kept: a wave slowed by other work (a co-tenant, a busy start) must not pin the
+capacity low, and on every model measured the cost per image falls or stays flat with
+the wave size, up to memory.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +34,7 @@ WINDOW = 16  # observations kept per shape, step count and wave size
 MIN_SAMPLES = 4  # a size with fewer observations is still being measured
 
 Table = dict[int, float]  # wave size -> forward ms
+Spreads = dict[int, float]  # wave size -> spread of its forward ms, relative to them
 
 
 @dataclass(frozen=True)
@@ -70,17 +78,35 @@ def interpolate(table: Table, size: float) -> float:
     return table[nearest] * size / nearest
 
 
-def knee(table: Table, limit: int) -> int:
-    """The capacity rule (module docstring) on `table`; 1 <= knee <= limit."""
+def spread_at(spreads: Spreads, size: float) -> float:
+    """The relative spread at `size`: the largest of the nearest measured sizes' (a
+    size between two measured ones is known no better than either)."""
+    if not spreads:
+        return 0.0
+    if size in spreads:
+        return spreads[int(size)]
+    below = [b for b in spreads if b < size]
+    above = [b for b in spreads if b > size]
+    return max(spreads[max(below)] if below else 0.0, spreads[min(above)] if above else 0.0)
+
+
+def knee(table: Table, limit: int, spreads: Spreads | None = None) -> int:
+    """The capacity rule (module docstring) on `table`; 1 <= knee <= limit.
+    `spreads` (None: exact figures) says how far each size's figure may be off."""
     if not table:
         return 1
+    spreads = spreads or {}
     top = min(limit, max(table))
     best = size = min(min(table), top)
     best_cost = interpolate(table, size) / size
     while size < top:  # the smallest measured size, its doublings, the top
         size = min(size * 2, top)
         cost = interpolate(table, size) / size
-        if cost <= (1.0 - MIN_GAIN) * best_cost:
+        # evidence that it does not pay: even its low end is above the kept size's
+        # high end, lowered by MIN_GAIN
+        low = cost * (1.0 - spread_at(spreads, size))
+        high = (1.0 - MIN_GAIN) * best_cost * (1.0 + spread_at(spreads, best))
+        if not low > high:
             best, best_cost = size, cost
     return best
 
@@ -117,13 +143,18 @@ class WaveCostModel:
             curve = self._curve(shape, steps, proxy=True)
         if curve is None:
             return 1
-        sizes, estimate = curve
-        return knee({size: estimate(size) for size in sizes}, self.limit)
+        sizes, estimate, spreads = curve
+        return knee({size: estimate(size) for size in sizes}, self.limit, spreads)
 
     def num_samples(self, shape: Shape, steps: int) -> dict[int, int]:
         """Wave size -> observations kept of `shape` at `steps`."""
         with self._lock:
             return {b: len(w) for b, w in self._samples.get((shape, steps), {}).items()}
+
+    def spreads(self, shape: Shape, steps: int) -> Spreads:
+        """The relative spread of each size `shape` has waves of at `steps`."""
+        with self._lock:
+            return self._spreads(shape, steps)
 
     def tables(self) -> dict[tuple[Shape, int], Table]:
         """Each (shape, step count) with waves of its own: its estimates by size."""
@@ -132,14 +163,27 @@ class WaveCostModel:
 
     # -- holding the lock ----------------------------------------------------------
     def _table(self, shape: Shape, steps: int) -> Table:
-        """The curve's own estimates: the lower quartile of each size's window."""
+        """The curve's own estimates: the median of each size's window."""
         curve = self._samples.get((shape, steps), {})
-        return {b: sorted(w)[(len(w) - 1) // 4] for b, w in sorted(curve.items())}
+        return {b: statistics.median(w) for b, w in sorted(curve.items())}
 
-    def _curve(self, shape: Shape, steps: int,
-               proxy: bool) -> tuple[set[int], Callable[[float], float]] | None:
+    def _spreads(self, shape: Shape, steps: int) -> Spreads:
+        """Each size's spread: its window's interquartile range over its median (up to
+        four samples, their range; with one, none: a size seen once is taken at its
+        figure, and the policy's probe, not the knee, gives it more waves)."""
+        spreads: Spreads = {}
+        for b, window in self._samples.get((shape, steps), {}).items():
+            ms = sorted(window)
+            n = len(ms)
+            low, high = ms[(n - 1) // 4], ms[n - 1 - (n - 1) // 4]
+            spreads[b] = (high - low) / statistics.median(ms)
+        return spreads
+
+    def _curve(self, shape: Shape, steps: int, proxy: bool,
+               ) -> tuple[set[int], Callable[[float], float], Spreads] | None:
         """`shape` at `steps` (module docstring): the sizes known, its own and its
-        guide's, and size -> forward ms; None if nothing is known."""
+        guide's, size -> forward ms, and the spreads of the sizes measured (its own
+        where it has them, else the guide's); None if nothing is known."""
         own, default = self._table(shape, steps), self.default_shape
         for guide in (shape, default if proxy and default != shape else None):
             known = [(len(c), -abs(n - steps), n) for (s, n), c in self._samples.items()
@@ -149,13 +193,15 @@ class WaveCostModel:
                 table, pixels = self._table(guide, n), shape.pixels / guide.pixels
                 break
         else:
-            return (set(own), lambda size: interpolate(own, size)) if own else None
+            return ((set(own), lambda size: interpolate(own, size), self._spreads(shape, steps))
+                    if own else None)
+        spreads = {**self._spreads(guide, n), **self._spreads(shape, steps)}
 
         def borrowed(size: float) -> float:  # a request of `shape` counts `pixels` of guide's
             return interpolate(table, size * pixels) * (steps or n) / n
 
         if not own:
-            return set(table), borrowed
+            return set(table), borrowed, spreads
         lo, hi = min(own), max(own)
 
         def anchored(size: float) -> float:
@@ -163,7 +209,8 @@ class WaveCostModel:
                 return interpolate(own, size)
             nearest = lo if size < lo else hi
             return own[nearest] * borrowed(size) / borrowed(nearest)
-        return {*own, *table}, anchored
+        return {*own, *table}, anchored, spreads
 
 
-__all__ = ["MIN_GAIN", "MIN_SAMPLES", "Shape", "WaveCostModel", "interpolate", "knee"]
+__all__ = ["MIN_GAIN", "MIN_SAMPLES", "Shape", "WaveCostModel", "interpolate", "knee",
+           "spread_at"]

@@ -67,7 +67,8 @@ class WaveDispatch(Dispatch):
             admission = AdmissionWait(plan.max_wait_ms, target, plan.stable_window_ms)
             if admission.should_wait(supports_request_batch=policy.batching, num_running=0):
                 core.last_admission_reason = admission.wait(
-                    lambda: scheduler.num_waiting, lambda: core.stopped, core.cond.wait)
+                    lambda: scheduler.num_waiting, lambda: core.stopped, core.cond.wait,
+                    num_incoming=lambda: core.num_incoming)
                 if core.stopped:
                     return None
         policy.observe_backlog(scheduler.next_key(), scheduler.num_waiting)

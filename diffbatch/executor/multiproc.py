@@ -104,7 +104,12 @@ from diffbatch.ipc.messages import (
     recv_message,
 )
 from diffbatch.outputs import BatchRunnerOutput, RequestError
-from diffbatch.worker.threads import choose_threads, cpu_contention, usable_cpu_count
+from diffbatch.worker.threads import (
+    choose_threads,
+    cpu_contention,
+    shares_cpus_with_this_process,
+    usable_cpu_count,
+)
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -133,7 +138,8 @@ def _worker_env(config: EngineConfig) -> dict[str, str]:
     pinned = parse_cpu_list(config.worker_cpus) if config.worker_cpus else None
     usable = usable_cpu_count(pinned)
     choice = choose_threads(usable_cpus=usable, env=env,
-                            torch_num_threads=config.torch_num_threads)
+                            torch_num_threads=config.torch_num_threads,
+                            shares_front_end=shares_cpus_with_this_process(pinned))
     choice.apply(env)
     logger.info("worker threads: %s", choice.reason)
     if config.torch_num_threads is not None and config.torch_num_threads > usable:

@@ -5,17 +5,23 @@ once), so the executor chooses them at start-up and puts them in the worker's
 environment:
 
 - **threads**: the CPUs the worker may use (its affinity, `worker_cpus`, and a cgroup
-  CPU quota), which is what a plain script gets from torch on its own machine;
-  `torch_num_threads` / `--torch-threads` or the user's `OMP_NUM_THREADS` win;
+  CPU quota), less one left to the server's front end (HTTP, image encoding) when the
+  two share those CPUs. Torch's OpenMP threads spin while they wait for each other;
+  a front end or any other busy process on their cores takes a spinning thread's
+  core away, and every parallel region then waits for it (on two shared cores under
+  a co-tenant, a wave ran 10 to 30 times slower). With one core left over, the front
+  end and a neighbour have somewhere to run; on two CPUs the worker runs one thread
+  and no region waits for another thread at all. `torch_num_threads` /
+  `--torch-threads` or the user's `OMP_NUM_THREADS` win;
 - **wait policy**: OpenMP's default (threads spin a little after a parallel region,
-  then sleep) is what makes a small model fast. Spinning threads only hurt when there
-  are more of them than CPUs, so a user's thread count above the usable CPUs gets
-  `PASSIVE`. The user's own `OMP_WAIT_POLICY` wins.
+  then sleep) is what makes a small model fast on free cores. Spinning threads only
+  hurt when there are more of them than CPUs, so a user's thread count above the
+  usable CPUs gets `PASSIVE`. The user's own `OMP_WAIT_POLICY` wins.
 
 The choice is logged, and the start-up calibration measures the wave times it gives
-(`diffbatch.engine.calibration`). The count stays as chosen while the worker serves.
-On CUDA the forward runs on the GPU and these settings only affect the CPU work
-around it.
+(`diffbatch.engine.calibration`). It is made once, from the CPUs, not from what else
+runs: the count stays as chosen while the worker serves. On CUDA the forward runs on
+the GPU and these settings only affect the CPU work around it.
 """
 
 from __future__ import annotations
@@ -41,13 +47,16 @@ class ThreadChoice:
 
 
 def choose_threads(*, usable_cpus: int, env: Mapping[str, str],
-                   torch_num_threads: int | None = None) -> ThreadChoice:
+                   torch_num_threads: int | None = None,
+                   shares_front_end: bool = False) -> ThreadChoice:
     """The rule of the module docstring, on the numbers given (so tests can drive it).
 
     Args:
         usable_cpus: CPUs the worker may use (affinity, pinning and quota applied).
         env: the environment the worker would inherit.
         torch_num_threads: the config's explicit thread count, if any.
+        shares_front_end: whether the server process (HTTP, encoding) may run on the
+            worker's CPUs too.
     """
     usable = max(1, usable_cpus)
     if torch_num_threads is not None:
@@ -56,6 +65,11 @@ def choose_threads(*, usable_cpus: int, env: Mapping[str, str],
     elif "OMP_NUM_THREADS" in env:
         threads = None
         reasons = [f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} (yours)"]
+    elif shares_front_end and usable > 1:
+        threads = usable - 1
+        reasons = [f"{threads} torch thread{'s' * (threads > 1)}: the {usable} CPUs the "
+                   "worker may use, less one left to the server's front end, which "
+                   "shares them"]
     else:
         threads = usable
         reasons = [f"{usable} torch threads: the CPUs the worker may use"]
@@ -81,6 +95,17 @@ def omp_num_threads(env: Mapping[str, str]) -> int | None:
     except (KeyError, ValueError):
         return None
     return value if value > 0 else None
+
+
+def shares_cpus_with_this_process(pinned: frozenset[int] | None) -> bool:
+    """Whether a worker pinned to `pinned` (None: not pinned, this process's CPUs) may
+    run on a CPU this process may run on too."""
+    if pinned is None:
+        return True
+    try:
+        return bool(pinned & os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS): nothing is pinned either
+        return True
 
 
 def usable_cpu_count(pinned: frozenset[int] | None = None) -> int:
@@ -132,4 +157,4 @@ def _cgroup_cpu_quota() -> float | None:
 
 
 __all__ = ["ThreadChoice", "choose_threads", "cpu_contention", "omp_num_threads",
-           "usable_cpu_count"]
+           "shares_cpus_with_this_process", "usable_cpu_count"]

@@ -57,3 +57,26 @@ def test_policy_bars_smoke(tmp_path: Path) -> None:
                                                                                "16:10")
     assert f"{poisson['best_fixed_first_round']}-twin" in poisson["p50_ms_rounds"]
     assert isinstance(poisson["met"], bool)
+
+
+def test_policy_bars_busy_start_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bars.json"
+    cmd = [sys.executable, str(BENCHMARKS / "policy_bars.py"), *MINIMAL, "--rounds", "1",
+           "--bars", "busy_start", "--clients", "2", "--load-s", "1.5", "--tail-s", "1",
+           "--tenant-after-s", "0.5", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=BENCHMARKS.parent, capture_output=True, text=True,
+                            env=smoke_env(), timeout=TIMEOUT_S)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    busy = json.loads(out.read_text())["busy_start"]
+    assert set(busy["runs"]) == {"busy", "quiet", "quiet-twin"}
+    [run] = busy["runs"]["busy"]
+    assert run["images_per_s"] > 0 and run["tenant_stopped_s_after_ready"] >= 0.5
+    assert run["capacity_log"] and isinstance(busy["met"], bool)
+
+
+def test_openmp_wait_smoke(tmp_path: Path) -> None:
+    report = run_script("openmp_wait.py", tmp_path / "wait.json", *MINIMAL, "--rounds", "1",
+                        "--candidates", "default", "1thread", "--batches", "1",
+                        "--num-images", "1")
+    assert set(report["median_images_per_s"]) == {"default", "1thread"}
+    assert all(v["1"] > 0 for v in report["median_images_per_s"].values())

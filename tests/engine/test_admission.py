@@ -84,6 +84,21 @@ def test_shrinking_queue_does_not_reset_the_window():
     assert reason == "stable" and sim.now == pytest.approx(0.020)
 
 
+def test_a_request_on_its_way_in_holds_the_stable_window_open():
+    """A front end is still parsing a request sent with the others (announced, not yet
+    added): the window does not end until it is added, up to the deadline."""
+    sim = Sim(arrivals_ms=[9], waiting=1)  # it is added 9 ms in, long after the window
+    incoming = lambda: 1 if sim.now < 0.009 else 0  # noqa: E731
+    wait = AdmissionWait(max_wait_ms=20, capacity=8, window_ms=2)
+    assert wait.wait(lambda: sim.waiting, sim.stopped, sim.wait_s, sim.clock,
+                     num_incoming=incoming) == "stable"
+    assert sim.waiting == 2 and sim.now == pytest.approx(0.011)  # added, then 2 ms stable
+    stuck = Sim(waiting=1)  # one that never comes (a refused body): the deadline ends it
+    assert wait.wait(lambda: stuck.waiting, stuck.stopped, stuck.wait_s, stuck.clock,
+                     num_incoming=lambda: 1) == "deadline"
+    assert stuck.now == pytest.approx(0.020)
+
+
 def test_ends_on_stop():
     sim = Sim(waiting=1, stop_at_ms=7)
     sim.arrivals = [3, 6]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from diffbatch.config import EngineConfig
+from diffbatch.engine.admission import AdmissionWait
 from diffbatch.engine.batch_policy import (
     LOAD_WINDOW_S,
     MAX_WAIT_MS,
     PERSIST_WAVES,
+    TOGETHER_MAX_MS,
+    TOGETHER_MS,
     BatchPolicy,
     WaitPlan,
     choose_wait,
@@ -91,8 +96,10 @@ def policy(clock: ManualClock | None = None, **options) -> BatchPolicy:
 
 
 def teach(p: BatchPolicy, wave_ms=tiny_sd_like, sizes=(1, 2, 4, 8, 16, 32)) -> None:
+    """Each size measured twice, the same both times: a curve known without spread."""
     for size in sizes:
-        p.cost.observe(p.default_shape, size, 4, wave_ms(size))
+        for _ in range(2):
+            p.cost.observe(p.default_shape, size, 4, wave_ms(size))
     p.serving = True
 
 
@@ -168,6 +175,50 @@ def test_the_next_size_is_probed_only_while_a_backlog_persists():
     assert p.capacity(key(), 40) == 8
 
 
+def serve_backlog(p: BatchPolicy, num_waiting: int, waves: int, wave_ms=tiny_sd_like,
+                  regressed=lambda size, nth: 1.0) -> list[int]:
+    """The engine's loop under a backlog that stays at `num_waiting`: note the backlog,
+    schedule a wave at the policy's capacity, teach its time; the wave sizes."""
+    sizes: list[int] = []
+    for _ in range(waves):
+        p.observe_backlog(key(), num_waiting)
+        size = min(p.capacity(key(), num_waiting), num_waiting)
+        p.observe_wave(key(), size, wave_ms(size) * regressed(size, sizes.count(size)))
+        sizes.append(size)
+    return sizes
+
+
+def test_a_capacity_learned_too_small_grows_under_a_persistent_backlog():
+    """A busy start measured 8 as dear (one slow wave): capacity 4. A closed loop of
+    16 clients keeps 8 waiting (one wave runs, one full wave queued behind it): within
+    a bounded number of waves the policy measures 8 and keeps it."""
+    p = policy()
+    teach(p, sizes=(1, 2, 4))
+    p.cost.observe(p.default_shape, 8, 4, 5 * tiny_sd_like(8))  # the busy start's 8
+    p.cost.observe(p.default_shape, 8, 4, 5 * tiny_sd_like(8))
+    assert p.capacity(key()) == 4
+    sizes = serve_backlog(p, num_waiting=8, waves=PERSIST_WAVES + MIN_SAMPLES + 4)
+    assert sizes[-1] == 8 and p.capacity(key()) == 8
+
+
+def test_growth_goes_on_past_one_regressed_sample_per_size():
+    """Under a deep backlog the policy keeps probing doublings up to the limit, though
+    the first wave of every new size is slowed (a neighbour's burst)."""
+    p = policy()
+    teach(p, sizes=(1, 2))
+    sizes = serve_backlog(p, num_waiting=64, waves=40,
+                          regressed=lambda size, nth: 3.0 if nth == 0 else 1.0)
+    assert sizes[-1] == p.limit == 32
+
+
+def test_growth_stops_where_bigger_waves_cost_more_per_image():
+    p = policy()
+    teach(p, sizes=(1, 2, 4))
+    dear_above_8 = lambda size: tiny_sd_like(size) if size <= 8 else 30.0 * size  # noqa: E731
+    sizes = serve_backlog(p, num_waiting=64, waves=60, wave_ms=dear_above_8)
+    assert sizes[-10:] == [8] * 10
+
+
 def test_a_probe_that_does_not_pay_leaves_the_knee_where_it_was():
     p = policy(max_num_seqs_limit=8)
     teach(p, wave_ms=lambda size: 40.0 + 7.0 * size if size <= 4 else 100.0 * size,
@@ -225,19 +276,60 @@ def test_never_waits_past_its_bound(gap_s):
     plan = p.plan_wait(key(), 3)
     assert plan.max_wait_ms <= MAX_WAIT_MS
     assert plan.stable_window_ms <= plan.max_wait_ms
+    p = policy(clock)
     teach(p)
+    arrive(p, clock, 3, gap_s)
     bound = p.wait_bound_ms(Shape.of(key()), 4)
-    assert p.plan_wait(key(), 3).max_wait_ms <= bound == tiny_sd_like(1)
+    assert p.plan_wait(key(), 3).max_wait_ms <= max(bound, TOGETHER_MAX_MS)
+    assert bound == tiny_sd_like(1)
 
 
-def test_a_lone_request_at_low_load_starts_at_once():
+def test_a_lone_request_at_low_load_waits_only_for_requests_sent_with_it():
+    clock = ManualClock(100.0)
+    p = policy(clock)
+    teach(p)
+    together = WaitPlan(target=p.capacity(key()), max_wait_ms=TOGETHER_MAX_MS,
+                        stable_window_ms=TOGETHER_MS)
+    arrive(p, clock, 1, 0.0)
+    assert p.plan_wait(key(), 1) == together  # nothing says more are coming
+    arrive(p, clock, 3, 0.4)  # requests 400 ms apart: waiting longer never pays
+    assert p.plan_wait(key(), 1) == together
+    assert TOGETHER_MS <= 3.0  # what a lone request may pay (the lone-request bar)
+
+
+def test_near_simultaneous_arrivals_at_an_idle_worker_share_a_wave():
+    """Four requests sent together, 1 ms apart, at an idle worker: the admission wait
+    gathers all four before the wave starts; a lone one starts after TOGETHER_MS."""
     clock = ManualClock(100.0)
     p = policy(clock)
     teach(p)
     arrive(p, clock, 1, 0.0)
-    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)  # nothing says more are coming
-    arrive(p, clock, 3, 0.4)  # requests 400 ms apart: waiting never pays
-    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)
+    plan = p.plan_wait(key(), 1)
+    waiting = [1]
+    arrivals = iter([0.001, 0.002, 0.003])  # the other three, 1 ms apart
+    next_at = [next(arrivals)]
+    start = clock.now
+
+    def wait_s(timeout_s: float) -> None:
+        # the engine's condition: wakes at the next arrival or after the timeout
+        due = start + next_at[0] if next_at[0] is not None else math.inf
+        if due <= clock.now + timeout_s:
+            clock.now = due
+            waiting[0] += 1
+            next_at[0] = next(arrivals, None)
+        else:
+            clock.now += timeout_s
+
+    wait = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
+    assert wait.should_wait(supports_request_batch=True, num_running=0)
+    reason = wait.wait(lambda: waiting[0], lambda: False, wait_s, clock)
+    assert waiting[0] == 4 and reason == "stable"
+    assert (clock.now - start) * 1000.0 == pytest.approx(3.0 + TOGETHER_MS)
+    lone = AdmissionWait(plan.max_wait_ms, plan.target, plan.stable_window_ms)
+    start = clock.now
+    assert lone.wait(lambda: 1, lambda: False, lambda t: setattr(clock, "now", clock.now + t),
+                     clock) == "stable"
+    assert (clock.now - start) * 1000.0 == pytest.approx(TOGETHER_MS)
 
 
 def test_no_wait_before_anything_is_learned():
@@ -257,7 +349,7 @@ def test_arrivals_before_serving_do_not_count():
     p.serving = True
     clock.now += 0.001
     p.observe_arrivals(1)
-    assert p.plan_wait(key(), 1) == WaitPlan.start_now(1)
+    assert p.plan_wait(key(), 1).max_wait_ms == TOGETHER_MAX_MS  # no rate: no longer wait
 
 
 def test_waves_teach_the_model_only_while_serving_and_only_clean_ones():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
+
 import pytest
 
 from diffbatch.config import EngineConfig
@@ -36,6 +40,14 @@ class SyntheticExecutor:
             free_memory_bytes=self.free_bytes,
         )
 
+    def submit_batch(self, wave, *, stall_after_s=None):
+        future = Future()
+        future.set_result(self.execute_batch(wave))
+        return future
+
+    def cancel(self, future):
+        pass
+
 
 def policy(**options) -> BatchPolicy:
     return BatchPolicy(EngineConfig.from_options(model="fake", **options), INFO,
@@ -51,7 +63,15 @@ def test_stops_where_doubling_stops_paying():
     assert sorted(report.forward_ms) == [1, 2, 4, 8, 16]
     assert p.cost.capacity(p.default_shape) == 8  # 8 -> 16 cut the cost per image < 5%
     runs = {b: executor.waves.count((b, 20)) for b in report.forward_ms}
-    assert runs == {1: 2, 2: 2, 4: 2, 8: 3, 16: 3}  # the last doubling was confirmed
+    # each size beside the one below it: 3 waves as the new size, 3 as the size below
+    assert runs == {1: 6, 2: 6, 4: 6, 8: 6, 16: 3}
+
+
+def test_sizes_alternate_so_no_size_is_measured_only_in_one_stretch():
+    executor = SyntheticExecutor(fixed_ms=0.5, per_image_ms=1.0)
+    calibrate(executor, INFO, policy(), budget_s=1000.0)
+    sizes = [b for b, _ in executor.waves[1:]]  # (after the one-step probe)
+    assert sizes[:9] == [1, 1, 1, 2, 1, 1, 2, 2, 1]
 
 
 def test_the_limit_and_memory_bound_the_sizes():
@@ -77,22 +97,67 @@ def test_a_slow_model_is_measured_at_fewer_steps_within_the_budget():
     assert p.cost.estimate_ms(p.default_shape, 1, 20) == pytest.approx(600.0 * 20)
 
 
-def test_the_confirming_waves_stay_within_the_budget():
-    # 20 steps of (0.5 + B) ms: waves of 1..16 take 30, 50, 90, 170, 330 ms; after the
-    # two waves of 16 (1341.5 ms spent with the probe) confirming 8 and 16 would take
-    # 500 ms more, past the 1.5 s budget: the ladder stops there unconfirmed.
-    p = policy()
+@pytest.mark.parametrize("budget_s", [0.2, 0.7, 1.5, 3.0])
+def test_no_wave_starts_that_would_end_past_the_budget(budget_s):
     executor = SyntheticExecutor(fixed_ms=0.5, per_image_ms=1.0)
-    report = calibrate(executor, INFO, p, budget_s=1.5)
-    assert report.steps == 20 and report.stop_reason == "budget"
-    assert executor.waves.count((16, 20)) == 2 and executor.waves.count((8, 20)) == 2
+    report = calibrate(executor, INFO, policy(), budget_s=budget_s)
     spent_ms = sum((0.5 + 1.0 * b) * s for b, s in executor.waves)
-    assert spent_ms <= 1500.0
-    assert p.cost.capacity(p.default_shape) == 8
+    assert spent_ms <= 1000.0 * budget_s
+    assert report.stop_reason in ("budget", "gain")
 
 
-def test_a_busy_moment_does_not_end_the_ladder():
-    """Both waves of size 2 hit a neighbour's burst of work; the re-measure does not."""
+def test_a_wave_running_at_the_deadline_is_cancelled():
+    """The budget is a bound, not a hint: a wave that runs on past it (a neighbour took
+    the CPUs) is cancelled, and calibration returns at the deadline."""
+
+    class Stalling(SyntheticExecutor):
+        def __init__(self):
+            super().__init__(fixed_ms=1.0, per_image_ms=1.0)
+            self.cancelled = threading.Event()
+
+        def submit_batch(self, wave, *, stall_after_s=None):
+            if len(self.waves) < 4:
+                return super().submit_batch(wave)
+            self.waves.append((wave.num_requests, 0))
+            future = Future()  # this one never ends on its own
+            threading.Thread(target=lambda: self.cancelled.wait(5.0) and future.set_result(
+                self.execute_batch(wave)), daemon=True).start()
+            return future
+
+        def cancel(self, future):
+            self.cancelled.set()
+
+    executor = Stalling()
+    start = time.monotonic()
+    report = calibrate(executor, INFO, policy(), budget_s=0.5)
+    assert executor.cancelled.is_set()
+    assert report.stop_reason == "budget"
+    assert time.monotonic() - start < 2.0  # the deadline, not the 5 s the wave would take
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.1])
+def test_one_bad_sample_at_two_does_not_move_the_capacity(factor):
+    """One wave of size 2 hit a neighbour's burst of work (or ran alone while the rest
+    shared the CPUs): the capacity is the one the clean curve gives."""
+
+    class OneBadSample(SyntheticExecutor):
+        def execute_batch(self, wave):
+            out = super().execute_batch(wave)
+            if wave.num_requests == 2 and self.waves.count((2, 20)) == 1:
+                out.forward_time_ms *= factor
+            return out
+
+    clean = policy()
+    calibrate(SyntheticExecutor(fixed_ms=0.5, per_image_ms=1.0), INFO, clean, budget_s=1000.0)
+    noisy = policy()
+    calibrate(OneBadSample(fixed_ms=0.5, per_image_ms=1.0), INFO, noisy, budget_s=1000.0)
+    assert noisy.cost.capacity(noisy.default_shape) == \
+        clean.cost.capacity(clean.default_shape) == 8
+
+
+def test_a_busy_stretch_does_not_end_the_ladder():
+    """Two of the three waves of size 2 hit a neighbour's burst of work: not evidence
+    that 2 costs more per image, so the ladder goes on."""
 
     class Spiky(SyntheticExecutor):
         def execute_batch(self, wave):

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from diffbatch.engine.cost_model import MIN_GAIN, WINDOW, Shape, WaveCostModel, interpolate, knee
+from diffbatch.engine.cost_model import (
+    MIN_GAIN,
+    WINDOW,
+    Shape,
+    WaveCostModel,
+    interpolate,
+    knee,
+    spread_at,
+)
 
 DEFAULT = Shape(64, 64, 1, True)
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -64,11 +72,46 @@ def test_interpolates_between_and_extrapolates_without_gain_beyond():
 # -- the model ---------------------------------------------------------------------
 
 
-def test_estimates_with_the_lower_quartile_so_slow_spikes_do_not_teach():
+def test_estimates_with_the_median_so_slow_spikes_do_not_teach():
     model = WaveCostModel(limit=64)
     for ms in (100.0, 101.0, 102.0, 900.0, 103.0, 950.0):
         model.observe(DEFAULT, 8, 4, ms)
-    assert model.estimate_ms(DEFAULT, 8, 4) == pytest.approx(101.0)
+    assert model.estimate_ms(DEFAULT, 8, 4) == pytest.approx(102.5)
+
+
+def observe_curve(model: WaveCostModel, wave_ms, repeats: int = 4, noise=lambda b, i: 1.0):
+    for i in range(repeats):
+        for size in SIZES:
+            model.observe(DEFAULT, size, 4, wave_ms(size) * noise(size, i))
+
+
+@pytest.mark.parametrize("factor", [12.0, 0.2])
+def test_one_bad_sample_at_two_does_not_move_the_knee(factor):
+    """On a saturating curve with a wave of size 2 slowed by a neighbour (or sped up
+    by running alone), the capacity is the clean curve's knee."""
+    curve = lambda b: 100.0 + 300.0 * b  # noqa: E731
+    clean, noisy = WaveCostModel(limit=64), WaveCostModel(limit=64)
+    observe_curve(clean, curve)
+    observe_curve(noisy, curve, noise=lambda b, i: factor if (b, i) == (2, 1) else 1.0)
+    assert noisy.capacity(DEFAULT, 4) == clean.capacity(DEFAULT, 4) == 16
+
+
+def test_a_doubling_within_the_spread_keeps_the_larger_wave():
+    """8 -> 16 cuts the median cost per image by less than MIN_GAIN, but the waves
+    vary by more than the gap: unsure, so the larger wave is kept."""
+    curve = lambda b: 100.0 + 300.0 * b  # noqa: E731 (its knee is 16 when exact)
+    noisy = WaveCostModel(limit=32)
+    observe_curve(noisy, curve, noise=lambda b, i: (0.8, 1.2, 0.9, 1.1)[i])
+    assert noisy.capacity(DEFAULT, 4) == 32
+    exact = WaveCostModel(limit=32)
+    observe_curve(exact, curve)
+    assert exact.capacity(DEFAULT, 4) == 16
+
+
+def test_spreads_between_measured_sizes_take_the_wider_neighbour():
+    assert spread_at({2: 0.1, 8: 0.3}, 4) == pytest.approx(0.3)
+    assert spread_at({2: 0.1}, 16) == pytest.approx(0.1)
+    assert spread_at({}, 4) == 0.0
 
 
 def test_keeps_only_the_last_window_of_observations():
@@ -110,7 +153,7 @@ def test_another_step_count_borrows_the_shape_of_the_known_curve():
 
 def test_a_new_shape_prices_a_request_as_default_requests_of_as_many_pixels():
     model = WaveCostModel(limit=64, default_shape=DEFAULT)
-    for size in SIZES:
+    for size in SIZES * 2:
         model.observe(DEFAULT, size, 4, 200.0 + 10.0 * size)
     big = Shape(128, 128, 1, True)  # one request counts as four of 64x64
     assert model.estimate_ms(big, 2, 4) == pytest.approx(model.estimate_ms(DEFAULT, 8, 4))

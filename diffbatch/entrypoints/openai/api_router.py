@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from diffbatch.engine.wave_log import DEFAULT_CAPACITY as MAX_WAVES
 from diffbatch.entrypoints.openai.errors import error_response, exception_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, MEDIA_TYPES
+from diffbatch.entrypoints.openai.middleware import INCOMING_STATE
 from diffbatch.entrypoints.openai.protocol import (
     ErrorResponse,
     HealthResponse,
@@ -134,6 +135,10 @@ async def _generate(request: ImageGenerationRequest, params: SamplingParams,
     """Hand a prepared image request to the engine and answer with its result: JSON, or
     `kind` events for a streamed request."""
     setattr(raw_request.state, SUBMITTED_STATE, True)
+    # the engine is told of it now (the add follows at once, with no await between)
+    release_incoming = getattr(raw_request.state, INCOMING_STATE, None)
+    if release_incoming is not None:
+        release_incoming()
     # NOTE: the engine's id is always the server's own: a client's `x-request-id` is
     # echoed and logged, never used as an engine id, or one client could make another's
     # request fail as "already active" by sending the same id.

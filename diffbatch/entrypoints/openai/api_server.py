@@ -57,6 +57,7 @@ from diffbatch.entrypoints.openai.middleware import (
     HeadAsGetMiddleware,
     HTTPMetrics,
     HTTPMetricsMiddleware,
+    IncomingRequestMiddleware,
     OverLimitMiddleware,
     RequestGuardMiddleware,
     RequestIdEchoMiddleware,
@@ -267,6 +268,10 @@ def build_app(
     )
     app.add_middleware(RequestIdEchoMiddleware)
     app.add_middleware(HeadAsGetMiddleware)
+    incoming = getattr(engine, "incoming_request", None)
+    if incoming is not None:  # outermost: announced before anything reads the body
+        app.add_middleware(IncomingRequestMiddleware, announce=incoming,
+                           routes=frozenset({IMAGES_ROUTE, EDITS_ROUTE}))
     return app
 
 

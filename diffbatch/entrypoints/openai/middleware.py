@@ -35,6 +35,9 @@ to `OVER_LIMIT_DRAIN_BYTES`, for up to `OVER_LIMIT_DRAIN_S`) before the connecti
 closes, as a lingering close does: a connection closed with an upload still unread is
 reset by the kernel, and a client still sending gets no answer at all.
 
+`IncomingRequestMiddleware` tells the engine an image request is on its way in, so
+requests sent together share a wave (see the class).
+
 `HeadAsGetMiddleware` answers `HEAD` like `GET` without the body (uvicorn leaves
 the body out of the answer to a `HEAD`), as Starlette's own routes do; FastAPI's
 routes alone answer it 405.
@@ -288,6 +291,34 @@ async def _drop_body(receive: Receive) -> None:
                 read += len(message.get("body", b""))
                 if not message.get("more_body"):
                     return
+
+
+INCOMING_STATE = "diffbatch_release_incoming"  # scope state: the announcement's release
+
+
+class IncomingRequestMiddleware:
+    """Announces each POST to an image route to the engine the moment it arrives
+    (`Engine.incoming_request`), before its body is read and parsed, so an idle
+    engine's admission wait gathers requests sent together even when the server is
+    slow to parse them. The route hands the request to the engine and releases the
+    announcement (the release is in the scope state, `INCOMING_STATE`); any other end
+    (a refusal, a disconnect) releases it here."""
+
+    def __init__(self, app: ASGIApp, announce: Callable[[], Callable[[], None]],
+                 routes: frozenset[str]) -> None:
+        self.app, self.announce, self.routes = app, announce, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["method"] != "POST"
+                or scope["path"] not in self.routes):
+            await self.app(scope, receive, send)
+            return
+        release = self.announce()
+        scope.setdefault("state", {})[INCOMING_STATE] = release
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release()
 
 
 class HeadAsGetMiddleware:

@@ -216,19 +216,26 @@ class OpenAIServingImages:
     def model_accepts(self) -> ModelAccepts:
         """What the model takes here (`GET /v1/models`): its sizes (square ones, the side
         doubling from the size multiple up to the largest allowed, and the default) and
-        the edits it runs."""
+        the edits it runs. "Allowed" is what a request at the default step count gets
+        through: the pixel caps and the work limit (`--max-request-work`) at those steps,
+        so a client offering these sizes never offers one the server then refuses."""
         rule, info = self.size_rule, self.engine.info
-        sides = {rule.largest_square} if rule.largest_square else set()
+        max_pixels = min(rule.max_pixels, self._work_pixels(info.default_num_inference_steps))
+        largest = largest_square(max_pixels, rule.multiple, rule.max_side)
+        sides = {largest} if largest else set()
         side = rule.multiple
-        while side <= rule.largest_square:
+        while side <= largest:
             sides.add(side)
             side *= 2
         width, height = rule.default_size
+        sizes = {f"{s}x{s}" for s in sides}
+        if width * height <= max_pixels:
+            sizes.add(f"{width}x{height}")
         return ModelAccepts(
             default_size=f"{width}x{height}",
-            sizes=sorted({*(f"{s}x{s}" for s in sides), f"{width}x{height}"},
+            sizes=sorted(sizes,
                          key=lambda size: int(size.split("x")[0]) * int(size.split("x")[1])),
-            size_multiple=rule.multiple, max_pixels=rule.max_pixels,
+            size_multiple=rule.multiple, max_pixels=max_pixels,
             default_steps=info.default_num_inference_steps,
             edits=[task for task in ("image-to-image", "inpaint") if info.supports_task(task)],
         )
@@ -277,14 +284,17 @@ class OpenAIServingImages:
         """The most pixels "auto" may give an edit: the pixel cap, and what the work limit
         leaves for its steps (below one size multiple squared, the engine refuses the
         request with the work limit's 400)."""
+        steps = request.num_inference_steps or self.engine.info.default_num_inference_steps
+        return min(self.size_rule.max_pixels, self._work_pixels(steps))
+
+    def _work_pixels(self, steps: int) -> int:
+        """The most pixels an image may have to run `steps` within the engine's work
+        limit (no limit: the pixel cap)."""
         limit = getattr(self.engine, "max_request_work", None)
         if limit is None:
             return self.size_rule.max_pixels
         info = self.engine.info
-        steps = request.num_inference_steps or info.default_num_inference_steps
-        return min(self.size_rule.max_pixels,
-                   request_work.max_pixels(limit, steps,
-                                           info.default_height * info.default_width))
+        return request_work.max_pixels(limit, steps, info.default_height * info.default_width)
 
     def _check_prompt_length(self, request: ImageGenerationRequest) -> None:
         """Refuse a prompt longer than the model's text encoder reads (a 400 naming the

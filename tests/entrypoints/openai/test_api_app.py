@@ -291,3 +291,21 @@ def test_the_default_served_name_is_the_model_argument_without_a_trailing_slash(
     assert served_name_of(engine, "/models/sd//") == "/models/sd"
     assert served_name_of(engine, "org/model") == "org/model"  # a hub id keeps its slash
     assert served_name_of(engine, None) == "from-config"
+
+
+async def test_models_offer_only_sizes_accepted_at_default_steps(engine: Engine) -> None:
+    """With no pixel cap of its own, the server's sizes are bounded by the work limit
+    at the model's default steps: each one offered is generated, and the next square
+    size above the largest offered is refused."""
+    async with app_client(engine, max_image_pixels=4096 * 4096) as client:
+        accepts = (await client.get("/v1/models")).json()["data"][0]["diffbatch"]
+        sides = [int(size.split("x")[0]) for size in accepts["sizes"]]
+        assert accepts["max_pixels"] < 4096 * 4096  # the work limit binds, not the cap
+        for size in accepts["sizes"]:
+            response = await client.post(ROUTE, json={"prompt": "a cat", "size": size})
+            assert response.status_code == 200, (size, response.text)
+        above = max(sides) + accepts["size_multiple"]
+        assert above * above > accepts["max_pixels"]
+        refused = await client.post(ROUTE, json={"prompt": "a cat",
+                                                 "size": f"{above}x{above}"})
+        assert_openai_error(refused, 400, "num_inference_steps")  # (1 step would fit)

@@ -164,6 +164,32 @@ def test_generate_shows_each_image_with_its_wave(page: Any, gated, tmp_path: Pat
     snap(page, "playground-generate", tmp_path)
 
 
+@pytest.fixture(scope="module")
+def defaults() -> Iterator[tuple[str, Engine]]:
+    """A server with no batching settings at all: capacity and wait are "auto"."""
+    from tests.fake_pipelines import FakeBatchPipeline
+
+    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc") as engine:
+        app = build_app(engine, served_model_name="fake", close_engine_on_shutdown=False)
+        with serve_in_thread(app) as url:
+            yield url, engine
+
+
+def test_requests_sent_at_once_share_a_wave_with_no_flags(page: Any, defaults) -> None:
+    """The page sends 4 requests at once to an idle server with the default settings:
+    nothing holds them back, and they run as one wave of 4 (the admission wait gathers
+    requests sent together)."""
+    url, engine = defaults
+    assert engine.config.max_num_seqs == "auto" == engine.config.request_batch_max_wait_ms
+    open_playground(page, url)
+    page.fill("#prompt", "four at once")
+    page.fill("#requests", "4")
+    page.click("#submit")
+    expect(page.locator(FINAL)).to_have_count(4)
+    cards = page.locator(".card")
+    assert [cards.nth(i).get_attribute("data-wave-size") for i in range(4)] == ["4"] * 4
+
+
 def test_an_edit_round_trip_paints_only_where_the_mask_is(page: Any, gated,
                                                           tmp_path: Path) -> None:
     url, _, gate = gated
