@@ -22,11 +22,9 @@ from diffbatch.errors import InvalidRequestError, ModelNotFoundError
 if TYPE_CHECKING:
     from diffbatch.pipelines.interface import BasePipeline
     from diffbatch.request import DiffusionRequest
+    from diffbatch.sampling_params import LoraStack
 
 logger = logging.getLogger(__name__)
-
-# A request's adapters as loaded names with their scales, in its stack's order.
-NamedStack = tuple[tuple[str, float], ...]
 
 
 class LoraLoadError(InvalidRequestError):
@@ -59,8 +57,9 @@ class LoraResidency:
         return [path for path, _ in request.sampling_params.lora_stack]
 
     @staticmethod
-    def stack_names(request: DiffusionRequest) -> NamedStack:
-        """A request's stack with each adapter path replaced by its loaded name."""
+    def stack_names(request: DiffusionRequest) -> LoraStack:
+        """A request's stack with each adapter path replaced by its loaded name (the
+        scales and the stack's order kept)."""
         return tuple((adapter_name(path), float(scale))
                      for path, scale in request.sampling_params.lora_stack)
 
