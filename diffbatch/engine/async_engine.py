@@ -38,7 +38,7 @@ from diffbatch.engine.core import EngineCore
 from diffbatch.engine.lora_registry import LoraRegistry
 from diffbatch.engine.partial_images import PartialImageRouter
 from diffbatch.engine.request_checks import check_against_model, check_task
-from diffbatch.engine.step_core import StepDispatch
+from diffbatch.engine.step_dispatch import StepDispatch
 from diffbatch.engine.wave_dispatch import WaveDispatch
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (

@@ -267,7 +267,7 @@ class StepRunner:
         self._settle(task)
 
     def _task_main(self, task: _Task) -> DiffusionOutput:
-        """A request's whole pipeline call (runs in its greenlet)."""
+        """A request's whole pipeline call (runs as its coordinator task)."""
         request = task.request
         send = None if self._send_partial is None else \
             functools.partial(self._send_partial, task.call_id)
