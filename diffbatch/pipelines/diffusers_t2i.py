@@ -263,8 +263,8 @@ class DiffusersT2IPipeline(BasePipeline):
         kwargs = {**self.call_kwargs(batch),
                   **step_callbacks(batch, pipe, previews, interrupt=interrupt)}
         plan = None if not batch.lora_stacks or not any(batch.lora_stacks) else RowPlan(
-            tuple(batch.lora_stacks), n, cfg_copies(call_parameters(pipe),
-                                                    kwargs.get("guidance_scale")))
+            tuple(batch.request_ids), tuple(batch.lora_stacks), n,
+            cfg_copies(call_parameters(pipe), kwargs.get("guidance_scale")))
         with previews.capturing() if previews is not None else contextlib.nullcontext(), \
                 pinned_device(), row_plan(plan):
             images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]

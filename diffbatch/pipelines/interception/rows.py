@@ -1,8 +1,8 @@
 """Which request, and which LoRA stack, each row of a module call belongs to.
 
 diffbatch never infers a call's row layout from tensor shapes. The pipeline adapter
-states it for each diffusers call it makes (`RowPlan`: the call's requests' stacks,
-their n images each, and how many copies of the image rows the denoiser gets: 2 when
+states it for each diffusers call it makes (`RowPlan`: the call's requests and their
+stacks, their n images each, and how many copies of the image rows the denoiser gets: 2 when
 the pipeline runs CFG's negative and positive halves as one batch), for the length
 of the call (`row_plan`). A root module (the denoiser, a text encoder; `track_rows`)
 called within takes its rows from the plan for the length of its forward, checking
@@ -33,9 +33,12 @@ RowLayout = Literal["prompts", "images"]
 
 @dataclass(frozen=True, eq=False)
 class CallRows:
-    """The per-row data of one module call: each row's LoRA stack."""
+    """The per-row data of one module call: each row's request and LoRA stack."""
 
     stacks: tuple[LoraStack, ...]
+    # each row's request id; None where the call's layout did not say (one stack
+    # fitted to an unplanned batch of several requests)
+    requests: tuple[str, ...] | None = None
     # what the hooks derive from the rows (e.g. LoRA slot tensors), kept with them
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -47,50 +50,56 @@ class CallRows:
         if len(parts) == 1:
             return parts[0][0]
         stacks: list[LoraStack] = []
+        requests: list[str] | None = []
         for rows, size in parts:
-            if rows is None:
-                stacks.extend([()] * size)
-            elif len(rows.stacks) != size:
+            if rows is not None and len(rows.stacks) != size:
                 raise RuntimeError(f"a module call of {size} rows carries rows for "
                                    f"{len(rows.stacks)}")
+            stacks.extend([()] * size if rows is None else rows.stacks)
+            if requests is not None and rows is not None and rows.requests is not None:
+                requests.extend(rows.requests)
             else:
-                stacks.extend(rows.stacks)
-        return CallRows(tuple(stacks))
+                requests = None
+        return CallRows(tuple(stacks), None if requests is None else tuple(requests))
 
 
 @dataclass(eq=False)
 class RowPlan:
     """The row layout of one diffusers call, as the pipeline adapter makes it."""
 
-    stacks: tuple[LoraStack, ...]  # one per request, in the call's order
+    requests: tuple[str, ...]  # the call's request ids, in its order
+    stacks: tuple[LoraStack, ...]  # each request's LoRA stack
     num_outputs_per_prompt: int
     cfg_copies: int  # copies of the image rows in one denoiser call (2: batched CFG)
     _made: dict[tuple[str, int], CallRows] = field(default_factory=dict, repr=False)
 
-    def rows(self, layout: RowLayout, num_rows: int, root: str) -> CallRows | None:
-        """The rows of a `root` call of `num_rows` rows; None when no row has adapters.
+    def rows(self, layout: RowLayout, num_rows: int, root: str) -> CallRows:
+        """The rows of a `root` call of `num_rows` rows.
 
-        Raises when the batch is not the one the plan states (and the requests'
-        stacks differ, so a wrong layout would give a request another's adapters).
+        Raises when the batch is not the one the plan states and the requests' stacks
+        differ (a wrong layout would give a request another's adapters); with one
+        stack for all, the rows get it whatever the layout (their requests are known
+        only for a call of one request).
         """
-        if not any(self.stacks):
-            return None
         made = self._made.get((layout, num_rows))
         if made is not None:
             return made
-        if layout == "prompts":
-            planned = list(self.stacks)
+        copies = 1 if layout == "prompts" else self.num_outputs_per_prompt
+        order = [i for i in range(len(self.requests)) for _ in range(copies)]
+        if layout == "images":
+            order *= self.cfg_copies
+        if num_rows == len(order):
+            made = CallRows(tuple(self.stacks[i] for i in order),
+                            tuple(self.requests[i] for i in order))
+        elif len(set(self.stacks)) == 1:
+            one = self.requests * num_rows if len(self.requests) == 1 else None
+            made = CallRows((self.stacks[0],) * num_rows, one)
         else:
-            n = self.num_outputs_per_prompt
-            planned = [s for s in self.stacks for _ in range(n)] * self.cfg_copies
-        if num_rows == len(planned):
-            made = CallRows(tuple(planned))
-        elif len(set(self.stacks)) == 1:  # every row has the same stack, whatever the layout
-            made = CallRows((self.stacks[0],) * num_rows)
-        else:
+            planned = len(order)
+
             raise RuntimeError(
                 f"{root} got a batch of {num_rows} rows where the call's row plan states "
-                f"{len(planned)} ({len(self.stacks)} requests, {self.num_outputs_per_prompt} "
+                f"{planned} ({len(self.stacks)} requests, {self.num_outputs_per_prompt} "
                 f"images each, {self.cfg_copies} CFG copies): this pipeline's batch layout "
                 "differs from the plan, so its requests cannot carry different adapters")
         self._made[(layout, num_rows)] = made
