@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
-from diffbatch.pipelines.packed_tokens import TokenPacker
+from diffbatch.pipelines.interception import FusionPoint, ModuleCall
+from diffbatch.pipelines.interception.packed_tokens import TokenPacker
 from diffbatch.pipelines.registry import resolve_model_path
-from diffbatch.pipelines.step_fusion import FusionPoint, ModuleCall
 
 MIXES = {  # name -> sizes, one entry per request
     "64+128": (64, 128),

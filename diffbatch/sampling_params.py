@@ -392,7 +392,7 @@ class SamplingParamsKey:
     num_outputs_per_prompt: int
     output_type: str
     # NOTE: no LoRA field: each sample of a wave carries its own adapter stack into
-    # the one forward (`diffbatch.pipelines.lora_mixing`).
+    # the one forward (`diffbatch.pipelines.interception.lora_mixing`).
     extra: tuple[tuple[str, Any], ...]  # frozen, sorted model-specific kwargs
     # Requests of any size share a wave (mixed resolution: the pipeline packs them).
     any_size: bool = False

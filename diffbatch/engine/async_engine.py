@@ -42,7 +42,7 @@ from diffbatch.engine.request_checks import (
     check_task,
     resolve_num_frames,
 )
-from diffbatch.engine.step_core import StepDispatch
+from diffbatch.engine.step_dispatch import StepDispatch
 from diffbatch.engine.wave_dispatch import WaveDispatch
 from diffbatch.engine.wave_log import WaveLog
 from diffbatch.errors import (

@@ -6,7 +6,7 @@ decides what a dispatch is: when the next wave may go and how big it is, how it 
 handed to the executor, and what its finished record means. Two implement it:
 `WaveDispatch` (request mode: one fused forward per wave,
 `diffbatch.engine.wave_dispatch`) and `StepDispatch` (step mode: requests join and
-leave a running batch in the worker, `diffbatch.engine.step_core`).
+leave a running batch in the worker, `diffbatch.engine.step_dispatch`).
 
 A dispatch uses only the core's public surface (`EngineCore` lists it).
 """

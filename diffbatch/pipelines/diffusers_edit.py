@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.pipelines.execution_device import pin_execution_device
+from diffbatch.pipelines.interception.execution_device import pin_execution_device
 
 if TYPE_CHECKING:
     from diffbatch.pipelines.interface import DiffusionRequestBatch

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffbatch.pipelines.diffusers_edit import call_parameters
+
 if TYPE_CHECKING:
     from diffbatch.pipelines.interface import DiffusionRequestBatch
     from diffbatch.pipelines.partial_images import PartialImagePlan
@@ -181,3 +183,37 @@ def _warn_once(scheduler: Any) -> None:
         _warned.add(name)
         logger.info("%s reports no predicted clean sample and its parameterisation is not "
                     "known here: its waves stream no partial images", name)
+
+
+def step_callbacks(batch: DiffusionRequestBatch, pipe: Any,
+                   previews: DiffusersPreviews | None, *, interrupt: bool = True,
+                   ) -> dict[str, Any]:
+    """The diffusers call's per-step callback: it stops the diffusers loop once nobody
+    waits for the wave (with `interrupt`), and sends the partial images owed after the step
+    (`diffusers_previews.py`); none when it has neither to do.
+
+    NOTE: the hook raises `WaveInterrupted` rather than setting the pipeline's
+    `_interrupt` flag: with the flag, diffusers skips the remaining steps but still
+    decodes the latents and returns images nobody wants; raising stops at once, and
+    the runner turns it into aborted outputs (never a bisected error).
+    """
+    def after_step(step: int) -> None:  # `step`: 0-based, as diffusers counts
+        if interrupt:
+            batch.check_interrupt()
+        if previews is not None:
+            previews.after_step(step + 1)
+
+    if not interrupt and previews is None:
+        return {}
+    call_params = call_parameters(pipe)
+    if "callback_on_step_end" in call_params:
+        def on_step_end(pipe: Any, step: int, timestep: Any,
+                        callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            after_step(step)
+            return callback_kwargs
+
+        return {"callback_on_step_end": on_step_end}
+    if "callback" in call_params and "callback_steps" in call_params:
+        # the older per-step hook (PixArt-Sigma): callback(step, timestep, latents)
+        return {"callback": lambda step, *_: after_step(step), "callback_steps": 1}
+    return {}

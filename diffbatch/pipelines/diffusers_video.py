@@ -32,9 +32,9 @@ import torch
 from diffbatch.errors import ModelLoadError
 from diffbatch.outputs import DiffusionOutput, PartialImage
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.interception.scheduler_fusion import wrap_scheduler
 from diffbatch.pipelines.interface import DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.schedule_limits import schedulable_steps
-from diffbatch.pipelines.scheduler_fusion import wrap_scheduler
 
 # diffusers text-to-video classes served by this adapter (tested with `tiny-wan` and
 # `tiny-ltx`).

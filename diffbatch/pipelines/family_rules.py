@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # CogView4 pads GLM token ids to a multiple of this, on the left, without a mask.
 _GLM_PAD_MULTIPLE = 16
@@ -215,3 +218,23 @@ def encoding_depends_on_batch(pipe: Any) -> bool | None:
     n = a.shape[0]
     return not (torch.allclose(a, b[:n], atol=1e-4, rtol=1e-3)
                 or torch.allclose(a, b[-n:], atol=1e-4, rtol=1e-3))
+
+
+def prompt_padding(pipe: Any, max_length: int) -> dict[str, Any]:
+    """`PipelineInfo.prompt_pad_*` of a pipeline whose text encoder pads without a
+    mask: a known family's multiple (CogView4: 16), else, where encoding a short prompt
+    beside a long one changes it (the start-up check), its exact token count."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    folder = getattr(tokenizer, "name_or_path", None)
+    multiple = prompt_pad_multiple(pipe)
+    if multiple is None and encoding_depends_on_batch(pipe):
+        logger.warning(
+            "%s: a prompt's text embedding depends on the other prompts encoded with "
+            "it (padding without a mask); %s", type(pipe).__name__,
+            "requests are keyed by their prompts' token counts" if folder
+            else "its tokenizer has no folder, so waves may mix prompt lengths")
+        multiple = 1
+    if multiple is None or not isinstance(folder, str) or not folder:
+        return {}
+    return {"prompt_pad_multiple": multiple, "prompt_pad_tokenizer": folder,
+            "prompt_pad_max_length": max_length}

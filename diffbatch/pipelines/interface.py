@@ -30,7 +30,6 @@ methods) and are passed to the engine as a class or a dotted name.
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,9 +42,9 @@ if TYPE_CHECKING:
     import torch
 
     from diffbatch.outputs import DiffusionOutput, PartialImage
-    from diffbatch.pipelines.step_fusion import FusionPoint
+    from diffbatch.pipelines.interception import FusionPoint
     from diffbatch.request import DiffusionRequest
-    from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+    from diffbatch.sampling_params import LoraStack, SamplingParams, SamplingParamsKey
 
 
 @dataclass
@@ -64,6 +63,9 @@ class DiffusionRequestBatch:
     should_stop: Callable[[], bool] = field(default=lambda: False, repr=False)
     # Where the wave's partial images go while it runs (the runner's); None: nowhere
     on_partial_image: Callable[[PartialImage], None] | None = field(default=None, repr=False)
+    # Each request's resident LoRA adapters as (name, scale) pairs, in request order;
+    # None: not given with the batch (`BasePipeline.set_lora_wave` may give them)
+    lora_stacks: list[LoraStack] | None = None
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -271,11 +273,11 @@ class BasePipeline(ABC):
         A pipeline with `supports_step_execution = True` returns its heavy module
         methods here, the denoiser's as kind "step" (one fused call of it is one
         tick) and those run when a request joins or leaves (text encoders, VAE
-        decode) as "boundary"; see `diffbatch.pipelines.step_fusion`. Called once,
+        decode) as "boundary"; see `diffbatch.pipelines.interception`. Called once,
         when the worker starts in step mode; from then on `forward` is called with
-        batches of one request, many of them interleaved (each in its own greenlet,
-        switching at the fused calls), so a call must keep its per-request state
-        (scheduler, timesteps, latents) to itself.
+        batches of one request, many of them interleaved (each a task of the
+        interception layer's coordinator, switching at the fused calls), so a call
+        must keep its per-request state (scheduler, timesteps, latents) to itself.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement step execution")
 
@@ -288,20 +290,13 @@ class BasePipeline(ABC):
     def unload_lora(self, name: str) -> None:  # noqa: B027 - nothing to unload by default
         """Take adapter `name` out of the model; unknown names are ignored."""
 
-    def set_lora_wave(self, stacks: list[tuple[tuple[str, float], ...]] | None,
+    def set_lora_wave(self, stacks: list[LoraStack] | None,
                       num_outputs_per_prompt: int) -> None:
         """Per-sample adapters of the next forward: each request's stack of loaded
-        adapter (name, scale) pairs, in wave order; None or all () runs the base model."""
+        adapter (name, scale) pairs, in wave order; None or all () runs the base model.
+        (The runner also hands them with the batch: `DiffusionRequestBatch.lora_stacks`.)"""
         if stacks and any(stacks):
             raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
-
-    def lora_rows(self, calls: list[tuple[tuple[tuple[str, float], ...], int]]
-                  ) -> contextlib.AbstractContextManager[None]:
-        """Step mode: module calls fused within the scope hold, in order, each request's
-        (stack, number of rows)."""
-        if any(stack for stack, _ in calls):
-            raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
-        return contextlib.nullcontext()
 
     def refresh_cache(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Called once per wave before `forward`; pipelines with step caches reset them."""

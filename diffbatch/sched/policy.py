@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diffbatch.sched.grouped import GroupedScheduler
-from diffbatch.sched.scheduler import Scheduler
+from diffbatch.sched.scheduler import FifoScheduler
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
@@ -32,5 +32,5 @@ def make_scheduler(
             clock=clock,
             capacity_of=capacity_of,
         )
-    return Scheduler(config.capacity_limit, capacity_of,
+    return FifoScheduler(config.capacity_limit, capacity_of,
                      max_wave_pixels=config.max_wave_pixels)

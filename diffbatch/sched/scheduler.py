@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerBase):
+class FifoScheduler(SchedulerBase):
     """FIFO scheduler with waves of equal-key requests up to `max_num_seqs`."""
 
     def __init__(self, max_num_seqs: int, capacity_of: WaveCapacity | None = None, *,
@@ -112,4 +112,4 @@ class Scheduler(SchedulerBase):
         return False
 
 
-__all__ = ["Scheduler"]
+__all__ = ["FifoScheduler"]

@@ -37,11 +37,9 @@ from diffbatch.worker.lora_files import AdapterWeights, LoraFileError, LoraFileR
 if TYPE_CHECKING:
     from diffbatch.pipelines.interface import BasePipeline
     from diffbatch.request import DiffusionRequest
+    from diffbatch.sampling_params import LoraStack
 
 logger = logging.getLogger(__name__)
-
-# A request's adapters as loaded names with their scales, in its stack's order.
-NamedStack = tuple[tuple[str, float], ...]
 
 
 class LoraLoadError(InvalidRequestError):
@@ -78,8 +76,9 @@ class LoraResidency:
         return [key for key, _ in request.sampling_params.lora_stack]
 
     @staticmethod
-    def stack_names(request: DiffusionRequest) -> NamedStack:
-        """A request's stack with each adapter key replaced by its loaded name."""
+    def stack_names(request: DiffusionRequest) -> LoraStack:
+        """A request's stack with each adapter key replaced by its loaded name (the
+        scales and the stack's order kept)."""
         return tuple((adapter_name(key), float(scale))
                      for key, scale in request.sampling_params.lora_stack)
 

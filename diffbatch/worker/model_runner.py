@@ -324,29 +324,31 @@ class ModelRunner:
     def run_forward(
         self, requests: list[DiffusionRequest], *, should_stop: Callable[[], bool],
         on_partial_image: Callable[[PartialImage], None] | None = None,
-        lora_wave: bool = True,
+        set_lora_wave: bool = True,
     ) -> list[DiffusionOutput]:
         """One pipeline forward over `requests` (a wave, or step mode's single request)
         and the per-request mapping of its outputs; raises what the forward raises.
-        The requests' adapters are resident (`_run_wave`); with `lora_wave` the pipeline
-        is handed their stacks (step mode sets each fused call's rows itself)."""
+        The requests' adapters are resident (`_run_wave`); the batch carries their
+        stacks, and with `set_lora_wave` the pipeline is also handed them the older
+        way (step mode's interleaved calls leave that pipeline-wide state alone)."""
         # 1. Per-request set-up: generators from each request's own seed.
         generators = make_generators(requests, self._info.device)
+        stacks = [self.loras.stack_names(r) for r in requests]
         batch = DiffusionRequestBatch(requests=requests, generators=generators,
                                       should_stop=should_stop,
-                                      on_partial_image=on_partial_image)
+                                      on_partial_image=on_partial_image,
+                                      lora_stacks=stacks)
         # 2. Once per wave: cache refresh and each request's adapter stack.
         self.pipeline.refresh_cache()
-        if lora_wave:
-            self.pipeline.set_lora_wave([self.loras.stack_names(r) for r in requests],
-                                        batch.num_outputs_per_prompt)
+        if set_lora_wave:
+            self.pipeline.set_lora_wave(stacks, batch.num_outputs_per_prompt)
         # 3. One forward for the whole wave, checked against the contract.
         self._num_forwards += 1
         try:
             with torch.inference_mode():
                 outputs = self.pipeline.forward(batch)
         finally:
-            if lora_wave:  # the stacks name adapters that may be evicted after the wave
+            if set_lora_wave:  # the stacks name adapters that may be evicted after the wave
                 self.pipeline.set_lora_wave(None, 1)
         check_outputs(self._info.name, batch, outputs)
         # 4. Per-request output mapping.

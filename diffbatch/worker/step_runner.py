@@ -2,8 +2,9 @@
 
 `StepRunner` sits beside the `ModelRunner` (whose pipeline, LoRA handling and output
 conversion it uses) and owns the worker's running batch. Each request runs its own
-pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
-`tick()` advances the whole batch by one denoising step:
+pipeline call as a task of the interception layer's coordinator
+(`diffbatch.pipelines.interception`), and `tick()` advances the whole batch by one
+denoising step:
 
 1. admit: joined requests enter while there is room (`capacity`, in capacity units:
    requests, or under a size-free key pixels at the model's default size, as the
@@ -18,7 +19,7 @@ pipeline call in a `TaskGreenlet` (see `diffbatch.pipelines.step_fusion`), and
 2. boundary: the calls joiners make before their first step (text encoders) run,
    fused across the joiners, until every request waits at the denoiser;
 3. step: ONE fused denoiser call for every running request, each at its own timestep
-   and with its own LoRA stack (each fused call's rows: `pipeline.lora_rows`);
+   and with its own LoRA stack (each request's call carries its rows);
 4. boundary again: requests past their last step decode, fused across the leavers,
    and leave at once (returned by `tick()`); their slots are free for the next tick.
 
@@ -26,7 +27,7 @@ A request that asks for partial images gets them as in request mode, from its ow
 pipeline call (the preview's VAE decode is a boundary call, fused like the others),
 handed to `send_partial_images_to`'s callback with the request's call id.
 
-`cancel(call_id)` takes a request out at the next step boundary (its greenlet is
+`cancel(call_id)` takes a request out at the next step boundary (its task is
 unwound with `WaveInterrupted`, so its compute stops). A module call that raises is
 bisected by `run_fused`: only the request whose own call raises errors, its mates go
 on from the same step.
@@ -39,8 +40,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ import torch
 from diffbatch.capacity_units import batch_units, may_take
 from diffbatch.errors import ConfigError, InvalidRequestError, WaveInterrupted
 from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
-from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, install, run_fused
+from diffbatch.pipelines.interception import Coordinator, Task, install
 from diffbatch.worker.model_runner import partial_image_sender
 
 if TYPE_CHECKING:
@@ -68,8 +68,7 @@ class _Task:
     key: SamplingParamsKey | None
     group: int | None = None  # an isolated join's first call id; None: ordinary traffic
     joined: float = field(default_factory=time.perf_counter)
-    greenlet: TaskGreenlet | None = None
-    pending: ModuleCall | None = None
+    call: Task | None = None  # its pipeline call, once started
     output: DiffusionOutput | None = None
     max_batch: int = 1  # the largest denoiser batch this request was part of
     pinned: list[str] = field(default_factory=list)  # adapter paths it holds resident
@@ -77,6 +76,11 @@ class _Task:
     @property
     def done(self) -> bool:
         return self.output is not None
+
+    @property
+    def pending(self) -> Any:
+        """The module call its pipeline call waits on (None: not started, or done)."""
+        return None if self.call is None else self.call.pending
 
 
 def _never() -> bool:
@@ -98,6 +102,7 @@ class StepRunner:
         self.runner = runner
         self.pipeline = pipeline
         install(pipeline.step_fusion_points())
+        self._coordinator = Coordinator()
         self.ready: deque[_Task] = deque()  # joined, not admitted yet
         self.running: list[_Task] = []
         self.capacity = 1
@@ -258,18 +263,18 @@ class StepRunner:
         task.pinned = []
 
     def _start(self, task: _Task) -> None:
-        task.greenlet = TaskGreenlet(self._task_main)
-        self._advance(task, task.greenlet.switch, task)
+        task.call = self._coordinator.start(functools.partial(self._task_main, task))
+        self._settle(task)
 
     def _task_main(self, task: _Task) -> DiffusionOutput:
-        """A request's whole pipeline call (runs in its greenlet)."""
+        """A request's whole pipeline call (runs as its coordinator task)."""
         request = task.request
         send = None if self._send_partial is None else \
             functools.partial(self._send_partial, task.call_id)
         try:
-            # its adapters are resident (`_admit`); each fused call sets its rows (`_resolve`)
+            # its adapters are resident (`_admit`); its calls carry its stack's rows
             return self.runner.run_forward(
-                [request], should_stop=_never, lora_wave=False,
+                [request], should_stop=_never, set_lora_wave=False,
                 on_partial_image=partial_image_sender(send, [request]))[0]
         except WaveInterrupted:
             return DiffusionOutput.make_aborted(request.request_id)
@@ -278,15 +283,11 @@ class StepRunner:
                            type(exc).__name__, exc)
             return DiffusionOutput.from_error(request.request_id, exc)
 
-    def _advance(self, task: _Task, resume: Any, value: Any) -> None:
-        """Resume a task's greenlet (switch or throw) until its next module call or end."""
-        result = resume(value)
-        assert task.greenlet is not None
-        if task.greenlet.dead:
-            task.pending = None
-            task.output = result
-        else:
-            task.pending = result
+    @staticmethod
+    def _settle(task: _Task) -> None:
+        """Take a task's output once its call is done."""
+        if task.call is not None and task.call.done:
+            task.output = task.call.result
 
     def _run_boundaries(self) -> None:
         """Run the boundary calls (encoders, decoders), fused per point, until every
@@ -301,32 +302,11 @@ class StepRunner:
     def _resolve(self, tasks: list[_Task], module_ms: list[float] | None = None) -> None:
         """Run the tasks' pending calls, fused per fusion point, and resume each
         (`module_ms` gets the module calls' wall times)."""
-        groups: dict[int, list[_Task]] = {}
+        self._coordinator.resolve([t.call for t in tasks if t.call is not None], module_ms)
         for task in tasks:
-            assert task.pending is not None
-            groups.setdefault(id(task.pending.point), []).append(task)
-        stacks = {id(t.pending): self.runner.loras.stack_names(t.request) for t in tasks}
-
-        def lora_rows(calls: Sequence[ModuleCall]) -> AbstractContextManager[Any]:
-            return self.pipeline.lora_rows([(stacks[id(c)], c.batch_size) for c in calls])
-
-        for group in groups.values():
-            results = run_fused([t.pending for t in group], module_ms,  # type: ignore[misc]
-                                lora_rows)
-            for task, (ok, value) in zip(group, results, strict=True):
-                assert task.greenlet is not None
-                if ok:
-                    self._advance(task, task.greenlet.switch, value)
-                else:
-                    self._advance(task, task.greenlet.throw, value)
+            self._settle(task)
 
     def _unwind(self, task: _Task) -> None:
         """Stop a running task's pipeline call (its `finally` blocks run)."""
-        if task.greenlet is not None and not task.greenlet.dead:
-            try:
-                task.greenlet.throw(WaveInterrupted("request cancelled"))
-            except WaveInterrupted:
-                pass
-            except Exception:  # a pipeline that turned the interrupt into something else
-                logger.debug("request %s raised while being cancelled",
-                             task.request.request_id, exc_info=True)
+        if task.call is not None:
+            self._coordinator.unwind(task.call, "request cancelled")

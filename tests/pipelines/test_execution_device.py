@@ -10,7 +10,10 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from diffbatch.pipelines.execution_device import pin_execution_device
+from diffbatch.pipelines.interception.execution_device import (
+    pin_execution_device,
+    pinned_device,
+)
 from tests.pipelines.conftest import make_batch, make_request
 
 
@@ -34,10 +37,12 @@ def counted_walks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def test_a_wave_runs_without_walking_the_modules(load_tiny, counted_walks, name) -> None:
     pipeline = load_tiny(name)
     counted_walks.clear()  # loading it computed the device once
-    assert pipeline.pipe._execution_device == torch.device("cpu")
-    # also each edit pipeline built from it, and step mode's per-request copies
-    for pipe in [*pipeline.task_pipes.values(), copy.copy(pipeline.pipe)]:
-        assert pipe._execution_device == torch.device("cpu")
+    with pinned_device():  # as within a pipeline call
+        assert pipeline.pipe._execution_device == torch.device("cpu")
+        # also each edit pipeline built from it, and step mode's per-request copies
+        for pipe in [*pipeline.task_pipes.values(), copy.copy(pipeline.pipe)]:
+            assert pipe._execution_device == torch.device("cpu")
+    assert counted_walks == []
     request = make_request(pipeline, "r", "a red cat", seed=1)
     [output] = pipeline.forward(make_batch([request]))
     assert output.error is None and output.images is not None
@@ -45,17 +50,25 @@ def test_a_wave_runs_without_walking_the_modules(load_tiny, counted_walks, name)
 
 
 def test_an_unpinned_pipeline_computes_as_diffusers_does(load_tiny, counted_walks) -> None:
-    """Pinning one pipeline leaves every other pipeline of the process as it was."""
+    """Pinning one pipeline leaves every other pipeline of the process as it was, and
+    outside pipeline calls the class is diffusers' own."""
+    original = DiffusionPipeline.__dict__["_execution_device"]
     pinned = load_tiny("tiny-sd").pipe
     other = copy.copy(pinned)
     other.__dict__.pop("_diffbatch_execution_device")
-    counted_walks.clear()
-    assert other._execution_device == torch.device("cpu")
-    assert counted_walks, "an unpinned pipeline looks for offloading hooks, as in diffusers"
+    with pinned_device():
+        counted_walks.clear()
+        assert other._execution_device == torch.device("cpu")
+        assert counted_walks, "an unpinned pipeline looks for offloading hooks, as in diffusers"
+        counted_walks.clear()
+        with pinned_device():  # calls nest and interleave (step mode)
+            assert pinned._execution_device == torch.device("cpu")
+        assert pinned._execution_device == torch.device("cpu")
+        assert counted_walks == []
+    assert DiffusionPipeline.__dict__["_execution_device"] is original
     counted_walks.clear()
     assert pinned._execution_device == torch.device("cpu")
-    assert counted_walks == []
-    assert isinstance(DiffusionPipeline.__dict__["_execution_device"], property)
+    assert counted_walks, "outside a call, every pipeline computes as in diffusers"
 
 
 def test_objects_that_are_not_diffusers_pipelines_are_left_alone() -> None:

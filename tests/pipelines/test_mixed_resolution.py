@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from diffbatch.config import EngineConfig
-from diffbatch.pipelines import packed_tokens
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
+from diffbatch.pipelines.interception import packed_tokens
 from diffbatch.pipelines.registry import load_pipeline
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParamsKey

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
-from diffbatch.pipelines.per_sample_guidance import PerSampleGuidance
+from diffbatch.pipelines.interception import PerSampleGuidance
 from diffbatch.request import DiffusionRequest
 from diffbatch.sampling_params import SamplingParamsKey
 from tests.pipelines.conftest import TINY_NAMES, TOLERANCE, make_batch, make_request

@@ -19,12 +19,12 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
 )
 
-from diffbatch.pipelines.scheduler_fusion import (
+from diffbatch.pipelines.interception import Coordinator, ModuleCall, Unfusable, run_fused
+from diffbatch.pipelines.interception.scheduler_fusion import (
     fused_scheduler_step,
     scheduler_point,
     wrap_scheduler,
 )
-from diffbatch.pipelines.step_fusion import ModuleCall, TaskGreenlet, Unfusable, run_fused
 
 STEP_COUNTS = [4, 8, 20, 3]  # one scheduler per request, each at its own step
 
@@ -151,7 +151,7 @@ def test_a_wrapped_scheduler_hands_its_step_to_the_coordinator_only_in_a_request
     args = (torch.randn(1, 4, 8, 8), scheduler.timesteps[0], torch.randn(1, 4, 8, 8))
     direct = scheduler.step(*args, return_dict=False)  # outside a request: runs
     assert isinstance(direct, tuple)
-    handed = TaskGreenlet(lambda: scheduler.step(*args, return_dict=False)).switch()
+    handed = Coordinator().start(lambda: scheduler.step(*args, return_dict=False)).pending
     assert isinstance(handed, ModuleCall) and handed.point is point
     assert handed.run(*handed.args, **handed.kwargs)[0].equal(direct[0])
     assert DDIMScheduler().step is not scheduler.step  # the class is untouched

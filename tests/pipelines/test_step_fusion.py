@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from diffbatch.pipelines.step_fusion import (
+from diffbatch.pipelines.interception import (
     FusionPoint,
     ModuleCall,
     Unfusable,
@@ -68,7 +68,7 @@ def test_results_split_back_per_call_in_every_container() -> None:
 
 
 def test_calls_of_different_shapes_run_as_one_through_the_points_pack() -> None:
-    from diffbatch.pipelines.step_fusion import run_fused
+    from diffbatch.pipelines.interception import run_fused
 
     def double(x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -87,7 +87,7 @@ def test_calls_of_different_shapes_run_as_one_through_the_points_pack() -> None:
 
 
 def test_a_pack_that_fails_falls_back_to_smaller_groups_with_the_same_results() -> None:
-    from diffbatch.pipelines.step_fusion import run_fused
+    from diffbatch.pipelines.interception import run_fused
 
     ran: list[int] = []
 

@@ -17,7 +17,7 @@ from diffbatch.sched.base import SchedulerBase
 from diffbatch.sched.grouped import GroupedScheduler
 from diffbatch.sched.interface import SchedulerInterface
 from diffbatch.sched.policy import make_scheduler
-from diffbatch.sched.scheduler import Scheduler
+from diffbatch.sched.scheduler import FifoScheduler
 
 POLICIES = ["fifo", "grouped"]
 
@@ -35,9 +35,9 @@ def make(policy: str, max_num_seqs: int = 2) -> SchedulerInterface:
 
 
 def test_each_policy_owns_its_queue_on_the_shared_base():
-    assert issubclass(Scheduler, SchedulerBase) and issubclass(GroupedScheduler, SchedulerBase)
-    assert not issubclass(GroupedScheduler, Scheduler)
-    assert not issubclass(Scheduler, GroupedScheduler)
+    assert issubclass(FifoScheduler, SchedulerBase) and issubclass(GroupedScheduler, SchedulerBase)
+    assert not issubclass(GroupedScheduler, FifoScheduler)
+    assert not issubclass(FifoScheduler, GroupedScheduler)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -11,9 +11,9 @@ import pytest
 
 from diffbatch import DiffusionRequest, SamplingParams, SamplingParamsKey
 from diffbatch.sched.grouped import GroupedScheduler
-from diffbatch.sched.scheduler import Scheduler
+from diffbatch.sched.scheduler import FifoScheduler
 
-POLICIES = {"fifo": Scheduler, "grouped": GroupedScheduler}
+POLICIES = {"fifo": FifoScheduler, "grouped": GroupedScheduler}
 
 
 def request(request_id: str, size: int, reference: int | None = 64) -> DiffusionRequest:
@@ -65,11 +65,11 @@ def test_sized_keys_count_requests_as_before(policy: str):
 def test_the_learned_curve_sees_a_mixed_wave_in_capacity_units():
     from diffbatch.sched.base import wave_units
 
-    sched = Scheduler(max_num_seqs=8)
+    sched = FifoScheduler(max_num_seqs=8)
     for i, size in enumerate([128, 64, 96]):  # 4 + 1 + 2.25 units
         sched.add_request(request(f"r{i}", size))
     assert wave_units(sched.schedule()) == 7
-    keyed = Scheduler(max_num_seqs=8)
+    keyed = FifoScheduler(max_num_seqs=8)
     for i in range(3):
         keyed.add_request(request(f"k{i}", 128, reference=None))
     assert wave_units(keyed.schedule()) == 3

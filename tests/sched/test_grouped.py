@@ -115,10 +115,10 @@ def test_schedule_stays_cheap_with_ten_thousand_waiting():
 def test_grouped_is_the_default_policy_and_fifo_an_option():
     from diffbatch.config import EngineConfig
     from diffbatch.sched.policy import make_scheduler
-    from diffbatch.sched.scheduler import Scheduler
+    from diffbatch.sched.scheduler import FifoScheduler
 
     assert type(make_scheduler(EngineConfig())) is GroupedScheduler
-    assert type(make_scheduler(EngineConfig(scheduling_policy="fifo"))) is Scheduler
+    assert type(make_scheduler(EngineConfig(scheduling_policy="fifo"))) is FifoScheduler
     with pytest.raises(ValueError, match="max_head_wait_ms"):
         GroupedScheduler(2, max_head_wait_ms=-1)
 

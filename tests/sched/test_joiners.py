@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from diffbatch.sched.grouped import GroupedScheduler
-from diffbatch.sched.scheduler import Scheduler
+from diffbatch.sched.scheduler import FifoScheduler
 from tests.clock import ManualClock
 from tests.sched.test_grouped import make_request
 
 
 def test_fifo_joiners_come_from_the_head_until_another_key_heads_the_queue():
-    sched = Scheduler(8)
+    sched = FifoScheduler(8)
     for rid, size in [("A", 64), ("B", 64), ("C", 128), ("D", 64)]:
         sched.add_request(make_request(rid, size))
     key = sched.next_key()

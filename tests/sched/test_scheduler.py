@@ -13,7 +13,7 @@ from diffbatch import (
     SamplingParams,
     SamplingParamsKey,
 )
-from diffbatch.sched.scheduler import Scheduler
+from diffbatch.sched.scheduler import FifoScheduler
 
 
 def make_request(request_id: str, size: int = 64, prompt: str = "a cat") -> DiffusionRequest:
@@ -30,7 +30,7 @@ def ok_output(wave) -> BatchRunnerOutput:
 
 
 def test_single_request_lifecycle():
-    sched = Scheduler(max_num_seqs=4)
+    sched = FifoScheduler(max_num_seqs=4)
     req = make_request("a")
     sched.add_request(req)
     assert (sched.num_waiting, sched.num_running) == (1, 0)
@@ -45,7 +45,7 @@ def test_single_request_lifecycle():
 
 
 def test_waves_fill_up_to_capacity_in_fifo_order():
-    sched = Scheduler(max_num_seqs=3)
+    sched = FifoScheduler(max_num_seqs=3)
     for i in range(7):
         sched.add_request(make_request(f"r{i}"))
     waves = []
@@ -63,7 +63,7 @@ def test_waves_fill_up_to_capacity_in_fifo_order():
 
 
 def test_the_pixel_cap_bounds_fifo_waves_too():
-    sched = Scheduler(max_num_seqs=8, max_wave_pixels=3 * 64 * 64)
+    sched = FifoScheduler(max_num_seqs=8, max_wave_pixels=3 * 64 * 64)
     for i in range(7):
         sched.add_request(make_request(f"r{i}"))
     assert sched.has_full_wave()  # three 64x64 images reach the cap
@@ -75,14 +75,14 @@ def test_the_pixel_cap_bounds_fifo_waves_too():
     # a request larger than the cap still runs, alone; the capacity binds when tighter
     sched.add_request(make_request("huge", 128))
     assert sched.schedule().req_ids == ["huge"]
-    sched = Scheduler(max_num_seqs=2, max_wave_pixels=3 * 64 * 64)
+    sched = FifoScheduler(max_num_seqs=2, max_wave_pixels=3 * 64 * 64)
     for i in range(3):
         sched.add_request(make_request(f"s{i}"))
     assert sched.schedule().close_reason == "capacity"
 
 
 def test_incompatible_head_blocks_later_compatible_requests():
-    sched = Scheduler(max_num_seqs=4)
+    sched = FifoScheduler(max_num_seqs=4)
     for rid, size in [("a", 64), ("b", 128), ("c", 64), ("d", 64)]:
         sched.add_request(make_request(rid, size))
     first = sched.schedule()
@@ -95,7 +95,7 @@ def test_incompatible_head_blocks_later_compatible_requests():
 
 
 def test_abort_waiting_request_leaves_the_queue_at_once():
-    sched = Scheduler(max_num_seqs=4)
+    sched = FifoScheduler(max_num_seqs=4)
     for rid in "abc":
         sched.add_request(make_request(rid))
     done = sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
@@ -106,7 +106,7 @@ def test_abort_waiting_request_leaves_the_queue_at_once():
 
 
 def test_aborting_every_waiting_request_leaves_no_queue_entry():
-    sched = Scheduler(max_num_seqs=2)
+    sched = FifoScheduler(max_num_seqs=2)
     for rid in "abc":
         sched.add_request(make_request(rid))
     sched.finish_requests(["c", "a", "b"], RequestStatus.FINISHED_ABORTED)
@@ -114,7 +114,7 @@ def test_aborting_every_waiting_request_leaves_no_queue_entry():
 
 
 def test_abort_running_request_discards_its_result():
-    sched = Scheduler(max_num_seqs=4)
+    sched = FifoScheduler(max_num_seqs=4)
     for rid in "ab":
         sched.add_request(make_request(rid))
     wave = sched.schedule()
@@ -128,7 +128,7 @@ def test_abort_running_request_discards_its_result():
 
 
 def test_duplicate_active_id_is_rejected_but_reusable_after_finish():
-    sched = Scheduler(max_num_seqs=2)
+    sched = FifoScheduler(max_num_seqs=2)
     sched.add_request(make_request("a"))
     with pytest.raises(ValueError, match="already active"):
         sched.add_request(make_request("a"))
@@ -139,7 +139,7 @@ def test_duplicate_active_id_is_rejected_but_reusable_after_finish():
 
 
 def test_error_stays_with_its_request_and_missing_output_becomes_an_error():
-    sched = Scheduler(max_num_seqs=3)
+    sched = FifoScheduler(max_num_seqs=3)
     for rid in "abc":
         sched.add_request(make_request(rid))
     wave = sched.schedule()
@@ -159,14 +159,14 @@ def test_error_stays_with_its_request_and_missing_output_becomes_an_error():
 
 def test_request_without_key_and_bad_capacity_are_rejected():
     with pytest.raises(ValueError, match="max_num_seqs"):
-        Scheduler(max_num_seqs=0)
+        FifoScheduler(max_num_seqs=0)
     req = DiffusionRequest("x", "a cat", SamplingParams())
     with pytest.raises(ValueError, match="no key"):
-        Scheduler(1).add_request(req)
+        FifoScheduler(1).add_request(req)
 
 
 def test_has_full_wave_only_when_waiting_could_not_grow_the_next_wave():
-    sched = Scheduler(max_num_seqs=3)
+    sched = FifoScheduler(max_num_seqs=3)
     assert not sched.has_full_wave()  # nothing waiting
     for i in range(2):
         sched.add_request(make_request(f"a{i}"))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from diffbatch.pipelines.interface import DiffusionRequestBatch
+    from diffbatch.pipelines.interface import DiffusionRequestBatch, PipelineInfo
 
 
 class PerSampleGuidance(float):
@@ -76,3 +76,39 @@ class PerSampleGuidance(float):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.scales.tolist(),))
+
+
+def wave_guidance_scale(batch: DiffusionRequestBatch, info: PipelineInfo) -> float | None:
+    """The wave's `guidance_scale` argument: a float, one scale per sample, or None.
+
+    NOTE: per-request guidance is a value passed as `guidance_scale`, not a
+    subclass of the diffusers pipelines. Overriding the CFG step would mean copying
+    each pipeline's whole `__call__` (the combine sits inside the denoising loop,
+    and PixArt reads the argument, not a property), to drift with every diffusers
+    release. The listed pipelines use the scale only as `guidance_scale > 1` and in
+    `uncond + guidance_scale * (text - uncond)`; `PerSampleGuidance` is a float for
+    the first and a per-sample [B*n, 1, 1, 1] scale for the second, so the loop,
+    guidance rescale (per-sample std) and every other option run unchanged, and a
+    use it does not expect raises instead of mixing scales. A wave whose requests
+    all share one scale gets a plain float: the path a solo run takes.
+    """
+    if not info.uses_guidance_scale:  # ignored by this pipeline (Qwen-Image): not passed
+        return None
+    scales = [p.guidance_scale for p in batch.sampling_params_list]
+    key = batch.key
+    if key is not None and key.guidance_scale is not None:
+        return key.guidance_scale
+    if len(set(scales)) == 1:  # None: unresolved params, the pipeline's default
+        return scales[0]
+    # The key left the scale out: the engine trusts this pipeline with per-request
+    # guidance, and every request of the wave has CFG on.
+    if key is None or not info.supports_per_request_guidance \
+            or not key.cfg_enabled:
+        raise ValueError(
+            f"the wave mixes guidance scales {list(dict.fromkeys(scales))} but "
+            f"{info.name} cannot apply per-request guidance here "
+            "(supports_per_request_guidance="
+            f"{info.supports_per_request_guidance}, "
+            f"cfg_enabled={key.cfg_enabled if key is not None else None})"
+        )
+    return PerSampleGuidance.from_batch(batch)

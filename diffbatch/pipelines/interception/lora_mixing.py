@@ -15,32 +15,29 @@ where `idx` [N, K] are the slots of each sample's stack (padded with slot 0) and
 `scale` [N, K] its per-request scales. A stack of several adapters is the sum of their
 deltas, exactly what PEFT computes for several active adapters.
 
-Which sample carries which stack ("rows") is set per module call:
-- request mode (`set_wave`): a forward pre-hook on each root module (denoiser, text
-  encoders) maps the call's batch to the wave's requests from the pipeline's batch
-  layout: a text encoder sees one row per prompt (k copies: negative and positive
-  halves when a pipeline encodes them together), a denoiser `k * B * n` rows (k = 2
-  with CFG: negative half, then positive half; each request's n images together);
-- step mode (`rows_for_calls`): the step runner fuses single-request calls and says
-  how many rows each request's call holds.
+Which sample carries which stack ("rows") is stated, never inferred: the pipeline
+adapter gives each diffusers call a row plan, each root module (denoiser, text
+encoders) takes its rows from it, and a fused call of several tasks runs with their
+rows concatenated (`rows.py`). Each layer's hook reads the current call's rows.
+
+Once an adapter's weights are stacked, PEFT's own copy of them is freed: its
+`lora_A`/`lora_B` weights keep their shape but no storage (PEFT's application is
+off, so nothing reads them; unloading deletes them the PEFT way).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from diffbatch.pipelines.interception.rows import CallRows, RowLayout, current_rows, track_rows
+from diffbatch.sampling_params import LoraStack
 
-# A request's adapters as (name, scale) pairs; () for none.
-Stack = tuple[tuple[str, float], ...]
-# How a root module's batch relates to the wave's requests (see the module docstring).
-RootLayout = Literal["prompts", "images"]
+logger = logging.getLogger(__name__)
 
 
 class UnsupportedAdapterError(ValueError):
@@ -110,15 +107,13 @@ class _LayerWeights:
 class LoraMixer:
     """The per-sample adapter state of one pipeline; see the module docstring."""
 
-    def __init__(self, roots: dict[str, tuple[torch.nn.Module, RootLayout]]) -> None:
+    def __init__(self, roots: dict[str, tuple[torch.nn.Module, RowLayout]]) -> None:
         self._roots = roots
         self._slots: dict[str, int] = {}  # adapter name -> slot (>= 1)
         self._layers: dict[torch.nn.Module, _LayerWeights] = {}
-        self._rows: _Rows | None = None  # the current module call's
-        self._wave: tuple[list[Stack], int] | None = None  # request mode: stacks, n
-        self._explicit = False  # step mode: rows set for a scope, the pre-hooks keep off
+        self._version = 0  # bumped when slots change: rows made before are stale
         for name, (module, layout) in roots.items():
-            module.register_forward_pre_hook(self._root_hook(name, layout), with_kwargs=True)
+            track_rows(module, layout, name)
 
     # -- adapters --------------------------------------------------------------------
     @property
@@ -131,7 +126,7 @@ class LoraMixer:
         for layers it cannot apply."""
         from peft.tuners.lora import LoraLayer
 
-        found = []
+        found: list[Any] = []  # PEFT LoRA layers holding the adapter
         for root, _layout in self._roots.values():
             for module in root.modules():
                 if isinstance(module, LoraLayer) and name in module.lora_A:
@@ -158,7 +153,11 @@ class LoraMixer:
             weights.put(slot, a, b)
         for weights in self._layers.values():  # every layer gathers any slot
             weights.grow(slot + 1)
+        for module in found:  # stacked: PEFT's copy is no longer read
+            for weight in (module.lora_A[name].weight, module.lora_B[name].weight):
+                weight.data = weight.data.new_empty(()).expand(weight.shape)
         self._slots[name] = slot
+        self._version += 1
         return len(found)
 
     def remove(self, name: str) -> None:
@@ -166,37 +165,27 @@ class LoraMixer:
         if slot is not None:
             for weights in self._layers.values():
                 weights.clear(slot)
+            self._version += 1
 
     # -- rows ------------------------------------------------------------------------
-    def set_wave(self, stacks: Sequence[Stack] | None, num_outputs_per_prompt: int = 1) -> None:
-        """Request mode: the next forward's requests' stacks, in wave order (None: no
-        adapters at all)."""
-        if stacks is None or not any(stacks):
-            self._wave = None
-        else:
-            self._check(stacks)
-            self._wave = (list(stacks), num_outputs_per_prompt)
-        self._rows = None
-
-    @contextlib.contextmanager
-    def rows_for_calls(self, calls: Sequence[tuple[Stack, int]]) -> Iterator[None]:
-        """Step mode: within the scope, module calls hold `calls`' rows in order, each
-        call's (stack, number of rows)."""
-        self._check([stack for stack, _ in calls])
-        saved = self._rows, self._explicit
-        self._rows = self._make_rows([s for stack, n in calls for s in [stack] * n])
-        self._explicit = True
-        try:
-            yield
-        finally:
-            self._rows, self._explicit = saved
-
-    def _check(self, stacks: Sequence[Stack]) -> None:
+    def _check(self, stacks: Sequence[LoraStack]) -> None:
         missing = sorted({name for stack in stacks for name, _ in stack} - set(self._slots))
         if missing:
             raise KeyError(f"LoRA adapter(s) {missing} are not loaded")
 
-    def _make_rows(self, stacks: Sequence[Stack]) -> _Rows | None:
+    def check(self, stacks: Sequence[LoraStack]) -> None:
+        """Raise `KeyError` naming the adapters of `stacks` that are not loaded."""
+        self._check(stacks)
+
+    def _tensor_rows(self, rows: CallRows) -> _Rows | None:
+        """`rows` as slot and scale tensors (made once per rows and slot layout)."""
+        key = (id(self), self._version)
+        if key not in rows.cache:
+            self._check(rows.stacks)
+            rows.cache[key] = self._make_rows(rows.stacks)
+        return rows.cache[key]
+
+    def _make_rows(self, stacks: Sequence[LoraStack]) -> _Rows | None:
         if not any(stacks):
             return None
         width = max(len(s) for s in stacks)
@@ -208,27 +197,12 @@ class LoraMixer:
                 scale[row, k] = s
         return _Rows(idx, scale, frozenset(int(i) for i in idx.unique().tolist()) - {0})
 
-    def _root_hook(self, name: str, layout: RootLayout) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._explicit:
-                return
-            if self._wave is None:
-                self._rows = None
-                return
-            stacks, n = self._wave
-            per = len(stacks) * (n if layout == "images" else 1)
-            rows = _leading_size(args, kwargs)
-            if rows is None or rows % per:
-                raise RuntimeError(
-                    f"{name} got a batch of {rows} rows for a wave of {len(stacks)} requests "
-                    f"x {n} images: the per-sample LoRA layout of this pipeline is unknown")
-            unit = [s for s in stacks for _ in range(n if layout == "images" else 1)]
-            self._rows = self._make_rows(unit * (rows // per))
-        return hook
-
     # -- the delta -------------------------------------------------------------------
     def _layer_hook(self, module: Any, args: tuple[Any, ...], output: Any) -> Any:
-        rows = self._rows
+        call = current_rows()
+        if call is None:
+            return output
+        rows = self._tensor_rows(call)
         weights = self._layers[module]
         if rows is None or not (rows.slots & weights.slots):
             return output
@@ -247,10 +221,3 @@ class LoraMixer:
         h = h * scale.repeat_interleave(r, dim=1).unsqueeze(1)
         delta = torch.bmm(h, B.transpose(1, 2))  # [N, L, out]
         return output + delta.reshape(output.shape).to(output.dtype)
-
-
-def _leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.ndim >= 1:
-            return int(value.shape[0])
-    return None

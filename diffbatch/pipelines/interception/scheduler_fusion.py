@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diffbatch.pipelines.step_fusion import FusionPoint, ModuleCall, Unfusable, wrap_method
+from diffbatch.pipelines.interception.coordinator import wrap_method
+from diffbatch.pipelines.interception.fusion import FusionPoint, ModuleCall, Unfusable
 
 
 def scheduler_point() -> FusionPoint:

@@ -15,11 +15,12 @@ therefore share one forward as long as
 `TokenPacker` does this around the transformer's own `forward`, which runs unchanged
 on a padded carrier (SD3, PixArt: a latent canvas as large as the largest request,
 each request's tokens at its own grid positions; Flux: a token sequence as long as
-the longest request's): its position embedding is swapped, for the call, for one
-that embeds each size group on its own, and every attention processor is wrapped
-(`set_attn_processor`) by `SegmentedAttention`, which passes through unchanged
-outside a packed call. Padding tokens are computed on by the token-wise layers and
-dropped; no operation mixes them into a request's tokens.
+the longest request's). Two diffusers hooks (`hooks.route_forward`), which pass
+through unchanged outside a packed call, do the rest: the position embedding's embeds
+each size group on its own (`_group_embedding`), and each attention module's runs
+the module once per size group (`_segmented_attention`). Padding tokens are computed
+on by the token-wise layers and dropped; no operation mixes them into a request's
+tokens.
 
 NOTE: padding, not a ragged layout, because the diffusers blocks modulate per sample
 along the batch dimension; a ragged layout would mean rewriting every block.
@@ -37,7 +38,13 @@ from typing import Any
 
 import torch
 
-from diffbatch.pipelines.step_fusion import ModuleCall, Unfusable, fuse_arguments, split_result
+from diffbatch.pipelines.interception.fusion import (
+    ModuleCall,
+    Unfusable,
+    fuse_arguments,
+    split_result,
+)
+from diffbatch.pipelines.interception.hooks import route_forward
 
 # diffusers transformer classes (by name: subclasses may change forward) and how their
 # image tokens arrive: "latent" [B, C, H, W] patch-embedded by `pos_embed`, or
@@ -91,16 +98,11 @@ class TokenPacker:
         self.transformer = transformer
         self.kind = layout
         self.layout: PackedLayout | None = None  # set only during a packed call
-        self._wrap_processors()
-
-    def _wrap_processors(self) -> None:
-        processors = self.transformer.attn_processors
-        if all(isinstance(p, SegmentedAttention) for p in processors.values()):
-            return
-        self.transformer.set_attn_processor({
-            name: p if isinstance(p, SegmentedAttention) else segmented(p, self)
-            for name, p in processors.items()
-        })
+        for name in transformer.attn_processors:  # "<attention module>.processor"
+            module = transformer.get_submodule(name.rsplit(".", 1)[0])
+            route_forward(module, _ATTENTION_HOOK, self._segmented_attention)
+        if layout == "latent":
+            route_forward(transformer.pos_embed, _EMBEDDING_HOOK, self._group_embedding)
 
     # -- the fusion entry --------------------------------------------------------------
     def pack_calls(self, calls: Sequence[ModuleCall]) -> list[Any]:
@@ -209,16 +211,46 @@ class TokenPacker:
         embedding embeds each size group on its own."""
         if self.layout is not None:
             raise RuntimeError("a packed call is already running on this transformer")
-        embed = self.transformer.pos_embed if self.kind == "latent" else None
         self.layout = layout
-        if embed is not None:
-            embed.forward = _group_embedding(embed.forward, layout)
         try:
             yield
         finally:
             self.layout = None
-            if embed is not None:
-                del embed.forward  # the class's forward again
+
+    # -- the hooks ---------------------------------------------------------------------
+    def _group_embedding(self, embed: Callable[..., torch.Tensor], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> torch.Tensor:
+        """The patch embedding of the canvas: each size group's own latents embedded
+        (its own positions), placed at the group's token positions; padding stays 0."""
+        layout = self.layout
+        if layout is None:
+            return embed(*args, **kwargs)
+        (canvas,) = args
+        out: torch.Tensor | None = None
+        for group in layout.groups:
+            own = embed(canvas[group.rows][:, :, :group.height, :group.width])
+            if out is None:
+                out = own.new_zeros(canvas.shape[0], layout.num_tokens, own.shape[-1])
+            out[group.rows.unsqueeze(1), group.tokens.unsqueeze(0)] = own
+        assert out is not None
+        return out
+
+    def _segmented_attention(self, attend: Callable[..., Any], args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> Any:
+        """An attention module's forward: once per size group during a packed call."""
+        layout = self.layout
+        if layout is None:
+            return attend(*args, **kwargs)
+        signature = inspect.signature(attend)
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+                arguments.update(arguments.pop(name))
+        return _per_group(attend, layout, arguments)
+
+
+_ATTENTION_HOOK = "diffbatch.segmented_attention"
+_EMBEDDING_HOOK = "diffbatch.group_embedding"
 
 
 def _by_name(call: ModuleCall) -> ModuleCall:
@@ -237,23 +269,6 @@ def _grid_tokens(rows: int, cols: int, canvas_cols: int, device: torch.device) -
     """Token positions of a rows x cols patch grid inside a canvas canvas_cols wide."""
     r = torch.arange(rows, device=device).unsqueeze(1) * canvas_cols
     return (r + torch.arange(cols, device=device)).reshape(-1)
-
-
-def _group_embedding(embed: Callable[[torch.Tensor], torch.Tensor],
-                     layout: PackedLayout) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A patch embedding of the canvas that embeds each size group's own latents
-    (its own positions), placed at the group's token positions; padding stays 0."""
-    def forward(canvas: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor | None = None
-        for group in layout.groups:
-            own = embed(canvas[group.rows][:, :, :group.height, :group.width])
-            if out is None:
-                out = own.new_zeros(canvas.shape[0], layout.num_tokens, own.shape[-1])
-            out[group.rows.unsqueeze(1), group.tokens.unsqueeze(0)] = own
-        assert out is not None
-        return out
-
-    return forward
 
 
 def _crop_latent(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -275,93 +290,45 @@ def _map_tensors(result: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any
 
 
 # -- attention per size group -----------------------------------------------------------
-class SegmentedAttention:
-    """An attention processor that runs its inner processor once per size group during
-    a packed call (`TokenPacker`), and exactly as the inner one otherwise.
-
-    Image tokens are the last `num_tokens` of `hidden_states` (Flux's single-stream
-    blocks put the text tokens in front); a group's call gets its rows, the text
-    tokens and its own image tokens, its own RoPE; the outputs go back to the same
-    places, zeros at padding.
-    """
-
-    inner: Any
-    packer: TokenPacker
-
-    def __init__(self, inner: Any, packer: TokenPacker) -> None:
-        self.inner = inner
-        self.packer = packer
-        self._signature = inspect.signature(inner.__call__)
-
-    def __getattr__(self, name: str) -> Any:  # e.g. `_attention_backend` of diffusers
-        if name in ("inner", "packer", "_signature"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def _call(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
-        layout = self.packer.layout
-        if layout is None:
-            return self.inner(attn, *args, **kwargs)
-        bound = self._signature.bind(attn, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        for name, param in self._signature.parameters.items():
-            if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
-                arguments.update(arguments.pop(name))
-        return self._per_group(layout, arguments)
-
-    def _per_group(self, layout: PackedLayout, arguments: dict[str, Any]) -> Any:
-        hidden = arguments["hidden_states"]  # [B, prefix + num_tokens, D]
-        batch, length = hidden.shape[0], hidden.shape[1]
-        prefix = length - layout.num_tokens
-        if prefix < 0:
-            raise RuntimeError(f"attention over {length} tokens in a packed call of "
-                               f"{layout.num_tokens} image tokens per row")
-        context = arguments.get("encoder_hidden_states")
-        mask = arguments.get("attention_mask")
-        if mask is not None and context is None:
-            raise RuntimeError("a self-attention mask cannot be split per size group")
-        image_out: torch.Tensor | None = None
-        context_out: torch.Tensor | None = None
-        for group in layout.groups:
-            index = group.tokens + prefix
-            if prefix:
-                index = torch.cat((torch.arange(prefix, device=index.device), index))
-            call = dict(arguments)
-            call["hidden_states"] = hidden[group.rows][:, index]
-            if context is not None:
-                call["encoder_hidden_states"] = context[group.rows]
-            if mask is not None and mask.shape[0] == batch:
-                call["attention_mask"] = mask[group.rows]
-            if group.rotary is not None and "image_rotary_emb" in call:
-                call["image_rotary_emb"] = group.rotary
-            result = self.inner(**call)
-            own, own_context = (result if isinstance(result, tuple) else (result, None))
-            if image_out is None:
-                image_out = own.new_zeros(batch, length, *own.shape[2:])
-                if own_context is not None:
-                    context_out = own_context.new_empty(batch, *own_context.shape[1:])
-            image_out[group.rows.unsqueeze(1), index.unsqueeze(0)] = own
+def _per_group(attend: Callable[..., Any], layout: PackedLayout,
+               arguments: dict[str, Any]) -> Any:
+    """Attention over each size group's rows and tokens alone (image tokens are the
+    last `num_tokens` of `hidden_states`: Flux's single-stream blocks put the text
+    tokens in front), each with its own RoPE; outputs go back to the same places,
+    zeros at padding."""
+    hidden = arguments["hidden_states"]  # [B, prefix + num_tokens, D]
+    batch, length = hidden.shape[0], hidden.shape[1]
+    prefix = length - layout.num_tokens
+    if prefix < 0:
+        raise RuntimeError(f"attention over {length} tokens in a packed call of "
+                           f"{layout.num_tokens} image tokens per row")
+    context = arguments.get("encoder_hidden_states")
+    mask = arguments.get("attention_mask")
+    if mask is not None and context is None:
+        raise RuntimeError("a self-attention mask cannot be split per size group")
+    image_out: torch.Tensor | None = None
+    context_out: torch.Tensor | None = None
+    for group in layout.groups:
+        index = group.tokens + prefix
+        if prefix:
+            index = torch.cat((torch.arange(prefix, device=index.device), index))
+        call = dict(arguments)
+        call["hidden_states"] = hidden[group.rows][:, index]
+        if context is not None:
+            call["encoder_hidden_states"] = context[group.rows]
+        if mask is not None and mask.shape[0] == batch:
+            call["attention_mask"] = mask[group.rows]
+        if group.rotary is not None and "image_rotary_emb" in call:
+            call["image_rotary_emb"] = group.rotary
+        result = attend(**call)
+        own, own_context = (result if isinstance(result, tuple) else (result, None))
+        if image_out is None:
+            image_out = own.new_zeros(batch, length, *own.shape[2:])
             if own_context is not None:
-                assert context_out is not None
-                context_out[group.rows] = own_context
-        assert image_out is not None
-        return image_out if context_out is None else (image_out, context_out)
-
-
-_SEGMENTED_CLASSES: dict[type, type] = {}
-
-
-def segmented(inner: Any, packer: TokenPacker) -> SegmentedAttention:
-    """`inner` wrapped for `packer`, with `__call__` showing inner's signature (the
-    diffusers attention modules pass a processor only the arguments it names)."""
-    cls = _SEGMENTED_CLASSES.get(type(inner))
-    if cls is None:
-        def __call__(self: SegmentedAttention, attn: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._call(attn, *args, **kwargs)
-
-        signature = inspect.signature(type(inner).__call__)
-        __call__.__signature__ = signature  # type: ignore[attr-defined]
-        cls = type(f"Segmented{type(inner).__name__}", (SegmentedAttention,),
-                   {"__call__": __call__})
-        _SEGMENTED_CLASSES[type(inner)] = cls
-    return cls(inner, packer)
+                context_out = own_context.new_empty(batch, *own_context.shape[1:])
+        image_out[group.rows.unsqueeze(1), index.unsqueeze(0)] = own
+        if own_context is not None:
+            assert context_out is not None
+            context_out[group.rows] = own_context
+    assert image_out is not None
+    return image_out if context_out is None else (image_out, context_out)

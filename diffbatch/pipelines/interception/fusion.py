@@ -1,20 +1,12 @@
-"""Step-wise execution for any pipeline: one call per request, fused module calls.
+"""Fused module calls: several diffusers calls' module calls run as one.
 
-In step mode every request runs its own, ordinary pipeline call (a batch of one
-through `forward`), each in its own greenlet, with its own scheduler state, timesteps
-and generators. The pipeline's heavy modules are wrapped at their *fusion points*
-(`FusionPoint`: the denoiser's `forward`, the text encoders' `forward`, the VAE's
-`decode`): called inside a request's greenlet, a wrapped module does not run but
-hands its arguments to the coordinator (`ModuleCall`) and waits. The coordinator
-(`diffbatch.worker.step_runner`) collects the calls every running request is waiting
-on, runs each fusion point ONCE on the requests' arguments concatenated along the
-batch dimension, splits the result back, and resumes each greenlet with its own
-slice. One denoiser call per tick therefore serves every running request, each at
-its own timestep, whatever its step count; a request that finished leaves at once,
-one that joins starts at the next tick. A point may bring its own batched runner
-(`FusionPoint.fuse`): the requests' scheduler steps are fused that way
-(`diffbatch.pipelines.scheduler_fusion`), one point shared by every request's own
-scheduler instance (`wrap_method`).
+A *fusion point* (`FusionPoint`) is a module method whose calls may be fused: the
+denoiser's `forward` (kind "step": one fused call of it is one tick of step mode), the
+text encoders' `forward` and the VAE's `decode` (kind "boundary": what runs when a
+request joins or leaves), and the schedulers' `step` (`scheduler_fusion.py`). The
+coordinator (`coordinator.py`) runs each diffusers call in a task of its own; a task
+calling a fused method hands a `ModuleCall` to the coordinator instead of running it,
+and `run_fused` runs the calls waiting at one point as few module calls as possible.
 
 Fusing the arguments (`fuse_arguments`): the first tensor argument's first dimension
 is a call's batch size b_i (2 for a CFG request: the pipeline doubled it itself).
@@ -29,21 +21,25 @@ different sizes, `packed_tokens.py`) first tries that. Outputs are split the sam
 way (`split_result`): tensors, tuples, dicts and `ModelOutput`s whose batch
 dimension is the fused size.
 
+Each call carries its rows' own per-row data (`ModuleCall.rows`, see `rows.py`: each
+row's LoRA stack), captured when the task made the call; a fused call runs with the
+calls' rows concatenated in the same order as their arguments.
+
 Correctness rests on the modules treating samples independently (as batching in
-request mode already does): a request's image in step mode equals its solo run.
+request mode already does): a request's image in a fused call equals its solo run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import greenlet
 import torch
+
+from diffbatch.pipelines.interception.rows import CallRows, call_rows
 
 FusionKind = Literal["step", "boundary"]
 
@@ -73,58 +69,21 @@ class FusionPoint:
 
 @dataclass
 class ModuleCall:
-    """A call a request's greenlet waits on: `run(*args, **kwargs)` at `point`."""
+    """A call a task waits on: `run(*args, **kwargs)` at `point`."""
 
     point: FusionPoint
     run: Callable[..., Any]  # the original (unwrapped) method
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    rows: CallRows | None = None  # the call's per-row data, as the task made it
     batch_size: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.batch_size = _leading_size(self.args, self.kwargs)
 
 
-class TaskGreenlet(greenlet.greenlet):
-    """The greenlet a request's pipeline call runs in; wrapped modules called in one
-    hand their call to the parent (the coordinator) instead of running."""
-
-
 class Unfusable(Exception):
     """The calls' arguments cannot be fused into one call (shapes or options differ)."""
-
-
-def install(points: Sequence[FusionPoint]) -> None:
-    """Wrap each point's method on its owner (once; installing twice is harmless).
-
-    Outside a `TaskGreenlet` (request mode, the coordinator's own fused call) the
-    wrapper calls the original method directly.
-    """
-    for point in points:
-        wrap_method(point, point.owner)
-
-
-def wrap_method(point: FusionPoint, owner: Any) -> None:
-    """Wrap `owner`'s `point.method` (an instance attribute shadows the class's), so
-    several objects (e.g. each request's own scheduler) can share one point."""
-    current = getattr(owner, point.method)
-    if getattr(current, "_diffbatch_fusion_point", None) is None:
-        setattr(owner, point.method, _wrap(point, current))
-
-
-def _wrap(point: FusionPoint, original: Callable[..., Any]) -> Callable[..., Any]:
-    # functools.wraps: `inspect.signature` of the wrapper is the method's own (pipelines
-    # read it, e.g. to decide whether to pass a scheduler's `step` a generator)
-    @functools.wraps(original)
-    def fused(*args: Any, **kwargs: Any) -> Any:
-        current = greenlet.getcurrent()
-        if isinstance(current, TaskGreenlet):
-            return current.parent.switch(ModuleCall(point, original, args, kwargs))
-        return original(*args, **kwargs)
-
-    fused._diffbatch_fusion_point = point  # type: ignore[attr-defined]
-    fused._diffbatch_original = original  # type: ignore[attr-defined]
-    return fused
 
 
 def _leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -234,12 +193,8 @@ def _rebuild(template: dict[str, Any], values: dict[str, Any]) -> Any:
         return rebuilt
 
 
-# Entered around each module call run for `calls` (e.g. to set their per-sample LoRA rows).
-CallScope = Callable[[Sequence["ModuleCall"]], contextlib.AbstractContextManager[Any]]
-
-
-def run_fused(calls: Sequence[ModuleCall], module_ms: list[float] | None = None,
-              scope: CallScope | None = None) -> list[tuple[bool, Any]]:
+def run_fused(calls: Sequence[ModuleCall],
+              module_ms: list[float] | None = None) -> list[tuple[bool, Any]]:
     """Run calls of one point as few module calls as possible; one (ok, value) each.
 
     Fusable calls run as one; calls that cannot be concatenated run as one through
@@ -247,11 +202,11 @@ def run_fused(calls: Sequence[ModuleCall], module_ms: list[float] | None = None,
     in halves until it can (one call always can). A fused call that raises is bisected the same way
     (error isolation): the calls whose own run raises get (False, exception), the
     others their result, exactly as if they had run without the failing ones.
-    `module_ms`, if given, gets the wall time of each module call made; `scope`, if
-    given, is entered around each module call with the calls it serves.
+    `module_ms`, if given, gets the wall time of each module call made. Each module
+    call runs with the rows of the calls it serves (`rows.call_rows`).
     """
     def within(group: Sequence[ModuleCall]) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext() if scope is None else scope(group)
+        return call_rows(CallRows.concat([(c.rows, c.batch_size) for c in group]))
 
     if len(calls) == 1:
         call = calls[0]
@@ -267,7 +222,7 @@ def run_fused(calls: Sequence[ModuleCall], module_ms: list[float] | None = None,
                 return [(True, result) for result in fuse(calls)]
         except Exception:  # Unfusable, or a call that fails: each runs alone
             return [outcome for call in calls
-                    for outcome in run_fused([call], module_ms, scope)]
+                    for outcome in run_fused([call], module_ms)]
     try:
         args, kwargs = fuse_arguments(calls)
     except Exception as exc:
@@ -286,7 +241,7 @@ def run_fused(calls: Sequence[ModuleCall], module_ms: list[float] | None = None,
         except Exception:
             pass
     mid = len(calls) // 2
-    return run_fused(calls[:mid], module_ms, scope) + run_fused(calls[mid:], module_ms, scope)
+    return run_fused(calls[:mid], module_ms) + run_fused(calls[mid:], module_ms)
 
 
 def _timed(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
