@@ -109,6 +109,18 @@ def scheduler():
     )
 
 
+def store_half(folder: Path) -> None:
+    """Rewrite the transformer's and the text encoder's weights as float16 (half the wheel
+    size); diffusers and transformers load them into the float32 models as float32."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("transformer/diffusion_pytorch_model.safetensors",
+                 "text_encoder/model.safetensors"):
+        weights = load_file(folder / name)
+        save_file({k: v.half() for k, v in weights.items()}, folder / name,
+                  metadata={"format": "pt"})
+
+
 def save_pipeline(out: Path, tok, text_encoder, vae, transformer, defaults: dict) -> None:
     from diffusers import PixArtSigmaPipeline
 
@@ -121,6 +133,7 @@ def save_pipeline(out: Path, tok, text_encoder, vae, transformer, defaults: dict
     for name, text in tokenizer_files().items():
         (tmp / "tokenizer" / name).write_text(text)
     (tmp / "diffbatch_defaults.json").write_text(json.dumps(defaults, indent=2) + "\n")
+    store_half(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
