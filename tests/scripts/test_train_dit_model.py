@@ -36,7 +36,6 @@ def test_quick_training_run_writes_a_loadable_pipeline_and_resumes(tmp_path):
 
     import torch
     from diffusers import PixArtSigmaPipeline
-
     from safetensors.torch import load_file
 
     stored = load_file(out / "transformer/diffusion_pytorch_model.safetensors")
