@@ -4,7 +4,7 @@ A model is one of:
 
 - a built-in name: a tiny model built on first use (`tiny-sd`, `tiny-sd3`, `tiny-flux`,
   `tiny-pixart`), or a model shipped inside the package as a diffusers folder
-  `diffbatch/models/<name>/` (found automatically, e.g. `shapes`);
+  `diffbatch/models/<name>/` (found automatically: `shapes`, `shapes-dit`);
 - a local diffusers folder (with model_index.json);
 - a hub id `org/name`, handed to diffusers unchanged.
 
