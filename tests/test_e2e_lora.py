@@ -166,5 +166,7 @@ def test_step_mode_never_evicts_the_adapter_of_a_running_request(tmp_path):
         evictions = sample("diffbatch_lora_adapter_evictions_total") - evictions
     assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
     assert outs[0].batch_size >= 2, "long and short did not share the running batch"
-    assert evictions == 1  # b, for c (a and the loads of b and c left room before)
+    # c's load evicted an adapter while a headed the LRU list (start-up loads every
+    # --lora-dir entry, so how many loads came before it depends on the folder)
+    assert evictions >= 1
     assert (outs[0].images - alone.images).abs().max().item() <= TOLERANCE
