@@ -56,6 +56,7 @@ from diffbatch.outputs import DiffusionOutput, PartialImage, RequestError, final
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus, validate_prompt
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+from diffbatch.step_cache import StepCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,11 @@ class Engine:
                 f"{self.info.name} does not (supports_step_execution=False); serve it "
                 "without --step-execution"
             )
+        self.step_cache = StepCacheConfig.parse(config.step_cache, "step_cache")
+        if self.step_cache.enabled and self.info.step_cache_unsupported is not None:
+            self.executor.shutdown()
+            raise ConfigError(f"--step-cache {config.step_cache}: "
+                              f"{self.info.step_cache_unsupported}")
         # 3. The loop with its metrics and wave log, then a warm-up request through the
         # whole path. The gauges read the core when scraped.
         self.max_request_work = self._request_work_limit()
@@ -261,7 +267,12 @@ class Engine:
             seed=self._rng.randrange(2**31) if params.seed is None else params.seed,
             lora=self.loras.resolve(params),
             strength=strength,
+            step_cache=self.step_cache if params.step_cache is None else params.step_cache,
         )
+        if resolved.step_cache is not None and resolved.step_cache.enabled \
+                and info.step_cache_unsupported is not None:
+            raise InvalidRequestError(
+                f"`step_cache`: {info.step_cache_unsupported}", param="step_cache")
         check_against_model(info, resolved, self.max_request_work)
         return resolved
 
