@@ -368,6 +368,9 @@ class Engine:
             outcome = "aborted" if output.aborted else ("error" if output.error else "completed")
             queue_s = output.queue_time_ms / 1000.0 if output.batch_size else None
             self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
+            if output.cached_steps is not None and output.computed_steps is not None:
+                self.metrics.observe_step_cache(str(self.config.model), output.computed_steps,
+                                                output.cached_steps)
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             future.set_result(output)  # suppressed: the future was cancelled by its caller
 

@@ -31,6 +31,7 @@ from diffbatch.sampling_params import (
     MAX_LORA_STACK,
     MAX_NUM_INFERENCE_STEPS,
 )
+from diffbatch.step_cache import StepCacheConfig
 
 # OpenAI's own bound on `n` for image generation.
 MAX_N = 10
@@ -198,6 +199,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         stream: Answer as server-sent events (OpenAI's image streaming): partial
             images, then the completed image. Only with n = 1 (as OpenAI) and base64.
         partial_images: Previews to stream before the image, 0-3 (with `stream`).
+        step_cache: Extension: step caching for this request, "first_block[:threshold]"
+            (with ",warmup=N", ",max_cached=M") or "off", or a dict of those fields;
+            None takes the server's `--step-cache` (`diffbatch.step_cache`).
     """
 
     model_config = ConfigDict(
@@ -268,6 +272,10 @@ class ImageGenerationRequest(OpenAIBaseModel):
     )
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True,
                           json_schema_extra=_or_null)
+    step_cache: str | dict[str, Any] | None = Field(
+        default=None, max_length=100,
+        description='step caching: "first_block[:threshold][,warmup=N][,max_cached=M]" or '
+        '"off"; transformer models only; null: the server default')
 
     @model_validator(mode="before")
     @classmethod
@@ -445,6 +453,13 @@ class ImageEditRequest(ImageGenerationRequest):
     def _read_form_number(cls, value: Any) -> Any:
         return _form_number(value)
 
+    @field_validator("step_cache", mode="after")
+    @classmethod
+    def _check_step_cache(cls, value: Any) -> Any:
+        if value is not None:
+            StepCacheConfig.parse(value)  # InvalidRequestError (400) naming the rule
+        return value
+
     @field_validator("stream", mode="before")
     @classmethod
     def _read_form_bool(cls, value: Any) -> Any:
@@ -477,6 +492,14 @@ class ImageObject(BaseModel):
     revised_prompt: str | None = None  # diffbatch never rewrites prompts
 
 
+class DiffbatchInfo(BaseModel):
+    """Extension: how diffbatch ran the request (only for requests that cached steps)."""
+
+    step_cache: str  # the request's step-cache settings, e.g. "first_block:0.05"
+    computed_steps: int  # denoiser forwards whose remaining blocks ran
+    cached_steps: int  # forwards that reused the request's cached residual
+
+
 class ImageGenerationResponse(BaseModel):
     """Body of a successful `POST /v1/images/generations`."""
 
@@ -484,10 +507,14 @@ class ImageGenerationResponse(BaseModel):
     data: list[ImageObject]
     output_format: str
     size: str  # the size actually generated, "WxH"
+    diffbatch: DiffbatchInfo | None = None  # what diffbatch did for this request
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON body: each image with `b64_json` or `url`, whichever it has."""
-        body = self.model_dump()
+        """The JSON body: each image with `b64_json` or `url`, whichever it has (and
+        the `diffbatch` object when there is one)."""
+        body = self.model_dump(exclude_none=False)
+        if body["diffbatch"] is None:
+            del body["diffbatch"]
         for item in body["data"]:
             for name in ("b64_json", "url"):
                 if item[name] is None:
