@@ -19,9 +19,16 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from diffbatch.errors import InvalidRequestError
 from diffbatch.request import MAX_PROMPT_CHARS, validate_prompt
@@ -173,6 +180,23 @@ def _or_null(schema: dict[str, Any]) -> None:
     schema["anyOf"] = [value, {"type": "null"}]
 
 
+# A step-cache spec as text (`diffbatch.step_cache`), exactly what the parser takes.
+_THRESHOLD = r"(10(\.0+)?|[0-9](\.[0-9]+)?|\.[0-9]+)"
+STEP_CACHE_PATTERN = (rf"^(off|none|(first_block|fbc)(:{_THRESHOLD})?(,warmup=[0-9]{{1,4}})?"
+                      r"(,max_cached=[1-9][0-9]{0,3})?)$")
+
+
+class StepCacheFields(BaseModel):
+    """A request's step-cache settings as fields (see `diffbatch.step_cache`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["first_block", "off"] = "first_block"
+    threshold: float = Field(default=0.05, ge=0.0, le=10.0, allow_inf_nan=False)
+    warmup_steps: int = Field(default=0, ge=0, le=1000, strict=True)
+    max_cached_steps: int | None = Field(default=None, ge=1, le=1000, strict=True)
+
+
 class ImageGenerationRequest(OpenAIBaseModel):
     """Body of `POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
 
@@ -272,10 +296,11 @@ class ImageGenerationRequest(OpenAIBaseModel):
     )
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True,
                           json_schema_extra=_or_null)
-    step_cache: str | dict[str, Any] | None = Field(
-        default=None, max_length=100,
-        description='step caching: "first_block[:threshold][,warmup=N][,max_cached=M]" or '
-        '"off"; transformer models only; null: the server default')
+    step_cache: Annotated[str, StringConstraints(pattern=STEP_CACHE_PATTERN)] \
+        | StepCacheFields | None = Field(
+            default=None, union_mode="left_to_right",
+            description='step caching: "first_block[:threshold][,warmup=N][,max_cached=M]" '
+            'or "off", or those as fields; transformer models only; null: the server default')
 
     @model_validator(mode="before")
     @classmethod
@@ -456,8 +481,8 @@ class ImageEditRequest(ImageGenerationRequest):
     @field_validator("step_cache", mode="after")
     @classmethod
     def _check_step_cache(cls, value: Any) -> Any:
-        if value is not None:
-            StepCacheConfig.parse(value)  # InvalidRequestError (400) naming the rule
+        if isinstance(value, str):
+            StepCacheConfig.parse(value)  # (the pattern admits only what it parses)
         return value
 
     @field_validator("stream", mode="before")
