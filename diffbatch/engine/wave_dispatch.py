@@ -24,9 +24,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from diffbatch.crash_reruns import failed_again, rerun_groups
 from diffbatch.engine.admission import AdmissionWait
 from diffbatch.engine.dispatch import Dispatch, InFlightWave
-from diffbatch.outputs import BatchRunnerOutput, RequestError
+from diffbatch.outputs import BatchRunnerOutput
 from diffbatch.request import RequestStatus
 from diffbatch.sched.base import wave_units
 
@@ -130,9 +131,7 @@ class WaveDispatch(Dispatch):
         """Re-run the wave (None), or fail it: its one request killed a worker before."""
         if self._rerun_after_death(record, exc):
             return None
-        return BatchRunnerOutput.failed(record.wave.req_ids, RequestError(
-            "the worker process died while running this request, and again when it "
-            f"was re-run on its own on a replacement ({exc.message})"))
+        return BatchRunnerOutput.failed(record.wave.req_ids, failed_again(exc.message))
 
     def _rerun_after_death(self, record: InFlightWave, exc: WorkerDiedError) -> bool:
         """Queue the wave's open requests to run again on the replacement worker; False
@@ -145,10 +144,9 @@ class WaveDispatch(Dispatch):
                     core.rerun(replace(wave, requests=live), record.crashed_before)
                 core.cond.notify_all()
                 return True
-            if record.crashed_before and len(live) == 1:
+            halves = rerun_groups(live, record.crashed_before)  # (crash_reruns.py)
+            if halves is None:
                 return False
-            mid = len(live) // 2  # as `ModelRunner._isolate` splits
-            halves = [part for part in (live[:mid], live[mid:]) if part]
             for part in halves:
                 core.rerun(replace(wave, requests=part, close_reason="rerun"),
                            crashed_before=True)

@@ -79,6 +79,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from diffbatch.cpus import parse_cpu_list
+from diffbatch.crash_reruns import failed_again, rerun_groups
 from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError, WorkerDiedError
 from diffbatch.executor.abstract import Executor
 from diffbatch.executor.worker_process import (
@@ -103,7 +104,7 @@ from diffbatch.ipc.messages import (
     heartbeat_interval_s,
     recv_message,
 )
-from diffbatch.outputs import BatchRunnerOutput, RequestError
+from diffbatch.outputs import BatchRunnerOutput
 from diffbatch.worker.threads import choose_threads, cpu_contention, usable_cpu_count
 
 if TYPE_CHECKING:
@@ -590,10 +591,8 @@ class MultiprocExecutor(Executor):
                                sum(len(group) for group in self._held), len(self._held))
         for call in repeat:  # as request mode answers a wave of one that crashes again
             assert call.rejoin is not None
-            call.future.set_result(BatchRunnerOutput.failed(call.rejoin.req_ids, RequestError(
-                "the worker process died while running this request, and again when it "
-                f"was re-run on its own on a replacement (worker process died ({exit_text}) "
-                f"while running {call.what})")))
+            call.future.set_result(BatchRunnerOutput.failed(call.rejoin.req_ids, failed_again(
+                f"worker process died ({exit_text}) while running {call.what}")))
         # The worker runs calls in order: the oldest was running, the others waited. In
         # step mode the requests the worker said joined its batch were running; the
         # others waited in its queue.
@@ -710,9 +709,10 @@ def _split_for_rerun(
     replacement, in order; how many of them are new halves; the calls that killed a
     worker again when re-run alone; the rest, failed as before).
 
-    The requests in the running batch split in halves (as `EngineCore` splits a
-    crashed wave); a request that was the only one left of its re-run group fails.
-    Isolated groups that had not joined yet keep their group.
+    The requests in the running batch split as request mode splits a crashed wave
+    (`crash_reruns.rerun_groups`): in halves, and a request that was the only one
+    left of its re-run group fails. Isolated groups that had not joined yet keep
+    their group.
     """
     crashed = [c for c in pending if c.in_batch and c.joined and c.rejoin is not None]
     waiting: dict[int, list[PendingCall]] = {}
@@ -721,12 +721,11 @@ def _split_for_rerun(
             waiting.setdefault(call.group, []).append(call)
     held = {id(c) for c in crashed} | {id(c) for g in waiting.values() for c in g}
     rest = [c for c in pending if id(c) not in held]
-    if len(crashed) == 1 and crashed[0].crashes > 0:
+    halves = rerun_groups(crashed, any(c.crashes > 0 for c in crashed))
+    if halves is None:
         return list(waiting.values()), 0, crashed, rest
     for call in crashed:
         call.crashes += 1
-    mid = len(crashed) // 2
-    halves = [half for half in (crashed[:mid], crashed[mid:]) if half]
     return [*halves, *waiting.values()], len(halves), [], rest
 
 

@@ -269,7 +269,7 @@ class DiffusersT2IPipeline(BasePipeline):
             wrap_scheduler(point, pipe.scheduler)
         previews = DiffusersPreviews.for_wave(batch, pipe)
         kwargs = {**self.call_kwargs(batch),
-                  **step_callbacks(batch, pipe, previews, interrupt=interrupt)}
+                  **self._step_hooks(batch, pipe, previews, interrupt=interrupt)}
         caching = self._caching(batch)
         stacks = batch.lora_stacks if batch.lora_stacks and any(batch.lora_stacks) else None
         # The row plan says each row's request and adapters; the step cache reads the
@@ -402,6 +402,12 @@ class DiffusersT2IPipeline(BasePipeline):
         # 5. Pipeline quirks.
         apply_quirks(self.pipe, kwargs, extra, call_params)
         return kwargs
+
+    def _step_hooks(self, batch: DiffusionRequestBatch, pipe: Any,
+                    previews: DiffusersPreviews | None, *, interrupt: bool = True,
+                    ) -> dict[str, Any]:
+        """The call's per-step callback arguments (`diffusers_previews.step_callbacks`)."""
+        return step_callbacks(batch, pipe, previews, interrupt=interrupt)
 
     def _uses_negative_prompt(self, extra: dict[str, Any]) -> bool:
         # NOTE: Flux uses negative prompts only with true CFG (true_cfg_scale > 1);

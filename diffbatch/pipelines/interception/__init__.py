@@ -35,11 +35,12 @@ What is intercepted, and why (module):
    one scale per sample to the CFG combine. Why: requests with different guidance
    share one call. (`guidance.py`)
 
-Adding one: a new per-row behaviour (a per-request step cache deciding per request,
-and running the remaining blocks on the gathered rows that compute) is one more
-`route_forward` hook reading `rows.current_rows()`; compiling the denoiser for
-batch-size buckets is one more hook on the denoiser's forward that pads the rows to
-the bucket and cuts the result back.
+Adding one: per-request step caching is one more `route_forward` hook on the
+denoiser's blocks that reads `rows.current_rows()` (each row's request, in a fused
+call too), keeps its cache state per request, and runs the remaining blocks on the
+gathered rows that compute; compiling the denoiser for wave-size buckets is one more
+hook on its forward, inside the fusion hook, that pads the rows to the bucket and
+cuts the result back.
 """
 
 from diffbatch.pipelines.interception.coordinator import Coordinator, Task, install, wrap_method

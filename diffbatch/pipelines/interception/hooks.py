@@ -3,7 +3,8 @@
 `route_forward(module, name, forward)` registers a `ModelHook` (diffusers'
 `HookRegistry`, the mechanism its own caches use) whose forward is
 `forward(original, args, kwargs)`, `original` being the module's forward before the
-hook. Each name is registered once per module; `remove_forward` takes it out again.
+hook. Each name is registered once per module; hooks of other names (diffusers'
+caches, another of diffbatch's) stack around it as diffusers stacks its own.
 """
 
 from __future__ import annotations
@@ -27,13 +28,6 @@ def route_forward(module: torch.nn.Module, name: str, forward: RoutedForward) ->
         return False
     registry.register_hook(_hook_class()(forward), name)
     return True
-
-
-def remove_forward(module: torch.nn.Module, name: str) -> None:
-    """Take hook `name` off `module` (nothing if it has none)."""
-    registry = getattr(module, "_diffusers_hook", None)
-    if registry is not None:
-        registry.remove_hook(name, recurse=False)
 
 
 @functools.cache
