@@ -45,8 +45,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from diffbatch import request_work
 from diffbatch.engine.request_checks import resolve_lora
 from diffbatch.entrypoints.openai.errors import request_error_response
@@ -383,8 +381,7 @@ class OpenAIServingImages:
             lora=lora,
             lora_scale=lora_scale,
             partial_images=request.partial_images or 0,
-            step_cache=request.step_cache if not isinstance(request.step_cache, BaseModel)
-            else request.step_cache.model_dump(),
+            step_cache=request.step_cache,
         )
 
     def _num_inference_steps(self, request: ImageGenerationRequest) -> int | None:
