@@ -28,7 +28,8 @@ leaves. It is kept per diffusers cache context ("cond", "uncond": the name a
 pipeline gives with `transformer.cache_context`), as diffusers' `StateManager` does.
 
 NOTE: in a packed forward of several sizes (`packed_tokens.py`) every request
-computes: the padded carrier would put padding tokens into a request's residual.
+computes, and its cache starts again after it: the padded carrier would put padding
+tokens into a request's residual.
 """
 
 from __future__ import annotations
@@ -147,7 +148,14 @@ class StepCache:
         rows = current_rows()
         requests = rows.requests if rows is not None else None
         if requests is None or not self._requests \
-                or not any(r in self._requests for r in requests) or self._packed():
+                or not any(r in self._requests for r in requests):
+            return original(*args, **kwargs)
+        if self._packed():  # every request computes; its cache starts again after
+            for rid in dict.fromkeys(requests):
+                cache = self._requests.get(rid)
+                if cache is not None:
+                    cache.computed_steps += 1
+                    cache.contexts.pop(self._context.name(), None)
             return original(*args, **kwargs)
         hidden = metadata._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
         output = original(*args, **kwargs)
