@@ -146,3 +146,42 @@ def test_specs_parse_and_bad_ones_say_what_is_expected() -> None:
                 "off:0.1", 3):
         with pytest.raises(ValueError, match="step_cache"):
             StepCacheConfig.parse(bad)
+
+
+def test_rows_that_compute_keep_their_own_lora_adapters(tmp_path: Any, model_cache_dir: str
+                                                       ) -> None:
+    """The sub-batch of computing rows runs with those rows' adapters only."""
+    from dataclasses import replace
+
+    from diffbatch.pipelines.tiny_lora import make_tiny_lora
+
+    path = resolve_model_path("tiny-sd3")
+    pipeline = DiffusersT2IPipeline.from_pretrained(path)
+    pipeline.load_lora("a", make_tiny_lora(path, tmp_path / "a", seed=1))
+    stack = (("a", 1.0),)
+    specs = [(stack, "first_block:0.3"), ((), "first_block:0.3"), (stack, None),
+             ((), "first_block:0.1")]
+    requests = [cache_request(pipeline, i, s) for i, (_, s) in enumerate(specs)]
+    stacks = [st for st, _ in specs]
+    outputs = pipeline.forward(replace(make_batch(requests), lora_stacks=stacks))
+    for request, st, output in zip(requests, stacks, outputs, strict=True):
+        (alone,) = pipeline.forward(replace(make_batch([request]), lora_stacks=[st]))
+        diff = (output.images - alone.images).abs().max().item()
+        assert diff <= TOLERANCE, f"{request.request_id}: max abs difference {diff}"
+        assert output.cached_steps == alone.cached_steps
+    assert outputs[0].cached_steps and (outputs[0].images - outputs[1].images).abs().max() > 0
+
+
+def test_in_a_packed_wave_of_several_sizes_every_request_computes(load_tiny: Any) -> None:
+    """A packed forward (mixed resolution) runs every request's blocks: the padded
+    carrier would put padding into a request's residual (docs/step_cache.md)."""
+    from tests.pipelines.test_mixed_resolution import any_size
+
+    pipeline = load_tiny("tiny-sd3")
+    requests = [any_size(pipeline, cache_request(pipeline, i, "first_block:0.3",
+                                                  height=size, width=size))
+                for i, size in enumerate((64, 128))]
+    outputs = pipeline.forward(make_batch(requests))
+    for output in outputs:
+        assert output.error is None
+        assert (output.computed_steps, output.cached_steps) == (STEPS, 0)
