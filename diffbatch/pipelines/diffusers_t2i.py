@@ -253,7 +253,6 @@ class DiffusersT2IPipeline(BasePipeline):
         return self._forward_call(batch, self._scheduler_point,
                                   interrupt=self._scheduler_point is None)
 
-
     def _forward_call(self, batch: DiffusionRequestBatch, point: FusionPoint | None, *,
                       interrupt: bool) -> list[DiffusionOutput]:
         """One diffusers call for the wave (one size), on the pipeline of its task,

@@ -85,4 +85,4 @@ def _pinned_property(original: property) -> property:
 def _set(value: property) -> None:
     from diffusers import DiffusionPipeline
 
-    DiffusionPipeline._execution_device = value  # type: ignore[method-assign]
+    DiffusionPipeline._execution_device = value  # type: ignore[attr-defined]

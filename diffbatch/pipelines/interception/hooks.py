@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,6 +40,7 @@ def _hook_class() -> type:
             self.forward = forward
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return self.forward(self.fn_ref.original_forward, args, kwargs)
+            original = cast("Callable[..., Any]", self.fn_ref.original_forward)
+            return self.forward(original, args, kwargs)
 
     return RoutedHook

@@ -125,7 +125,7 @@ class LoraMixer:
         weights; raises `UnsupportedAdapterError` for layers it cannot apply."""
         from peft.tuners.lora import LoraLayer
 
-        found = []
+        found: list[Any] = []  # PEFT LoRA layers holding the adapter
         for root, _layout in self._roots.values():
             for module in root.modules():
                 if isinstance(module, LoraLayer) and name in module.lora_A:
