@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="quality part's torch threads")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--serve-threshold", type=float, default=0.1)
+    parser.add_argument("--serve-threshold", type=float, default=0.2)
     parser.add_argument("--modes", nargs="+", default=["request", "step"],
                         choices=["request", "step"])
     parser.add_argument("--steps", type=int, default=None,
