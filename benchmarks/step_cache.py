@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -58,11 +57,12 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
 
     from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
     from diffbatch.pipelines.interface import DiffusionRequestBatch
+    from diffbatch.pipelines.registry import resolve_model_path
     from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
 
     torch.set_num_threads(args.threads)
-    pipeline = DiffusersT2IPipeline.from_pretrained(str(args.model))
+    pipeline = DiffusersT2IPipeline.from_pretrained(resolve_model_path(str(args.model)))
     info = pipeline.info()
     prompts = sd.heldout_prompts(args.num_prompts)
     results: dict[str, Any] = {}
@@ -291,19 +291,42 @@ def main() -> None:
     parser.add_argument("--device-layers", type=int, default=28)
     parser.add_argument("--device-wave", type=int, default=8)
     parser.add_argument("--device-steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", default="benchmarks/results/step_cache.json")
+    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report: dict[str, Any] = {"model": str(args.model), "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    start_s = time.perf_counter()
+    args.model = str(args.model)
+    report = harness.report_header("step_cache", args)
     if "quality" in args.parts:
         report["quality"] = quality(args)
     if "served" in args.parts:
         report["served"] = served(args)
     if "device" in args.parts:
         report["device"] = device(args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2))
+    harness.finish_report(report, args, plot, start_s=start_s)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """The share of request-steps whose tail blocks ran, per setting (quality part),
+    and the speed-ups measured (served and device parts)."""
+    plt = harness.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    rows = report.get("quality", {})
+    left.bar(list(rows), [r["tail_share"] for r in rows.values()])
+    left.set_ylabel("tail blocks ran / request-steps")
+    left.tick_params(axis="x", labelrotation=60, labelsize=7)
+    speedups = {f"{m} cache/off": report["served"][m]["cache_over_off"]
+                for m in ("request", "step") if m in report.get("served", {})}
+    if "device" in report:
+        speedups["device all/off"] = report["device"]["off_over_all"]
+        speedups["device half/off"] = report["device"]["off_over_half"]
+    right.bar(list(speedups), list(speedups.values()))
+    right.axhline(1.4, linestyle="--", color="grey")
+    right.set_ylabel("speed-up")
+    right.tick_params(axis="x", labelrotation=30, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 if __name__ == "__main__":
