@@ -146,10 +146,10 @@ class StepCache:
         self._forward = None
         metadata = self._blocks[0][1]
         rows = current_rows()
-        requests = rows.requests if rows is not None else None
-        if requests is None or not self._requests \
-                or not any(r in self._requests for r in requests):
+        if rows is None or rows.requests is None or not self._requests \
+                or not any(r in self._requests for r in rows.requests):
             return original(*args, **kwargs)
+        requests = rows.requests
         if self._packed():  # every request computes; its cache starts again after
             for rid in dict.fromkeys(requests):
                 cache = self._requests.get(rid)
@@ -388,7 +388,7 @@ def _listen_to_contexts(transformer: torch.nn.Module, listener: _ContextListener
 
         def __init__(self) -> None:
             super().__init__()
-            self.contexts = StateManager(_Nothing)
+            self.contexts = StateManager(_Nothing)  # type: ignore[arg-type]
 
         def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
             return module  # the state is the requests' own, not the hook's
