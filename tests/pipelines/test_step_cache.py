@@ -15,7 +15,13 @@ from diffbatch.step_cache import StepCacheConfig
 from diffbatch.worker.model_runner import ModelRunner
 from diffbatch.worker.step_runner import StepRunner
 from tests.pipelines.conftest import TOLERANCE, make_batch, make_request
-from tests.pipelines.test_step_execution import join, run_until_idle, solo_image, step_request
+from tests.pipelines.test_step_execution import (
+    join,
+    poison_latents,
+    run_until_idle,
+    solo_image,
+    step_request,
+)
 
 TRANSFORMERS = ["tiny-sd3", "tiny-flux", "tiny-pixart"]
 STEPS = 6
@@ -185,3 +191,52 @@ def test_in_a_packed_wave_of_several_sizes_every_request_computes(load_tiny: Any
     for output in outputs:
         assert output.error is None
         assert (output.computed_steps, output.cached_steps) == (STEPS, 0)
+
+
+class NaNCheckingPixArt(DiffusersT2IPipeline):
+    """tiny-pixart whose last transformer block raises on a batch holding NaN, after the
+    step cache's head block decided; a request whose prompt says "poison" gets NaN
+    latents."""
+
+    def step_fusion_points(self) -> list[Any]:
+        def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.isnan().any():
+                raise RuntimeError("NaN in the last block's batch")
+
+        self.pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(
+            check, with_kwargs=True)
+        return super().step_fusion_points()
+
+    def call_kwargs(self, batch: Any) -> dict[str, Any]:
+        return poison_latents(super().call_kwargs(batch), batch, self.pipe,
+                              self.pipe.transformer)
+
+
+def test_a_fused_forward_that_fails_and_is_rerun_leaves_each_cache_as_it_was(
+        load_tiny: Any) -> None:
+    """Step mode re-runs a failing fused call in parts: the caching requests beside the
+    failing one decide again from the state they had, so their images stay their own."""
+    from diffbatch.pipelines.registry import load_pipeline
+
+    clean = load_tiny("tiny-pixart")
+    reference = ModelRunner(EngineConfig(model="tiny-pixart"), pipeline=clean)
+    pipeline = load_pipeline("tiny-pixart", NaNCheckingPixArt)
+    steps = StepRunner(ModelRunner(EngineConfig(model="tiny-pixart"), pipeline=pipeline))
+    # r0 computes its third step (warm-up) in the fused call that fails
+    made = [step_request(clean, i, 6, step_cache="first_block:0.3,warmup=3")
+            for i in range(2)]
+    poisoned, _ = step_request(clean, 9, 4, step_cache="first_block:0.3")
+    poisoned.prompt = "poison in this prompt"
+    join(steps, [made[0][0]], 0, capacity=4)
+    steps.tick()
+    steps.tick()
+    join(steps, [poisoned, made[1][0]], 1, capacity=4)
+    left = run_until_idle(steps)
+    assert left["r9"][1].error is not None
+    for request, key in made:
+        output = left[request.request_id][1]
+        assert output.error is None, output.error
+        solo = solo_image(reference, request, key)
+        assert (output.images - solo).abs().max().item() <= TOLERANCE
+    assert left["r0"][1].cached_steps > 0

@@ -81,14 +81,44 @@ class RequestCache:
 
 
 @dataclass
+class _Decision:
+    """What the head block decided for one caching request in one forward."""
+
+    cache: RequestCache
+    state: _ContextState
+    computes: bool
+    rows: torch.Tensor  # its row indices in the call
+    head_residual: torch.Tensor  # [rows, ...] its residual of this forward
+
+    def apply(self, head: tuple[torch.Tensor, torch.Tensor | None],
+              out: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Update the request's state after the forward's last block (`head`: the
+        hidden states after the head block; `out`: after the last block)."""
+        state, cache = self.state, self.cache
+        state.forwards += 1
+        if not self.computes:
+            state.cached_in_a_row += 1
+            cache.cached_steps += 1
+            return
+        state.cached_in_a_row = 0
+        cache.computed_steps += 1
+        state.head_residual = self.head_residual
+        (head_hs, head_ehs), (out_hs, out_ehs) = head, out
+        tail_ehs = None if out_ehs is None or head_ehs is None else \
+            out_ehs.index_select(0, self.rows) - head_ehs.index_select(0, self.rows)
+        state.tail_residuals = (
+            out_hs.index_select(0, self.rows) - head_hs.index_select(0, self.rows), tail_ehs)
+
+
+@dataclass
 class _Forward:
     """What the head block decided for the forward running now."""
 
     batch_size: int
     rows: CallRows
     compute: torch.Tensor | None  # row indices that run the tail blocks; None: all
-    # caching requests that compute, with their rows, to store tail residuals for
-    storing: list[tuple[_ContextState, torch.Tensor]]
+    # each caching request's decision, applied to its state once the last block ran
+    decisions: list[_Decision]
     head_output: tuple[torch.Tensor, torch.Tensor | None]  # hs, ehs after the head block
     compute_rows: CallRows | None = None  # the computing rows' per-row data
 
@@ -165,9 +195,11 @@ class StepCache:
         by_request: dict[str, list[int]] = {}
         for i, rid in enumerate(requests):
             by_request.setdefault(rid, []).append(i)
+        # NOTE: states change only once the last block ran (`_Decision.apply`): a forward
+        # that raises (and is re-run in parts, `fusion.run_fused`) leaves them as they were.
         compute: list[int] = []
         cached: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]] = []
-        storing: list[tuple[_ContextState, torch.Tensor]] = []
+        decisions: list[_Decision] = []
         for rid, indices in by_request.items():
             cache = self._requests.get(rid)
             if cache is None:
@@ -176,20 +208,15 @@ class StepCache:
             index = torch.tensor(indices, device=out_hs.device)
             state = cache.contexts.setdefault(context, _ContextState())
             own = residual.index_select(0, index)
-            if _should_compute(cache.config, state, own):
-                state.head_residual = own
-                state.cached_in_a_row = 0
-                cache.computed_steps += 1
+            computes = _should_compute(cache.config, state, own)
+            decisions.append(_Decision(cache, state, computes, index, own))
+            if computes:
                 compute.extend(indices)
-                storing.append((state, index))
             else:
                 assert state.tail_residuals is not None
-                state.cached_in_a_row += 1
-                cache.cached_steps += 1
                 cached.append((index, state.tail_residuals))
-            state.forwards += 1
         if not cached:  # every row computes: the blocks run as they would without us
-            self._forward = _Forward(len(requests), rows, None, storing, (out_hs, out_ehs))
+            self._forward = _Forward(len(requests), rows, None, decisions, (out_hs, out_ehs))
             return output
         new_hs, new_ehs = out_hs.clone(), None if out_ehs is None else out_ehs.clone()
         for index, (tail_hs, tail_ehs) in cached:
@@ -200,7 +227,7 @@ class StepCache:
         compute.sort()
         self._forward = _Forward(
             len(requests), rows, torch.tensor(compute, dtype=torch.long, device=out_hs.device),
-            storing, (out_hs, out_ehs), _subset(rows, compute))
+            decisions, (out_hs, out_ehs), _subset(rows, compute))
         return _join_output(output, metadata, new_hs, new_ehs)
 
     def _run_block(self, metadata: Any, tail: bool, original: Callable[..., Any],
@@ -214,13 +241,9 @@ class StepCache:
             output = self._run_rows(forward, metadata, original, args, kwargs)
         if tail:
             self._forward = None
-            out_hs, out_ehs = _split_output(output, metadata)
-            head_hs, head_ehs = forward.head_output
-            for state, index in forward.storing:
-                tail_ehs = None if out_ehs is None or head_ehs is None else \
-                    out_ehs.index_select(0, index) - head_ehs.index_select(0, index)
-                state.tail_residuals = (
-                    out_hs.index_select(0, index) - head_hs.index_select(0, index), tail_ehs)
+            out = _split_output(output, metadata)
+            for decision in forward.decisions:
+                decision.apply(forward.head_output, out)
         return output
 
     def _run_rows(self, forward: _Forward, metadata: Any, original: Callable[..., Any],
