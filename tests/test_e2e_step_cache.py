@@ -75,6 +75,20 @@ def test_server_default_and_per_request_settings_are_counted_in_response_and_met
     assert 'diffbatch_step_cache_steps_total{model="tiny-pixart",outcome="cached"}' in scraped
 
 
+def test_a_streamed_answer_counts_the_cached_steps_too(served: tuple[Engine, str]) -> None:
+    import json
+
+    _engine, url = served
+    with httpx.stream("POST", f"{url}/v1/images/generations", timeout=120, json={
+            "prompt": "a red circle", "size": "64x64", "stream": True, "seed": 5,
+            "num_inference_steps": STEPS}) as response:
+        events = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    completed = events[-1]["diffbatch"]
+    assert completed["cached_steps"] > 0
+    assert completed["computed_steps"] + completed["cached_steps"] == STEPS
+
+
 def test_a_bad_spec_is_a_400_naming_the_field(served: tuple[Engine, str]) -> None:
     _engine, url = served
     for bad in ("teacache", "first_block:-1", {"threshold": 0.1, "extra": 1}):
