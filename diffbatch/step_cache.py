@@ -14,6 +14,9 @@ Specs, the same for `--step-cache`, `SamplingParams.step_cache` and the HTTP
   `FirstBlockCacheConfig` at that threshold (default `DEFAULT_THRESHOLD`), optionally
   followed by `,warmup=N` (the first N forwards always compute) and `,max_cached=M`
   (at most M cached forwards in a row);
+- `"taylorseer[:threshold]"`: the same decisions, but a cached step adds a first-order
+  forecast of the tail residual from the last two computed steps instead of the last
+  one (cache-dit's DBCache with its TaylorSeer calibrator, order 1);
 - a dict `{"policy", "threshold", "warmup_steps", "max_cached_steps"}` (all but
   `policy` optional), or a `StepCacheConfig`.
 """
@@ -27,8 +30,8 @@ from typing import Any, Literal
 from diffbatch.errors import InvalidRequestError
 from diffbatch.options import Rule
 
-StepCachePolicy = Literal["first_block", "off"]
-POLICIES: tuple[str, ...] = ("first_block", "off")
+StepCachePolicy = Literal["first_block", "taylorseer", "off"]
+POLICIES: tuple[str, ...] = ("first_block", "taylorseer", "off")
 _ALIASES = {"fbc": "first_block", "first-block": "first_block", "none": "off"}
 # diffusers' `FirstBlockCacheConfig` default
 DEFAULT_THRESHOLD = 0.05

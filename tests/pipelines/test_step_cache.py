@@ -28,7 +28,7 @@ STEPS = 6
 # thresholds that cache some steps of the random tiny transformers, and settings that
 # differ per request; None: the request does not cache
 SETTINGS: list[str | None] = ["first_block:0.3", None, "first_block:0.1",
-                              "first_block:0.3,max_cached=1"]
+                              "first_block:0.3,max_cached=1", "taylorseer:0.3"]
 
 
 def cache_request(pipeline: Any, index: int, step_cache: str | None, **params: Any) -> Any:
@@ -59,6 +59,18 @@ def test_each_request_of_a_mixed_wave_equals_its_solo_run_with_its_own_settings(
     assert outputs[0].cached_steps != outputs[2].cached_steps  # thresholds act per request
 
 
+def test_taylorseer_forecasts_the_cached_residual_from_the_last_two_computed_steps(
+        load_tiny: Any) -> None:
+    """The same decisions as first_block (same prompt, seed, threshold), another image:
+    a cached step adds a first-order forecast instead of the last residual."""
+    pipeline = load_tiny("tiny-pixart")
+    steps = {"num_inference_steps": 10}
+    plain = run_alone(pipeline, cache_request(pipeline, 0, "first_block:0.3", **steps))
+    taylor = run_alone(pipeline, cache_request(pipeline, 0, "taylorseer:0.3", **steps))
+    assert plain.cached_steps > 0
+    assert (taylor.images - plain.images).abs().max().item() > 1e-4
+
+
 @pytest.mark.parametrize("model", TRANSFORMERS)
 def test_step_mode_requests_that_join_midway_equal_their_solo_runs(
         model: str, load_tiny: Any) -> None:
@@ -66,7 +78,7 @@ def test_step_mode_requests_that_join_midway_equal_their_solo_runs(
     runner = ModelRunner(EngineConfig(model=model), pipeline=pipeline)
     steps = StepRunner(runner)
     made = [step_request(pipeline, i, n, step_cache=s) for i, (n, s) in
-            enumerate([(6, SETTINGS[0]), (4, None), (6, SETTINGS[2]), (5, SETTINGS[3])])]
+            enumerate([(6, SETTINGS[0]), (4, None), (6, SETTINGS[4]), (5, SETTINGS[3])])]
     requests = [r for r, _ in made]
     expected = {r.request_id: solo_image(runner, r, key) for r, key in made}
     join(steps, requests[:2], 0, capacity=4)

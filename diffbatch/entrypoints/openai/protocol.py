@@ -181,8 +181,8 @@ def _or_null(schema: dict[str, Any]) -> None:
 
 # A step-cache spec as text (`diffbatch.step_cache`), exactly what the parser takes.
 _THRESHOLD = r"(10(\.0+)?|[0-9](\.[0-9]+)?|\.[0-9]+)"
-STEP_CACHE_PATTERN = (rf"^(off|none|(first_block|fbc)(:{_THRESHOLD})?(,warmup=[0-9]{{1,4}})?"
-                      r"(,max_cached=[1-9][0-9]{0,3})?)$")
+STEP_CACHE_PATTERN = (rf"^(off|none|(first_block|fbc|taylorseer)(:{_THRESHOLD})?"
+                      r"(,warmup=[0-9]{1,4})?(,max_cached=[1-9][0-9]{0,3})?)$")
 
 
 class StepCacheFields(BaseModel):
@@ -190,7 +190,7 @@ class StepCacheFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["first_block", "off"] = "first_block"
+    policy: Literal["first_block", "taylorseer", "off"] = "first_block"
     threshold: float = Field(default=0.05, ge=0.0, le=10.0, allow_inf_nan=False)
     warmup_steps: int = Field(default=0, ge=0, le=1000, strict=True)
     max_cached_steps: int | None = Field(default=None, ge=1, le=1000, strict=True)

@@ -68,6 +68,21 @@ class _ContextState:
     cached_in_a_row: int = 0
     head_residual: torch.Tensor | None = None  # [rows, ...] at the last computed step
     tail_residuals: tuple[torch.Tensor, torch.Tensor | None] | None = None  # hs, ehs
+    tail_at: int = 0  # the forward (index in this context) that computed them
+    # the computed step before that one, for the "taylorseer" forecast
+    previous_tails: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    previous_at: int = 0
+
+    def cached_tails(self, taylor: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tail residuals a cached forward adds: the last computed ones, or with
+        `taylor` their first-order forecast to this forward from the last two."""
+        assert self.tail_residuals is not None
+        if not taylor or self.previous_tails is None:
+            return self.tail_residuals
+        ratio = (self.forwards - self.tail_at) / (self.tail_at - self.previous_at)
+        return tuple(  # type: ignore[return-value]
+            None if now is None or before is None else now + ratio * (now - before)
+            for now, before in zip(self.tail_residuals, self.previous_tails, strict=True))
 
 
 @dataclass
@@ -106,6 +121,9 @@ class _Decision:
         (head_hs, head_ehs), (out_hs, out_ehs) = head, out
         tail_ehs = None if out_ehs is None or head_ehs is None else \
             out_ehs.index_select(0, self.rows) - head_ehs.index_select(0, self.rows)
+        if state.tail_residuals is not None:
+            state.previous_tails, state.previous_at = state.tail_residuals, state.tail_at
+        state.tail_at = state.forwards - 1
         state.tail_residuals = (
             out_hs.index_select(0, self.rows) - head_hs.index_select(0, self.rows), tail_ehs)
 
@@ -213,8 +231,8 @@ class StepCache:
             if computes:
                 compute.extend(indices)
             else:
-                assert state.tail_residuals is not None
-                cached.append((index, state.tail_residuals))
+                cached.append((index, state.cached_tails(
+                    cache.config.policy == "taylorseer")))
         if not cached:  # every row computes: the blocks run as they would without us
             self._forward = _Forward(len(requests), rows, None, decisions, (out_hs, out_ehs))
             return output
