@@ -4,7 +4,7 @@ Three questions, on the trained transformer `shapes-dit` (`--model`, a diffusers
 
 1. **Quality and compute** (in process, the diffbatch pipeline, waves of `--batch`):
    the judge's scores (`scripts/shapes_data.py`) on the 120 held-out prompts without
-   caching and with `first_block` at each of `--thresholds`, at the model's default
+   caching and with each of `--policies` at each of `--thresholds`, at the model's default
    steps and at twice them; and the share of request-steps whose tail blocks ran
    (computed / (computed + cached)). Bars: scores within 2 points of no caching; at
    2x default steps, tail blocks run for at most 0.6x of the request-steps.
@@ -67,7 +67,8 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     prompts = sd.heldout_prompts(args.num_prompts)
     results: dict[str, Any] = {}
     for steps in (info.default_num_inference_steps, 2 * info.default_num_inference_steps):
-        for spec in ["off", *(f"first_block:{t:g}" for t in args.thresholds)]:
+        for spec in ["off", *(f"{policy}:{t:g}" for policy in args.policies
+                              for t in args.thresholds)]:
             hits = {"colour": 0, "shape": 0, "background": 0, "all": 0}
             computed = cached = 0
             start = time.perf_counter()
@@ -274,6 +275,8 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["quality", "served"],
                         choices=["quality", "served", "device"])
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    parser.add_argument("--policies", nargs="+", default=["first_block"],
+                        choices=["first_block", "taylorseer"], help="quality part")
     parser.add_argument("--num-prompts", type=int, default=120)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="quality part's torch threads")
