@@ -272,8 +272,9 @@ class DiffusersT2IPipeline(BasePipeline):
         caching = self._caching(batch)
         stacks = batch.lora_stacks if batch.lora_stacks and any(batch.lora_stacks) else None
         # The row plan says each row's request and adapters; the step cache reads the
-        # requests of every call once it is on (a non-caching request's rows included).
-        plan = None if stacks is None and self._step_cache is None else RowPlan(
+        # requests of every call (a non-caching request's too: in step mode a caching
+        # request may join a call that started before any request cached).
+        plan = None if stacks is None and self._info.step_cache_unsupported else RowPlan(
             tuple(batch.request_ids), tuple(stacks or [()] * len(batch)), n,
             cfg_copies(call_parameters(pipe), kwargs.get("guidance_scale")))
         with previews.capturing() if previews is not None else contextlib.nullcontext(), \

@@ -252,3 +252,23 @@ def test_a_fused_forward_that_fails_and_is_rerun_leaves_each_cache_as_it_was(
         solo = solo_image(reference, request, key)
         assert (output.images - solo).abs().max().item() <= TOLERANCE
     assert left["r0"][1].cached_steps > 0
+
+
+def test_the_first_caching_request_may_join_requests_that_started_without_a_cache(
+        model_cache_dir: str) -> None:
+    """On a pipeline that has not cached yet, a caching request joins a running
+    non-caching one in step mode and still decides alone, as in its solo run."""
+    from diffbatch.pipelines.registry import load_pipeline
+
+    pipeline = load_pipeline("tiny-pixart")
+    runner = ModelRunner(EngineConfig(model="tiny-pixart"), pipeline=pipeline)
+    steps = StepRunner(runner)
+    plain, _ = step_request(pipeline, 0, 6)
+    caching, key = step_request(pipeline, 1, 6, step_cache="first_block:0.3")
+    join(steps, [plain], 0, capacity=2)
+    steps.tick()
+    join(steps, [caching], 1, capacity=2)
+    left = run_until_idle(steps)
+    expected = solo_image(runner, caching, key)
+    assert left["r1"][1].cached_steps > 0
+    assert (left["r1"][1].images - expected).abs().max().item() <= TOLERANCE
