@@ -191,7 +191,8 @@ class PipelineInfo:
     supports_mixed_resolution: bool = False
     # `forward` applies requests' `step_cache` (a diffusion transformer whose blocks the
     # step cache can skip); None: why it cannot, in words, for the refusal.
-    step_cache_unsupported: str | None = "this pipeline does not implement step caching"
+    step_cache_unsupported: str | None = (
+        "this pipeline does not implement step caching: leave out `step_cache` / --step-cache")
 
     def supports_task(self, task: str) -> bool:
         """Whether `forward` runs requests of `task` (see `sampling_params.Task`)."""
