@@ -27,6 +27,7 @@ from diffbatch.options import (
     argparse_type,
     option,
 )
+from diffbatch.step_cache import StepCacheSpec
 
 ExecutorKind = Literal["mp", "inproc"]
 SchedulingPolicy = Literal["fifo", "grouped"]
@@ -211,6 +212,13 @@ class EngineConfig:
         help="step mode: requests join and leave the running batch between denoising "
         "steps (mixed step counts share a forward, a cancelled request stops at the next "
         "step); --max-num-seqs is the most requests in the running batch")
+    step_cache: str = option(
+        "off", rule=StepCacheSpec(), metavar="POLICY[:THRESHOLD]",
+        help="step caching for requests that do not choose (their `step_cache`): "
+        "first_block[:threshold][,warmup=N][,max_cached=M] skips a transformer's "
+        "remaining blocks on steps where its first block's residual barely changed, "
+        "decided per request inside the shared forward; off = none. Transformer models "
+        "only (docs/step_cache.md)")
     mixed_resolution: bool = option(
         False, rule=Flag(),
         help="transformer pipelines (SD3, Flux, PixArt): requests of different sizes share "

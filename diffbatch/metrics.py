@@ -204,6 +204,10 @@ class EngineMetrics:
             "diffbatch_waves_rerun", "Waves re-run on a replacement worker after the worker "
             "died under them (a crashed wave is re-run in halves).", registry=r,
         )
+        self.step_cache_steps = Counter(
+            "diffbatch_step_cache_steps", "Denoising steps of requests with a step cache, "
+            "per model: computed (the transformer's remaining blocks ran for the request) "
+            "or cached (its cached residual was reused).", ["model", "outcome"], registry=r)
         if worker_health is not None:
             r.register(_WorkerHealth(worker_health))
         if waiting_by_key is not None:
@@ -243,6 +247,11 @@ class EngineMetrics:
         if queue_s is not None:
             self.queue_time.observe(queue_s)
         self.e2e_time.observe(e2e_s)
+
+    def observe_step_cache(self, model: str, computed_steps: int, cached_steps: int) -> None:
+        """One finished request's step-cache counts."""
+        self.step_cache_steps.labels(model=model, outcome="computed").inc(computed_steps)
+        self.step_cache_steps.labels(model=model, outcome="cached").inc(cached_steps)
 
     def count(self, outcome: str) -> float:
         """The number of requests finished with `outcome` so far."""

@@ -48,6 +48,10 @@ class DiffusionOutput:
     total_time_ms: float = 0.0  # arrival -> delivered
     batch_size: int = 0  # number of requests in the wave this request ran in
     seed: int | None = None  # the seed its generators were made from
+    # step cache (`SamplingParams.step_cache`): denoiser forwards whose tail blocks ran
+    # for this request, and those that reused its cached residual; None: no caching
+    computed_steps: int | None = None
+    cached_steps: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

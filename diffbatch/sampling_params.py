@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from diffbatch.errors import InvalidRequestError
+from diffbatch.step_cache import StepCacheConfig
 
 if TYPE_CHECKING:
     import torch
@@ -228,6 +229,10 @@ class SamplingParams:
             runs fewer steps. Only `Engine.generate_stream` hands them out (the other
             entry points drop the field). Not part of the batch key: a request that
             asks for previews shares waves with requests that do not.
+        step_cache: Step caching for this request (transformer models): a spec such as
+            "first_block:0.05" or "off", a dict or a `StepCacheConfig`
+            (`diffbatch.step_cache`); None takes the server's `--step-cache`. Not part
+            of the batch key: each request decides for itself inside the shared forward.
     """
 
     height: int | None = None
@@ -249,6 +254,7 @@ class SamplingParams:
     mask: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [H, W]
     strength: float | None = None
     partial_images: int = 0
+    step_cache: StepCacheConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("height", "width", "num_inference_steps", "num_outputs_per_prompt", "seed",
@@ -299,6 +305,8 @@ class SamplingParams:
                 "give at most one of `sigmas` and `timesteps`", param="sigmas"
             )
         _check_int("partial_images", self.partial_images, 0, MAX_NUM_INFERENCE_STEPS)
+        if self.step_cache is not None:
+            self.step_cache = StepCacheConfig.parse(self.step_cache)
         if not isinstance(self.extra, dict):
             raise InvalidRequestError(
                 f"`extra` must be a dict, got {type(self.extra).__name__}", param="extra"

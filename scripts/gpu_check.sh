@@ -5,8 +5,8 @@
 #   WHEELS=.whl bash scripts/gpu_check.sh      # one that cannot, with CUDA torch on it
 #
 # Writes OUT (default gpu_check/): env.txt (GPU, torch), test_cuda.log, benchmarks.log,
-# the JSON and figure of learned_curve and defaults, and the two mixed_resolution JSONs
-# (nine files).
+# the JSON and figure of learned_curve and defaults, the two mixed_resolution JSONs and
+# step_cache_device.json (ten files).
 #
 # With PyPI: a venv (.venv-gpu) with the CUDA build of the pinned torch (PyPI's default
 # Linux wheel) and diffbatch with its test and bench extras. Without (WHEELS=DIR): the
@@ -23,7 +23,10 @@
 #      fixed settings, at 16 and 64 closed-loop clients (mean wave size, queue wait);
 #   6. benchmarks/mixed_resolution.py: one packed transformer call over several sizes vs
 #      one call per size, then serving a 64/96/128 mix with and without
-#      --mixed-resolution (tiny-sd3, tiny-pixart): whether packing pays on a GPU.
+#      --mixed-resolution (tiny-sd3, tiny-pixart): whether packing pays on a GPU;
+#   7. benchmarks/step_cache.py --parts device: a PixArt-Sigma-sized transformer with
+#      random weights, built on the GPU, at 1024x1024: a wave of 8 denoised with the
+#      per-request step cache (all caching, half caching) against no caching.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check}
@@ -118,4 +121,10 @@ timeout 150 "$PY" benchmarks/mixed_resolution.py --device cuda --rounds 5 --repe
 timeout 240 "$PY" benchmarks/mixed_resolution.py --device cuda --serve --rounds 3 \
     --window-s 5 --models tiny-sd3 tiny-pixart --out "$OUT/mixed_resolution_serve_cuda.json" \
     2>&1 | grep -v " INFO " | tee -a "$LOG" || status=1
+
+echo "== 7. step_cache.py: per-request step caching at 1024x1024 (random weights)" \
+    | tee -a "$LOG"
+timeout 180 "$PY" benchmarks/step_cache.py --parts device --device-size 1024 --rounds 3 \
+    --serve-threshold 0.2 --out "$OUT/step_cache_device.json" 2>&1 | grep -v " INFO " \
+    | tee -a "$LOG" || status=1
 exit $status

@@ -61,6 +61,7 @@ from diffbatch.pipelines.family_rules import prompt_layout
 from diffbatch.pipelines.interface import PipelineInfo
 from diffbatch.request import DiffusionRequest, RequestStatus, validate_prompt
 from diffbatch.sampling_params import SamplingParams, SamplingParamsKey
+from diffbatch.step_cache import StepCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,11 @@ class Engine:
                 f"{self.info.name} does not (supports_step_execution=False); serve it "
                 "without --step-execution"
             )
+        self.step_cache = StepCacheConfig.parse(config.step_cache, "step_cache")
+        if self.step_cache.enabled and self.info.step_cache_unsupported is not None:
+            self.executor.shutdown()
+            raise ConfigError(f"--step-cache {config.step_cache}: "
+                              f"{self.info.step_cache_unsupported}")
         # LoRA adapters known at start-up are read and checked by the runner now: a bad
         # --lora-modules entry fails start-up, naming it.
         try:
@@ -283,7 +289,12 @@ class Engine:
             lora=self.loras.resolve(params),
             strength=strength,
             extra=resolve_num_frames(info, params),
+            step_cache=self.step_cache if params.step_cache is None else params.step_cache,
         )
+        if resolved.step_cache is not None and resolved.step_cache.enabled \
+                and info.step_cache_unsupported is not None:
+            raise InvalidRequestError(
+                f"`step_cache`: {info.step_cache_unsupported}", param="step_cache")
         check_against_model(info, resolved, self.max_request_work)
         return resolved
 
@@ -381,6 +392,9 @@ class Engine:
             outcome = "aborted" if output.aborted else ("error" if output.error else "completed")
             queue_s = output.queue_time_ms / 1000.0 if output.batch_size else None
             self.metrics.observe_finished(outcome, queue_s, output.total_time_ms / 1000.0)
+            if output.cached_steps is not None and output.computed_steps is not None:
+                self.metrics.observe_step_cache(str(self.config.model), output.computed_steps,
+                                                output.cached_steps)
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             future.set_result(output)  # suppressed: the future was cancelled by its caller
 

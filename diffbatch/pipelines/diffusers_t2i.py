@@ -73,6 +73,11 @@ from diffbatch.pipelines.interception import (
 )
 from diffbatch.pipelines.interception.guidance import wave_guidance_scale
 from diffbatch.pipelines.interception.scheduler_fusion import scheduler_point, wrap_scheduler
+from diffbatch.pipelines.interception.step_cache import (
+    StepCache,
+    UnsupportedStepCache,
+    step_cache_blocks,
+)
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.mixed_sizes import MixedSizes, packable, request_size
 from diffbatch.pipelines.schedule_limits import schedulable_steps
@@ -121,6 +126,8 @@ class DiffusersT2IPipeline(BasePipeline):
         self._scheduler_point: FusionPoint | None = None
         # Waves of several sizes (transformers only, `mixed_sizes.py`).
         self._sizes = MixedSizes(pipe)
+        # Per-request step caching (transformers only), made at the first caching request.
+        self._step_cache: StepCache | None = None
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -206,6 +213,7 @@ class DiffusersT2IPipeline(BasePipeline):
             negative_prompt_none_differs=family_rules.negative_none_differs(pipe),
             **family_rules.prompt_padding(
                 pipe, int(self._call_default("max_sequence_length", 1024))),
+            step_cache_unsupported=_step_cache_unsupported(pipe),
         )
 
     def _call_default(self, name: str, fallback: Any) -> Any:
@@ -272,11 +280,16 @@ class DiffusersT2IPipeline(BasePipeline):
         previews = DiffusersPreviews.for_wave(batch, pipe)
         kwargs = {**self.call_kwargs(batch),
                   **self._step_hooks(batch, pipe, previews, interrupt=interrupt)}
-        plan = None if not batch.lora_stacks or not any(batch.lora_stacks) else RowPlan(
-            tuple(batch.request_ids), tuple(batch.lora_stacks), n,
+        caching = self._caching(batch)
+        stacks = batch.lora_stacks if batch.lora_stacks and any(batch.lora_stacks) else None
+        # The row plan says each row's request and adapters; the step cache reads the
+        # requests of every call (a non-caching request's too: in step mode a caching
+        # request may join a call that started before any request cached).
+        plan = None if stacks is None and self._info.step_cache_unsupported else RowPlan(
+            tuple(batch.request_ids), tuple(stacks or [()] * len(batch)), n,
             cfg_copies(call_parameters(pipe), kwargs.get("guidance_scale")))
         with previews.capturing() if previews is not None else contextlib.nullcontext(), \
-                pinned_device(), row_plan(plan):
+                pinned_device(), row_plan(plan), caching as caches:
             images = pipe(**kwargs).images  # [B*n, C, H, W] in [0, 1]
         if not isinstance(images, torch.Tensor) or images.shape[0] != len(batch) * n:
             raise ValueError(
@@ -285,10 +298,32 @@ class DiffusersT2IPipeline(BasePipeline):
             )
         # Split per request (clone: a view would carry the whole wave's storage).
         images = images.detach().to("cpu", torch.float32)
-        return [
+        outputs = [
             DiffusionOutput(request_id=r.request_id, images=images[i * n:(i + 1) * n].clone())
             for i, r in enumerate(batch.requests)
         ]
+        for output in outputs:
+            cache = caches.get(output.request_id)
+            if cache is not None:
+                output.computed_steps = cache.computed_steps
+                output.cached_steps = cache.cached_steps
+        return outputs
+
+    def _caching(self, batch: DiffusionRequestBatch) -> Any:
+        """The step caches of the batch's caching requests, open for its call
+        (a context yielding request id -> `RequestCache`)."""
+        configs = {r.request_id: r.sampling_params.step_cache for r in batch.requests
+                   if r.sampling_params.step_cache is not None
+                   and r.sampling_params.step_cache.enabled}
+        if not configs:
+            return contextlib.nullcontext({})
+        if self._step_cache is None:
+            reason = self._info.step_cache_unsupported
+            if reason is not None:  # the engine refuses these at admission
+                raise ValueError(reason)
+            sizes = self._sizes
+            self._step_cache = StepCache(self.pipe.transformer, packed=sizes.packing)
+        return self._step_cache.open(configs)
 
     def step_fusion_points(self) -> list[FusionPoint]:
         """Step mode: fuse the denoiser and the scheduler steps per tick, the text
@@ -434,6 +469,19 @@ class DiffusersT2IPipeline(BasePipeline):
             return
         self.loras.check(stacks)
         self._wave_stacks = list(stacks)
+
+
+def _step_cache_unsupported(pipe: Any) -> str | None:
+    """Why `pipe` cannot cache steps (`PipelineInfo.step_cache_unsupported`); None if it can."""
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        return (f"{type(pipe).__name__} denoises with a UNet; step caching skips the blocks of "
+                "a diffusion transformer: leave out `step_cache` / --step-cache for this model")
+    try:
+        step_cache_blocks(transformer)
+    except UnsupportedStepCache as exc:
+        return str(exc)
+    return None
 
 
 class DiffusersPerRequestPipeline(DiffusersT2IPipeline):

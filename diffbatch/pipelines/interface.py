@@ -189,6 +189,10 @@ class PipelineInfo:
     # `forward` runs text-to-image requests of different sizes in one wave (a
     # transformer packing their tokens); with `mixed_resolution` on, size leaves the key.
     supports_mixed_resolution: bool = False
+    # `forward` applies requests' `step_cache` (a diffusion transformer whose blocks the
+    # step cache can skip); None: why it cannot, in words, for the refusal.
+    step_cache_unsupported: str | None = (
+        "this pipeline does not implement step caching: leave out `step_cache` / --step-cache")
     # Whether `guidance_scale` changes the result at all (False: Qwen-Image, whose
     # transformer embeds no guidance; the scale then leaves the key).
     uses_guidance_scale: bool = True

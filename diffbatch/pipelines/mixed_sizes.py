@@ -70,6 +70,10 @@ class MixedSizes:
         self._packer: TokenPacker | None = None  # made at the first packed call
         self._point: FusionPoint | None = None  # the per-size calls' scheduler point
 
+    def packing(self) -> bool:
+        """Whether a packed call of several sizes runs now."""
+        return self._packer is not None and self._packer.layout is not None
+
     def pack_calls(self, calls: Sequence[ModuleCall]) -> list[Any]:
         """The transformer's calls for requests of different sizes, as one call."""
         if self._packer is None:

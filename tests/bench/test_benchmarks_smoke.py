@@ -106,3 +106,14 @@ def test_scheduling_policies_smoke(tmp_path: Path) -> None:
         assert report["mixed"][policy]["num_requests"] == 8
     assert report["mixed"]["throughput_ratio"] > 0
     assert report["guidance"]["fifo_on"]["mean_wave_size"] >= 1
+
+
+def test_step_cache_smoke(tmp_path: Path) -> None:
+    report = run_script("step_cache.py", tmp_path / "step_cache.json", "--model", "tiny-pixart",
+                        "--parts", "quality", "device", "--num-prompts", "2", "--batch", "2",
+                        "--thresholds", "0.3", "--threads", "1", "--device-size", "64",
+                        "--device-layers", "2", "--device-wave", "2", "--device-steps", "3",
+                        "--rounds", "1")
+    assert {row["step_cache"] for row in report["quality"].values()} == {"off", "first_block:0.3"}
+    assert all(0 < row["tail_share"] <= 1 for row in report["quality"].values())
+    assert report["device"]["off_over_all"] > 0

@@ -440,6 +440,9 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
     "scheduling_policy": option(
         "fifo", "tests/test_e2e_grouped_policy.py::"
         "test_fifo_runs_an_alternating_size_queue_one_request_per_wave"),
+    "step_cache": option("first_block:0.3", "tests/test_e2e_step_cache.py::"
+                         "test_server_default_and_per_request_settings_are_counted_in_"
+                         "response_and_metrics"),
     "step_execution": option(True, "tests/test_e2e_step_execution.py::"
                              "test_mixed_step_counts_share_the_batch_and_the_short_request_"
                              "leaves_first", text=""),

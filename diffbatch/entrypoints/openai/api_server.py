@@ -251,6 +251,7 @@ def build_app(
         default_steps=engine.info.default_num_inference_steps,
         max_upload_pixels=max_image_pixels, open_prefixes=_OPEN_PREFIXES,
         negative_prompt=getattr(engine.info, "negative_prompt", "yes") == "yes",
+        step_cache=getattr(engine.info, "step_cache_unsupported", None) is None,
     )
     # Added last = outermost: metrics see every answer, including the guard's.
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,

@@ -72,7 +72,7 @@ def install_openapi(
     app: FastAPI, *, size_rule: SizeRule, lora_enabled: bool, api_key_required: bool,
     max_upload_pixels: int | None = None, open_prefixes: tuple[str, ...] = (),
     max_request_work: int | None = None, default_steps: int = 1,
-    negative_prompt: bool = True,
+    negative_prompt: bool = True, step_cache: bool = True,
 ) -> None:
     """Make `app.openapi()` (and so `/openapi.json` and `/docs`) this server's spec.
 
@@ -80,7 +80,8 @@ def install_openapi(
     size rule's cap); `open_prefixes` are `/v1` paths served without the API key;
     `max_request_work` (None: no limit) is stated with `default_steps`, the model's
     step count when a request gives none (`work_limit.py`); `negative_prompt` False
-    leaves the field out (a model that would drop it refuses it: `PipelineInfo`).
+    leaves the field out (a model that would drop it refuses it: `PipelineInfo`), and
+    so does `step_cache` False (a model that cannot cache steps refuses the field).
     """
     limit = None if max_request_work is None else _WorkLimit(max_request_work, default_steps)
 
@@ -95,11 +96,20 @@ def install_openapi(
             _declare_edit_body(spec, size_rule=size_rule, lora_enabled=lora_enabled,
                                max_upload_pixels=max_upload_pixels or size_rule.max_pixels,
                                limit=limit, negative_prompt=negative_prompt)
+            if not step_cache:
+                _drop_field(spec, "step_cache")
             _normalise(spec)
             app.openapi_schema = spec
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _drop_field(spec: dict[str, Any], name: str) -> None:
+    """Leave field `name` out of both image request bodies."""
+    schemas = spec.get("components", {}).get("schemas", {})
+    for body in (_REQUEST_SCHEMA, _EDIT_SCHEMA):
+        schemas.get(body, {}).get("properties", {}).pop(name, None)
 
 
 @dataclass(frozen=True)

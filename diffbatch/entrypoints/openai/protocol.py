@@ -21,7 +21,15 @@ import re
 import time
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from diffbatch.errors import InvalidRequestError
 from diffbatch.request import MAX_PROMPT_CHARS, validate_prompt
@@ -173,6 +181,23 @@ def _or_null(schema: dict[str, Any]) -> None:
     schema["anyOf"] = [value, {"type": "null"}]
 
 
+# A step-cache spec as text (`diffbatch.step_cache`), exactly what the parser takes.
+_THRESHOLD = r"(10(\.0+)?|[0-9](\.[0-9]+)?|\.[0-9]+)"
+STEP_CACHE_PATTERN = (rf"^(off|none|(first_block|fbc|taylorseer)(:{_THRESHOLD})?"
+                      r"(,warmup=[0-9]{1,4})?(,max_cached=[1-9][0-9]{0,3})?)$")
+
+
+class StepCacheFields(BaseModel):
+    """A request's step-cache settings as fields (see `diffbatch.step_cache`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["first_block", "taylorseer", "off"] = "first_block"
+    threshold: float = Field(default=0.05, ge=0.0, le=10.0, allow_inf_nan=False)
+    warmup_steps: int = Field(default=0, ge=0, le=1000, strict=True)
+    max_cached_steps: int | None = Field(default=None, ge=1, le=1000, strict=True)
+
+
 class ImageGenerationRequest(OpenAIBaseModel):
     """Body of `POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
 
@@ -199,6 +224,9 @@ class ImageGenerationRequest(OpenAIBaseModel):
         stream: Answer as server-sent events (OpenAI's image streaming): partial
             images, then the completed image. Only with n = 1 (as OpenAI) and base64.
         partial_images: Previews to stream before the image, 0-3 (with `stream`).
+        step_cache: Extension: step caching for this request, "first_block[:threshold]"
+            (with ",warmup=N", ",max_cached=M") or "off", or a dict of those fields;
+            None takes the server's `--step-cache` (`diffbatch.step_cache`).
     """
 
     model_config = ConfigDict(
@@ -269,6 +297,13 @@ class ImageGenerationRequest(OpenAIBaseModel):
     )
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000, strict=True,
                           json_schema_extra=_or_null)
+    step_cache: Any = Field(
+        default=None,
+        description='step caching: "first_block[:threshold][,warmup=N][,max_cached=M]" or '
+        '"off", or those as fields; transformer models only; null: the server default',
+        json_schema_extra={"anyOf": [
+            {"type": "string", "pattern": STEP_CACHE_PATTERN},
+            StepCacheFields.model_json_schema(), {"type": "null"}]})
 
     @model_validator(mode="before")
     @classmethod
@@ -340,6 +375,27 @@ class ImageGenerationRequest(OpenAIBaseModel):
                 param=info.field_name,
             )
         return value
+
+    @field_validator("step_cache", mode="before")
+    @classmethod
+    def _check_step_cache(cls, value: Any) -> Any:
+        """What the spec states, checked here so that every refusal names `step_cache`."""
+        if value is None:
+            return None
+        if isinstance(value, str) and re.fullmatch(STEP_CACHE_PATTERN, value):
+            return value
+        if isinstance(value, dict):
+            try:
+                return StepCacheFields.model_validate(value).model_dump()
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise InvalidRequestError(f"`step_cache`{' ' + where if where else ''}: "
+                                          f"{first['msg']}", param="step_cache") from None
+        raise InvalidRequestError(
+            '`step_cache` must be "off" or "first_block[:THRESHOLD]" (THRESHOLD between 0 '
+            'and 10), optionally followed by ",warmup=N" and ",max_cached=M" (M >= 1), or '
+            f"an object of those fields, got {str(value)[:100]!r}", param="step_cache")
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -490,6 +546,14 @@ class ImageObject(BaseModel):
     revised_prompt: str | None = None  # diffbatch never rewrites prompts
 
 
+class DiffbatchInfo(BaseModel):
+    """Extension: how diffbatch ran the request (only for requests that cached steps)."""
+
+    step_cache: str  # the request's step-cache settings, e.g. "first_block:0.05"
+    computed_steps: int  # denoiser forwards whose remaining blocks ran
+    cached_steps: int  # forwards that reused the request's cached residual
+
+
 class ImageGenerationResponse(BaseModel):
     """Body of a successful `POST /v1/images/generations`."""
 
@@ -497,10 +561,14 @@ class ImageGenerationResponse(BaseModel):
     data: list[ImageObject]
     output_format: str
     size: str  # the size actually generated, "WxH"
+    diffbatch: DiffbatchInfo | None = None  # what diffbatch did for this request
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON body: each image with `b64_json` or `url`, whichever it has."""
-        body = self.model_dump()
+        """The JSON body: each image with `b64_json` or `url`, whichever it has (and
+        the `diffbatch` object when there is one)."""
+        body = self.model_dump(exclude_none=False)
+        if body["diffbatch"] is None:
+            del body["diffbatch"]
         for item in body["data"]:
             for name in ("b64_json", "url"):
                 if item[name] is None:

@@ -51,6 +51,7 @@ from diffbatch.entrypoints.openai.errors import request_error_response
 from diffbatch.entrypoints.openai.image_store import FILES_ROUTE, ImageStore, max_file_bytes
 from diffbatch.entrypoints.openai.protocol import (
     QUALITY_STEP_FACTORS,
+    DiffbatchInfo,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
@@ -395,6 +396,7 @@ class OpenAIServingImages:
             lora=lora,
             lora_scale=lora_scale,
             partial_images=request.partial_images or 0,
+            step_cache=request.step_cache,
         )
 
     def _num_inference_steps(self, request: ImageGenerationRequest) -> int | None:
@@ -532,6 +534,10 @@ class OpenAIServingImages:
         # 5. Respond.
         response = ImageGenerationResponse(
             data=data, output_format=request.output_format, size=f"{width}x{height}",
+            diffbatch=None if output.cached_steps is None or output.computed_steps is None
+            else DiffbatchInfo(step_cache=(params.step_cache or self.engine.step_cache).spec(),
+                               computed_steps=output.computed_steps,
+                               cached_steps=output.cached_steps),
         )
         headers = {
             "x-request-id": client_request_id or request_id,

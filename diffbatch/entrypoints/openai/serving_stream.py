@@ -76,7 +76,8 @@ def event_schema(kind: EventKind) -> dict[str, Any]:
             "type": {"enum": [f"{kind}.completed"]}, **common,
             "usage": {"type": "object"}, "diffbatch": {
                 "type": "object", "description": "extension: seed, batch_size, queue_ms, "
-                "execute_ms, engine_ms (the x-diffbatch-* headers of a non-streamed answer)"}}},
+                "execute_ms, engine_ms (the x-diffbatch-* headers of a non-streamed answer); "
+                "computed_steps and cached_steps for a request with a step cache"}}},
         {"type": "object", "properties": {
             "type": {"enum": ["error"]},
             "error": {"$ref": "#/components/schemas/ErrorInfo"}}},
@@ -209,7 +210,10 @@ class StreamedImages:
             "diffbatch": {"seed": output.seed, "batch_size": output.batch_size,
                           "queue_ms": round(output.queue_time_ms, 2),
                           "execute_ms": round(output.execute_time_ms, 2),
-                          "engine_ms": round(output.total_time_ms, 2)},
+                          "engine_ms": round(output.total_time_ms, 2),
+                          **({} if output.cached_steps is None else {
+                              "computed_steps": output.computed_steps,
+                              "cached_steps": output.cached_steps})},
         })
 
     def _redacted(self, error: RequestError) -> RequestError:
