@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import Any, Literal
 
 # diffusers classes (exact, not subclasses: those may override __call__) whose only
 # uses of `guidance_scale` in __call__ are a `> 1` check and the CFG combine
@@ -100,3 +100,55 @@ def apply_quirks(pipe: Any, kwargs: dict[str, Any], extra: dict[str, Any],
 
         if not (is_bs4_available() and is_ftfy_available()):
             kwargs["clean_caption"] = False
+
+
+def default_size(pipe: Any) -> tuple[int, int]:
+    """The pipeline's default image side and the multiple its sides must be: the VAE's
+    scale times the denoiser's downsampling (UNet blocks, a transformer's patch, Flux's
+    2x2 latent packing)."""
+    from diffbatch.pipelines import family_rules
+
+    vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
+    unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
+    denoiser = unet if unet is not None else transformer
+    if unet is not None:  # every down block but the last halves the latent
+        down = 2 ** (len(unet.config.block_out_channels) - 1)
+    elif transformer is not None:
+        # Z-Image names its patch sizes `all_patch_size`
+        down = int(transformer.config.get("patch_size")
+                   or max(transformer.config.get("all_patch_size") or [1]))
+        if hasattr(type(pipe), "_pack_latents"):  # Flux packs 2x2 latent patches
+            down *= 2
+    else:
+        down = 1
+    sample = getattr(pipe, "default_sample_size", None)
+    if sample is None and denoiser is not None:
+        sample = denoiser.config.get("sample_size")
+    size = int(sample) * vae_scale if isinstance(sample, int) else 512
+    # A transformer whose rotary table is shorter than the default size needs
+    # (Z-Image's `axes_lens`) gets the largest size the table covers.
+    size = min(size, family_rules.rotary_size_limit(transformer, vae_scale) or size)
+    return size, vae_scale * down
+
+
+def negative_prompt_use(call_params: Any, true_cfg_default: float,
+                        ) -> Literal["yes", "no", "true_cfg"]:
+    """`PipelineInfo.negative_prompt`: what a request's negative prompt does on a
+    pipeline with these `__call__` parameters and default `true_cfg_scale`."""
+    if "negative_prompt" not in call_params:
+        return "no"
+    if true_cfg(call_params) and not true_cfg_default > 1.0:
+        return "true_cfg"
+    return "yes"
+
+
+def uses_negative_prompt(call_params: Any, true_cfg_default: float, extra: dict[str, Any],
+                         key: Any = None) -> bool:
+    """Whether a wave's call takes its negative prompts. Flux and Qwen-Image use them
+    only with true CFG (`true_cfg_scale` > 1, and a negative prompt: the key's CFG
+    flag); passing them otherwise is wasted encoding at best."""
+    if true_cfg(call_params):
+        if key is not None and not key.cfg_enabled:
+            return False
+        return float(extra.get("true_cfg_scale", true_cfg_default)) > 1.0
+    return True

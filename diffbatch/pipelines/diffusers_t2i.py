@@ -37,7 +37,7 @@ import functools
 import inspect
 import logging
 from dataclasses import replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,10 +59,13 @@ from diffbatch.pipelines.diffusers_previews import DiffusersPreviews, step_callb
 from diffbatch.pipelines.diffusers_quirks import (
     apply_quirks,
     cfg_copies,
+    default_size,
+    negative_prompt_use,
     per_sample_guidance_ok,
     prompt_limit,
     true_cfg,
     unscheduled,
+    uses_negative_prompt,
 )
 from diffbatch.pipelines.interception import (
     FusionPoint,
@@ -73,11 +76,7 @@ from diffbatch.pipelines.interception import (
 )
 from diffbatch.pipelines.interception.guidance import wave_guidance_scale
 from diffbatch.pipelines.interception.scheduler_fusion import scheduler_point, wrap_scheduler
-from diffbatch.pipelines.interception.step_cache import (
-    StepCache,
-    UnsupportedStepCache,
-    step_cache_blocks,
-)
+from diffbatch.pipelines.interception.step_cache import StepCache, step_cache_unsupported
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.mixed_sizes import MixedSizes, packable, request_size
 from diffbatch.pipelines.schedule_limits import schedulable_steps
@@ -157,26 +156,7 @@ class DiffusersT2IPipeline(BasePipeline):
 
     def _make_info(self) -> PipelineInfo:
         pipe, d = self.pipe, self.defaults
-        vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
-        unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
-        denoiser = unet if unet is not None else transformer
-        if unet is not None:  # every down block but the last halves the latent
-            down = 2 ** (len(unet.config.block_out_channels) - 1)
-        elif transformer is not None:
-            # Z-Image names its patch sizes `all_patch_size`
-            down = int(transformer.config.get("patch_size")
-                       or max(transformer.config.get("all_patch_size") or [1]))
-            if hasattr(type(pipe), "_pack_latents"):  # Flux packs 2x2 latent patches
-                down *= 2
-        else:
-            down = 1
-        sample = getattr(pipe, "default_sample_size", None)
-        if sample is None and denoiser is not None:
-            sample = denoiser.config.get("sample_size")
-        size = int(sample) * vae_scale if isinstance(sample, int) else 512
-        # A transformer whose rotary table is shorter than the default size needs
-        # (Z-Image's `axes_lens`) gets the largest size the table covers.
-        size = min(size, family_rules.rotary_size_limit(transformer, vae_scale) or size)
+        size, size_multiple = default_size(pipe)
         # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
         # is embedded in the model and never doubles the batch.
         embedded = true_cfg(self._call_params)
@@ -189,7 +169,7 @@ class DiffusersT2IPipeline(BasePipeline):
                 "num_inference_steps", self._call_default("num_inference_steps", 50))),
             default_guidance_scale=float(d.get(
                 "guidance_scale", self._call_default("guidance_scale", 1.0))),
-            size_multiple=int(d.get("size_multiple", vae_scale * down)),
+            size_multiple=int(d.get("size_multiple", size_multiple)),
             device=self.device,
             cfg_threshold=cfg_threshold,
             supports_per_request_guidance=per_sample_guidance_ok(pipe, cfg_threshold),
@@ -205,7 +185,7 @@ class DiffusersT2IPipeline(BasePipeline):
                 task: float(call_parameters(task_pipe)["strength"].default)
                 for task, task_pipe in self.task_pipes.items() if task != "text-to-image"
             },
-            negative_prompt=self._negative_prompt_use(),
+            negative_prompt=negative_prompt_use(self._call_params, self._true_cfg_default()),
             **prompt_limit(pipe),
             supports_mixed_resolution=packable(pipe),
             uses_guidance_scale=family_rules.uses_guidance_scale(pipe),
@@ -213,7 +193,7 @@ class DiffusersT2IPipeline(BasePipeline):
             negative_prompt_none_differs=family_rules.negative_none_differs(pipe),
             **family_rules.prompt_padding(
                 pipe, int(self._call_default("max_sequence_length", 1024))),
-            step_cache_unsupported=_step_cache_unsupported(pipe),
+            step_cache_unsupported=step_cache_unsupported(pipe),
         )
 
     def _call_default(self, name: str, fallback: Any) -> Any:
@@ -221,7 +201,6 @@ class DiffusersT2IPipeline(BasePipeline):
         if param is None or param.default is inspect.Parameter.empty or param.default is None:
             return fallback
         return param.default
-
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         """Run the wave as one diffusers call and split the images per request.
@@ -406,11 +385,8 @@ class DiffusersT2IPipeline(BasePipeline):
         negatives = batch.negative_prompts
         if "negative_prompt" in call_params and self._uses_negative_prompt(extra, key) \
                 and any(p is not None for p in negatives):
-            if any(p is None for p in negatives) and self._info.negative_prompt_none_differs:
-                raise ValueError(f"{self._info.name}: a wave mixes requests with and "
-                                 "without a negative prompt, which it cannot share")
-            fill = family_rules.negative_prompt_fill(self.pipe)
-            kwargs["negative_prompt"] = [fill if p is None else p for p in negatives]
+            kwargs["negative_prompt"] = family_rules.negative_prompts(
+                self.pipe, self._info, negatives)
         # 4. Edits: each request's image (and mask), its strength.
         if params.task != "text-to-image":
             kwargs.update(edit_inputs(batch))
@@ -430,22 +406,7 @@ class DiffusersT2IPipeline(BasePipeline):
         return step_callbacks(batch, pipe, previews, interrupt=interrupt)
 
     def _uses_negative_prompt(self, extra: dict[str, Any], key: Any = None) -> bool:
-        # NOTE: Flux and Qwen-Image use negative prompts only with true CFG
-        # (true_cfg_scale > 1, and a negative prompt: the key's CFG flag); passing
-        # them otherwise is wasted encoding at best.
-        if true_cfg(self._call_params):
-            if key is not None and not key.cfg_enabled:
-                return False
-            return float(extra.get("true_cfg_scale", self._true_cfg_default())) > 1.0
-        return True
-
-    def _negative_prompt_use(self) -> Literal["yes", "no", "true_cfg"]:
-        """`PipelineInfo.negative_prompt`: what a request's negative prompt does here."""
-        if "negative_prompt" not in self._call_params:
-            return "no"
-        if true_cfg(self._call_params) and not self._true_cfg_default() > 1.0:
-            return "true_cfg"
-        return "yes"
+        return uses_negative_prompt(self._call_params, self._true_cfg_default(), extra, key)
 
     def _true_cfg_default(self) -> float:
         """The call's own `true_cfg_scale` (1.0 for Flux: off; 4.0 for QwenImage: on)."""
@@ -469,19 +430,6 @@ class DiffusersT2IPipeline(BasePipeline):
             return
         self.loras.check(stacks)
         self._wave_stacks = list(stacks)
-
-
-def _step_cache_unsupported(pipe: Any) -> str | None:
-    """Why `pipe` cannot cache steps (`PipelineInfo.step_cache_unsupported`); None if it can."""
-    transformer = getattr(pipe, "transformer", None)
-    if transformer is None:
-        return (f"{type(pipe).__name__} denoises with a UNet; step caching skips the blocks of "
-                "a diffusion transformer: leave out `step_cache` / --step-cache for this model")
-    try:
-        step_cache_blocks(transformer)
-    except UnsupportedStepCache as exc:
-        return str(exc)
-    return None
 
 
 class DiffusersPerRequestPipeline(DiffusersT2IPipeline):

@@ -238,3 +238,14 @@ def prompt_padding(pipe: Any, max_length: int) -> dict[str, Any]:
         return {}
     return {"prompt_pad_multiple": multiple, "prompt_pad_tokenizer": folder,
             "prompt_pad_max_length": max_length}
+
+
+def negative_prompts(pipe: Any, info: Any, negatives: list[str | None]) -> list[str]:
+    """A wave's negative prompts as one list for the call, for a wave where some
+    request has one: "none" filled in as this pipeline means it. A pipeline where none
+    and "" differ (`info.negative_prompt_none_differs`, keyed apart) cannot mix them."""
+    if any(p is None for p in negatives) and info.negative_prompt_none_differs:
+        raise ValueError(f"{info.name}: a wave mixes requests with and without a negative "
+                         "prompt, which it cannot share")
+    fill = negative_prompt_fill(pipe)
+    return [fill if p is None else p for p in negatives]

@@ -439,3 +439,16 @@ def _listen_to_contexts(transformer: torch.nn.Module, listener: _ContextListener
         hook = ContextHook()
         registry.register_hook(hook, _CONTEXT_HOOK)
         listener.manager = hook.contexts
+
+
+def step_cache_unsupported(pipe: Any) -> str | None:
+    """Why `pipe` cannot cache steps (`PipelineInfo.step_cache_unsupported`); None if it can."""
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        return (f"{type(pipe).__name__} denoises with a UNet; step caching skips the blocks of "
+                "a diffusion transformer: leave out `step_cache` / --step-cache for this model")
+    try:
+        step_cache_blocks(transformer)
+    except UnsupportedStepCache as exc:
+        return str(exc)
+    return None
