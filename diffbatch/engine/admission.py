@@ -13,7 +13,8 @@ numbers come from the engine's `BatchPolicy` for the next wave: a fixed
   `min(50 ms, max_wait / 5)`; the plan's own otherwise; only growth resets the
   window, an abort does not), and no request is on its way in (a front end has begun
   to receive it: requests sent together arrive whole, however slowly the server
-  parses them);
+  parses them); a request on its way in holds the window open for at most
+  `INCOMING_GRACE_MS` more, so a slow upload holds nobody's wave;
 - `deadline`: `start + max_wait` passed;
 - `stopped`: the engine is stopping.
 
@@ -28,6 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_STABLE_WINDOW_MS = 50.0
+# How much longer a request on its way in (announced, body not yet parsed) may keep
+# the stable window open: enough to parse a body sent with the others, never the wait.
+INCOMING_GRACE_MS = MAX_STABLE_WINDOW_MS
 
 
 @dataclass
@@ -90,7 +94,8 @@ class AdmissionWait:
                 return "deadline"
             window_end = last_growth + window_s
             if now >= window_end:
-                if not num_incoming():
+                held_until = window_end + INCOMING_GRACE_MS / 1000.0
+                if not num_incoming() or now >= held_until:
                     return "stable"
-                window_end = deadline  # one is on its way in: wait for it (or the deadline)
+                window_end = held_until  # one is on its way in: wait for it, briefly
             wait_s(min(deadline, window_end) - now)

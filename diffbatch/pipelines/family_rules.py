@@ -24,10 +24,12 @@ the requests whose text encoding would depend on their batch mates:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -203,7 +205,7 @@ def encoding_depends_on_batch(pipe: Any) -> bool | None:
         for name in ("prompt_2", "prompt_3"):  # SD3's other encoders read the prompt too
             if name in params and params[name].default is inspect.Parameter.empty:
                 kwargs[name] = None
-        with torch.no_grad():
+        with torch.no_grad(), _libraries_quiet():  # no warning about a probe's prompt
             alone = _first_tensor(encode(prompt=[_SHORT_PROMPT], **kwargs))
             together = _first_tensor(encode(prompt=[_SHORT_PROMPT, _LONG_PROMPT], **kwargs))
     except Exception:  # an encode_prompt that needs more than a prompt: not decided here
@@ -249,3 +251,18 @@ def negative_prompts(pipe: Any, info: Any, negatives: list[str | None]) -> list[
                          "prompt, which it cannot share")
     fill = negative_prompt_fill(pipe)
     return [fill if p is None else p for p in negatives]
+
+
+@contextlib.contextmanager
+def _libraries_quiet() -> Iterator[None]:
+    """transformers' and diffusers' warnings off (errors still show), e.g. a tokenizer's
+    "longer than the specified maximum" for a start-up probe's long prompt."""
+    libraries = [logging.getLogger(name) for name in ("transformers", "diffusers")]
+    levels = [library.level for library in libraries]
+    for library in libraries:
+        library.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for library, level in zip(libraries, levels, strict=True):
+            library.setLevel(level)

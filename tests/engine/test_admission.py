@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from diffbatch import ConfigError, EngineConfig
-from diffbatch.engine.admission import AdmissionWait
+from diffbatch.engine.admission import INCOMING_GRACE_MS, AdmissionWait
 
 
 class Sim:
@@ -97,6 +97,12 @@ def test_a_request_on_its_way_in_holds_the_stable_window_open():
     assert wait.wait(lambda: stuck.waiting, stuck.stopped, stuck.wait_s, stuck.clock,
                      num_incoming=lambda: 1) == "deadline"
     assert stuck.now == pytest.approx(0.020)
+    # a body that keeps arriving (a slow upload) holds a long wait only briefly
+    slow = Sim(waiting=1)
+    long_wait = AdmissionWait(max_wait_ms=2000, capacity=8, window_ms=2)
+    assert long_wait.wait(lambda: slow.waiting, slow.stopped, slow.wait_s, slow.clock,
+                          num_incoming=lambda: 1) == "stable"
+    assert slow.now == pytest.approx((2 + INCOMING_GRACE_MS) / 1000.0)
 
 
 def test_ends_on_stop():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from diffbatch import Engine
+from diffbatch.lora_ref import LoraRef
 from diffbatch.request import DiffusionRequest
 from tests.entrypoints.openai.conftest import app_client
 from tests.entrypoints.openai.test_edits import mask_png, png
@@ -78,7 +79,7 @@ async def test_a_streamed_generation_hands_the_engine_what_a_plain_one_does(clie
     first, second = (fields_of(r) for r in added)
     assert first == second
     assert (first["priority"], first["seed"], first["lora_scale"]) == (-7, 11, 0.5)
-    assert first["lora"].endswith("style")  # resolved in the LoRA folder
+    assert LoraRef.parse(first["lora"]).name == "style"  # resolved in the LoRA folder
     assert (first["width"], first["height"]) == (24, 16)
     assert (first["negative_prompt"], first["num_inference_steps"],
             first["guidance_scale"]) == ("blur", 3, 2.5)
@@ -94,7 +95,7 @@ async def test_a_streamed_edit_hands_the_engine_what_a_plain_one_does(client, ad
     first, second = (fields_of(r) for r in added)
     assert first == second
     assert (first["priority"], first["seed"], first["strength"]) == (-7, 11, 0.4)
-    assert first["lora"].endswith("style")
+    assert LoraRef.parse(first["lora"]).name == "style"
     assert first["image"] is not None and first["mask"] is not None
 
 
