@@ -21,6 +21,12 @@ each calibrates on an otherwise idle machine), `tiny-sd` at 64x64, 4 steps:
   the busy start's mean wave (`/v1/waves`) is at least `BUSY_START_BAR` x the quiet
   start's, and so is its throughput; its capacity (`/metrics`, sampled each second)
   grows after the co-tenant stops, or already stands at the quiet start's.
+- **step_co_tenant**: a step-mode auto server (`--step-execution`) under Poisson
+  arrivals at `--step-rate` (8/s) of mixed 4/8/16/32-step requests, once beside the
+  co-tenant (running for the whole measurement) and once without, on the same server,
+  and without on a twin server, in the same rounds. Bar: throughput beside the
+  co-tenant at least `STEP_CO_TENANT_BAR` x without (the busy loops take about half of
+  each CPU).
 
 Each bar has a noise floor: a "twin", a second server of the fixed setting it is
 judged against (for poisson: the best one in a first, unmeasured round), measured in
@@ -44,6 +50,7 @@ from typing import Any
 
 import httpx
 from peers_servers import harness
+from step_vs_request import poisson_run
 
 from diffbatch.bench.serve import BenchConfig, run_benchmark
 
@@ -275,6 +282,43 @@ def busy_start(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+STEP_CO_TENANT_BAR = 0.4
+
+
+def step_co_tenant(args: argparse.Namespace) -> dict[str, Any]:
+    """Step mode beside the co-tenant against step mode without (module docstring)."""
+    flags = ["--step-execution", "--log-level", "warning"]
+    specs = [harness.diffbatch_defaults_spec(args.model, name=name, extra_args=flags)
+             for name in ("step", "step-twin")]
+    load_args = argparse.Namespace(size=args.size, num_requests=args.step_requests,
+                                   cancel_after_s=0.0)
+    names = ["co-tenant", "quiet", "quiet-twin"]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    with harness.running(specs, one_at_a_time=True) as servers:
+        for rep in range(args.rounds):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                server = servers["step-twin" if name == "quiet-twin" else "step"]
+                with contextlib.ExitStack() as stack:
+                    if name == "co-tenant":
+                        stack.enter_context(harness.CoTenant())
+                    result = asyncio.run(poisson_run(
+                        server.base_url, load_args, rate=args.step_rate,
+                        workload="parity-mix", seed=rep))
+                if result["num_errors"]:
+                    raise RuntimeError(f"{name}: {result['num_errors']} failed: "
+                                       f"{result['errors']}")
+                runs[name].append(result)
+            print(f"  round {rep}: " + ", ".join(
+                f"{n} {r[-1]['completed_per_s']:.2f} req/s, mean {r[-1]['mean_ms']:.0f} ms"
+                for n, r in runs.items()), flush=True)
+    throughput = {n: [r["completed_per_s"] for r in runs[n]] for n in names}
+    ratio = median_ratio(throughput["co-tenant"], throughput["quiet"])
+    twin = abs(median_ratio(throughput["quiet-twin"], throughput["quiet"]) - 1.0)
+    return {"runs": runs, "requests_per_s_rounds": throughput, "rate_per_s": args.step_rate,
+            "co_tenant_over_quiet": ratio, "twin_spread": twin, "bar": STEP_CO_TENANT_BAR,
+            "met": ratio >= STEP_CO_TENANT_BAR - twin}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -291,8 +335,9 @@ def main() -> None:
                         help="fewest Poisson requests per server and round")
     parser.add_argument("--warmup-requests", type=int, default=8,
                         help="sequential requests per server before the lone and burst rounds")
-    parser.add_argument("--bars", nargs="+", default=["lone", "poisson", "busy_start"],
-                        choices=["lone", "poisson", "busy_start"],
+    parser.add_argument("--bars", nargs="+",
+                        default=["lone", "poisson", "busy_start", "step_co_tenant"],
+                        choices=["lone", "poisson", "busy_start", "step_co_tenant"],
                         help="lone: lone and burst")
     parser.add_argument("--clients", type=int, default=16, help="busy_start: closed loop")
     parser.add_argument("--load-s", type=float, default=30.0,
@@ -301,6 +346,10 @@ def main() -> None:
                         help="busy_start: the last seconds whose waves are judged")
     parser.add_argument("--tenant-after-s", type=float, default=10.0,
                         help="busy_start: the co-tenant stops this long after ready")
+    parser.add_argument("--step-rate", type=float, default=8.0,
+                        help="step_co_tenant: Poisson arrivals per second")
+    parser.add_argument("--step-requests", type=int, default=80,
+                        help="step_co_tenant: requests per run")
     parser.add_argument("--step-execution", action="store_true",
                         help="serve the auto server with --step-execution (the fixed ones "
                              "stay in request mode)")
@@ -313,7 +362,9 @@ def main() -> None:
         report["poisson"] = poisson(args)
     if "busy_start" in args.bars:
         report["busy_start"] = busy_start(args)
-    for bar in ("lone", "burst", "poisson", "busy_start"):
+    if "step_co_tenant" in args.bars:
+        report["step_co_tenant"] = step_co_tenant(args)
+    for bar in ("lone", "burst", "poisson", "busy_start", "step_co_tenant"):
         if bar in report:
             print(f"{bar}: {'PASS' if report[bar]['met'] else 'MISS'}", flush=True)
     harness.write_report(report, args.out)
