@@ -105,7 +105,12 @@ def configure_dynamo(settings: CompileSettings, num_graphs: int) -> None:
 
 
 def structural_twin(module: torch.nn.Module) -> torch.nn.Module:
-    """New module objects over the same parameter and buffer tensors, without hooks."""
+    """New module objects over the same parameter and buffer tensors, without hooks.
+
+    The parameters are frozen first (serving never trains): a graph guards on their
+    `requires_grad`, which PEFT flips on the base weights when it injects an adapter.
+    """
+    module.requires_grad_(False)
     tensors = itertools.chain(module.parameters(), module.buffers())
     memo: dict[int, Any] = {id(t): t for t in tensors}
     for sub in module.modules():
@@ -175,7 +180,7 @@ class CompiledForward:
                 with torch.inference_mode():
                     self._call(*self._resized(args, kwargs, rows, size))
             except Exception as exc:
-                self._disable(f"compiling {size} rows failed: {type(exc).__name__}: {exc}")
+                self._disable(f"compiling {size} rows failed: {_one_line(exc)}")
                 return
             seconds = time.perf_counter() - start
             new_hits, new_misses = _cache_counts()
@@ -224,8 +229,7 @@ class CompiledForward:
         try:
             result = self._call(*self._resized(args, kwargs, rows, size))
         except Exception as exc:  # a compile (or compiled call) failing: eager from now on
-            self._disable(f"a compiled call of {size} rows failed: "
-                          f"{type(exc).__name__}: {exc}")
+            self._disable(f"a compiled call of {size} rows failed: {_one_line(exc)}")
             return original(*args, **kwargs)
         self.stats.compiled_forwards += 1
         if _graph_count() != graphs:
@@ -279,6 +283,12 @@ class CompiledForward:
 
         return (tuple(resize(v) for v in args),
                 {k: resize(v, k in self._shared) for k, v in kwargs.items()})
+
+
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one log line (dynamo's messages span many)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
