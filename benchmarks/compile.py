@@ -17,6 +17,11 @@ same flags (`--max-num-seqs 16`, 4 LoRA adapters served by name): `eager`, `twin
    throughput, each request with one of 4 adapters; mean latency, and the compiled
    server's recompiles after warm-up. Bar: eager / compiled mean latency >= 1.5x,
    no recompile.
+5. **On a device** (`--parts device`, `scripts/gpu_check.sh`): the denoiser forward
+   alone at wave sizes `--device-waves` (1, 4, 16, 32), eager against compiled
+   (`CompiledForward`, inductor) against compiled with CUDA graphs
+   (`reduce-overhead`), on the built-in tiny-sd UNet and a PixArt-Sigma-sized
+   transformer with random weights (28 blocks, width 1152) at `--device-size`.
 
     flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/compile.py \\
         --out benchmarks/results/compile.json
@@ -171,11 +176,90 @@ def summarize(rounds: list[dict[str, Any]], capacity: float, recompiles: float,
     }
 
 
+# -- 5. on a device ------------------------------------------------------------------------
+def device(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from diffusers import PixArtTransformer2DModel
+
+    from diffbatch.compile import CompileSettings
+    from diffbatch.pipelines.interception.compiled import (
+        CompiledForward,
+        CompileStats,
+        structural_twin,
+    )
+    from diffbatch.pipelines.registry import load_pipeline
+
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if on == "cuda" else torch.float32
+    waves = tuple(args.device_waves)
+    side = args.device_size // 8
+    unet = load_pipeline("tiny-sd").pipe.unet.to(on, dtype).eval()  # type: ignore[attr-defined]
+    with torch.device(on):
+        torch.manual_seed(0)
+        dit = PixArtTransformer2DModel(
+            sample_size=side, num_layers=args.device_layers, use_additional_conditions=False,
+            caption_channels=4096, norm_type="ada_norm_single").to(dtype).eval()
+
+    def unet_inputs(b: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (torch.randn(b, 4, 8, 8, device=on, dtype=dtype), torch.tensor(500, device=on)), \
+            {"encoder_hidden_states": torch.randn(b, 77, 32, device=on, dtype=dtype),
+             "return_dict": False}
+
+    def dit_inputs(b: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (torch.randn(b, 4, side, side, device=on, dtype=dtype),), {
+            "encoder_hidden_states": torch.randn(b, 120, 4096, device=on, dtype=dtype),
+            "timestep": torch.full((b,), 500.0, device=on),
+            "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+            "return_dict": False}
+
+    def timed_ms(module: torch.nn.Module, b: int, make: Any) -> float:
+        times = []
+        with torch.inference_mode():  # (as the worker runs: inference tensors throughout)
+            call_args, call_kwargs = make(b)
+            for i in range(args.device_iters + 2):
+                if on == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                module(*call_args, **call_kwargs)
+                if on == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 2:
+                    times.append((time.perf_counter() - start) * 1000.0)
+        return statistics.median(times)
+
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name() if on == "cuda" else "cpu",
+                              "size": args.device_size, "waves": list(waves)}
+    for label, module, make in (("tiny-sd unet", unet, unet_inputs),
+                                (f"pixart-sized {args.device_layers} blocks", dit, dit_inputs)):
+        rows: dict[str, Any] = {}
+        for mode in ("eager", "default", "reduce-overhead"):
+            if mode == "reduce-overhead" and on != "cuda":
+                continue
+            target = module
+            start = time.perf_counter()
+            if mode != "eager":
+                target = structural_twin(module)
+                settings = CompileSettings("denoiser", waves, False, args.backend, mode, "")
+                forward = CompiledForward(target, label, settings, CompileStats())
+                with forward.capture(), torch.inference_mode():
+                    call_args, call_kwargs = make(1)
+                    target(*call_args, **call_kwargs)
+                forward.warm()
+            compile_s = time.perf_counter() - start
+            rows[mode] = {"compile_s": compile_s,
+                          "ms": {b: timed_ms(target, b, make) for b in waves}}
+            print(f"device {label} {mode}: " + ", ".join(
+                f"b{b} {ms:.1f} ms" for b, ms in rows[mode]["ms"].items())
+                + f" (compile {compile_s:.0f} s)", flush=True)
+        result[label] = rows
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-sd", "tiny-pixart"])
     parser.add_argument("--parts", nargs="+", default=["restart", "served"],
-                        choices=["restart", "served"])
+                        choices=["restart", "served", "device"])
     parser.add_argument("--target", default="denoiser", choices=["denoiser", "denoiser+vae"])
     parser.add_argument("--buckets", default="2,8,32",
                         help="--compile-buckets of the compiled server")
@@ -187,6 +271,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cache-dir", default=None,
                         help="DIFFBATCH_CACHE_DIR of the servers (default: a new empty one)")
+    parser.add_argument("--device-size", type=int, default=512)
+    parser.add_argument("--device-layers", type=int, default=28)
+    parser.add_argument("--device-waves", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--device-iters", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/compile.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
@@ -194,7 +282,9 @@ def main() -> None:
     start_s = time.perf_counter()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="diffbatch-compile-cache-")
     report = harness.report_header("compile", args)
-    for model in args.models:
+    if "device" in args.parts:
+        report["device"] = device(args)
+    for model in [] if args.parts == ["device"] else args.models:
         loras = adapters(model, Path(tempfile.mkdtemp(prefix=f"compile-loras-{model}-")))
         report[model] = {}
         if "restart" in args.parts:
