@@ -21,7 +21,9 @@ same flags (`--max-num-seqs 16`, 4 LoRA adapters served by name): `eager`, `twin
    alone at wave sizes `--device-waves` (1, 4, 16, 32), eager against compiled
    (`CompiledForward`, inductor) against compiled with CUDA graphs
    (`reduce-overhead`), on the built-in tiny-sd UNet and a PixArt-Sigma-sized
-   transformer with random weights (28 blocks, width 1152) at `--device-size`.
+   transformer with random weights (28 blocks, width 1152) at `--device-size`. On a
+   CPU, `--device-modes eager default dynamic` compares buckets with a dynamic batch
+   dimension.
 
     flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/compile.py \\
         --out benchmarks/results/compile.json
@@ -229,17 +231,20 @@ def device(args: argparse.Namespace) -> dict[str, Any]:
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if on == "cuda" else "cpu",
                               "size": args.device_size, "waves": list(waves)}
-    for label, module, make in (("tiny-sd unet", unet, unet_inputs),
-                                (f"pixart-sized {args.device_layers} blocks", dit, dit_inputs)):
+    models = (("tiny-sd unet", unet, unet_inputs),
+              (f"pixart-sized {args.device_layers} blocks", dit, dit_inputs))
+    for label, module, make in models[:args.device_models]:
         rows: dict[str, Any] = {}
-        for mode in ("eager", "default", "reduce-overhead"):
+        for mode in args.device_modes:
             if mode == "reduce-overhead" and on != "cuda":
                 continue
             target = module
             start = time.perf_counter()
             if mode != "eager":
                 target = structural_twin(module)
-                settings = CompileSettings("denoiser", waves, False, args.backend, mode, "")
+                dynamic = mode == "dynamic"
+                settings = CompileSettings("denoiser", () if dynamic else waves, dynamic,
+                                           args.backend, "default" if dynamic else mode, "")
                 forward = CompiledForward(target, label, settings, CompileStats())
                 with forward.capture(), torch.inference_mode():
                     call_args, call_kwargs = make(1)
@@ -275,6 +280,13 @@ def main() -> None:
     parser.add_argument("--device-layers", type=int, default=28)
     parser.add_argument("--device-waves", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--device-iters", type=int, default=5)
+    parser.add_argument("--device-modes", nargs="+",
+                        default=["eager", "default", "reduce-overhead"],
+                        choices=["eager", "default", "reduce-overhead", "dynamic"],
+                        help="default: buckets (--device-waves); dynamic: one graph with a "
+                        "symbolic batch dimension")
+    parser.add_argument("--device-models", type=int, default=2, choices=[1, 2],
+                        help="1: the tiny-sd UNet only")
     parser.add_argument("--out", default="benchmarks/results/compile.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
