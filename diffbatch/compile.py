@@ -11,8 +11,9 @@ bucket, inside the wave's one forward (docs/compile.md).
 - `compile_backend`: a `torch.compile` backend by name ("inductor"; "eager" and
   "aot_eager" trace without generating code, for checking the mechanism cheaply), or
   "module:function" naming a custom backend callable.
-- `compile_mode`: inductor's mode ("default", "reduce-overhead" for CUDA graphs,
-  "max-autotune").
+
+`CompileSettings.mode` is inductor's mode ("default"; "reduce-overhead" adds CUDA
+graphs, which `benchmarks/compile.py --parts device` measures on a GPU).
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 
 CompileTarget = Literal["off", "denoiser", "denoiser+vae"]
 COMPILE_TARGETS: tuple[str, ...] = ("off", "denoiser", "denoiser+vae")
-COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune",
-                                  "max-autotune-no-cudagraphs")
 DYNAMIC = "dynamic"
 # "auto" never compiles more buckets than rows up to this (each bucket is a compile)
 MAX_AUTO_ROWS = 64
@@ -137,5 +136,5 @@ def compile_settings(config: EngineConfig) -> CompileSettings:
     buckets, dynamic = parse_buckets(config.compile_buckets, 2 * config.capacity_limit)
     return CompileSettings(
         target=config.compile, buckets=buckets, dynamic=dynamic,
-        backend=config.compile_backend, mode=config.compile_mode,
+        backend=config.compile_backend, mode="default",
         cache_dir=str(cache_dir() / "inductor"))

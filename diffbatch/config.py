@@ -10,7 +10,6 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
 from diffbatch.compile import (
-    COMPILE_MODES,
     COMPILE_TARGETS,
     CompileBackend,
     CompileBuckets,
@@ -242,9 +241,6 @@ class EngineConfig:
         "inductor", rule=CompileBackend(), metavar="BACKEND",
         help="torch.compile backend: inductor; eager or aot_eager only trace (to check "
         "the mechanism cheaply); or module:function naming a custom backend")
-    compile_mode: str = option(
-        "default", rule=OneOf(COMPILE_MODES),
-        help="inductor mode: reduce-overhead adds CUDA graphs (GPU)")
     mixed_resolution: bool = option(
         False, rule=Flag(),
         help="transformer pipelines (SD3, Flux, PixArt): requests of different sizes share "
