@@ -140,6 +140,30 @@ def test_more_rows_than_the_largest_bucket_run_eagerly(toy) -> None:
     assert out.shape == (5, 8) and stats.eager_forwards.get("above_buckets") == 1
 
 
+def test_a_fused_step_mode_call_runs_compiled_in_its_bucket() -> None:
+    """Step mode's fusion hook wraps the compiled one: two requests' calls (one row and
+    a timestep each) run as one compiled call of 2 rows, each getting its own row."""
+    from diffbatch.pipelines.interception import Coordinator, FusionPoint, install
+
+    module = PerRow()
+    _forward, stats = compiled(module, settings(buckets=(2,)))
+    install([FusionPoint(module, "forward", "step", "toy")])
+    rows = [inputs(1, seed=s) for s in (3, 4)]
+
+    def call(i: int):
+        sample, _, context = rows[i]
+        with torch.inference_mode():
+            return module(sample, torch.tensor(float(i)), context)[0]
+
+    fused = Coordinator().run_together([lambda: call(0), lambda: call(1)])
+    assert stats.compiled_forwards == 1 and stats.recompiles == 0
+    for i, out in enumerate(fused):
+        sample, _, context = rows[i]
+        with torch.inference_mode():
+            alone = PerRow.forward(module, sample, torch.tensor(float(i)), context)[0]
+        torch.testing.assert_close(out, alone)
+
+
 def failing_backend(graph: torch.fx.GraphModule, example_inputs: list) -> None:
     raise RuntimeError("this backend cannot compile")
 
