@@ -73,8 +73,10 @@ class CompileStats:
         numbers = {name: float(getattr(self, name)) for name in (
             "graphs", "compiles", "recompiles", "compile_s", "compiled_forwards", "failures",
             "cache_hits", "cache_misses")}
-        numbers.update({f"eager_forwards:{r}": float(n) for r, n in self.eager_forwards.items()})
-        numbers["buckets"] = float(sum(len(b) for b in self.buckets.values()))
+        # (read from the heartbeat thread while the worker counts: copies, made at once)
+        eager, buckets = dict(self.eager_forwards), dict(self.buckets)
+        numbers.update({f"eager_forwards:{r}": float(n) for r, n in eager.items()})
+        numbers["buckets"] = float(sum(len(b) for b in buckets.values()))
         return numbers
 
 
