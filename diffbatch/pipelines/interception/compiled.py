@@ -98,8 +98,14 @@ def configure_dynamo(settings: CompileSettings, num_graphs: int) -> None:
     import os
 
     import torch._dynamo
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", settings.cache_dir)
+    # NOTE: inductor writes its default into the variable the first time it looks, so
+    # a value equal to the default is inductor's own, not a user's choice.
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if settings.cache_dir and (given is None
+                               or os.path.abspath(given) == os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = settings.cache_dir
     config = torch._dynamo.config
     limit = max(int(config.recompile_limit), 4 * num_graphs + 8)
     config.recompile_limit = limit
