@@ -178,7 +178,9 @@ class CompiledForward:
             self._disable("no call was captured to compile from")
             return
         args, kwargs, rows = self._captured
-        sizes = [min(2, rows), 1] if self.settings.dynamic else list(self.settings.buckets)
+        # dynamic: a graph for 2 rows and more (its batch dimension symbolic), and one
+        # for a single row (dynamo specialises sizes 0 and 1)
+        sizes = [2, 1] if self.settings.dynamic else list(self.settings.buckets)
         done: list[int] = []
         for k, size in enumerate(sizes, 1):
             start = time.perf_counter()
@@ -274,7 +276,7 @@ class CompiledForward:
         def resize(value: Any, shared: bool = False) -> Any:
             if isinstance(value, torch.Tensor):
                 if value.ndim == 0 and not shared:
-                    value = value.expand(rows)
+                    value = value.reshape(1).repeat(rows)  # (a real row each: stride 1)
                 elif shared or value.shape[0] != rows:
                     return value
                 if size < rows:
