@@ -231,7 +231,11 @@ class CompiledForward:
             if size is None:
                 reason = "above_buckets"
         if reason is not None:
-            self.stats.eager_forwards[reason] = self.stats.eager_forwards.get(reason, 0) + 1
+            count = self.stats.eager_forwards.get(reason, 0)
+            if count == 0 and reason != "off":
+                logger.info("%s runs eagerly for calls with reason %r (logged once; counted "
+                            "in diffbatch_compile_eager_forwards_total)", self.name, reason)
+            self.stats.eager_forwards[reason] = count + 1
             return original(*args, **kwargs)
         assert rows is not None and size is not None
         graphs = _graph_count()
