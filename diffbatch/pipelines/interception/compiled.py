@@ -233,8 +233,9 @@ class CompiledForward:
         if reason is not None:
             count = self.stats.eager_forwards.get(reason, 0)
             if count == 0 and reason != "off":
-                logger.info("%s runs eagerly for calls with reason %r (logged once; counted "
-                            "in diffbatch_compile_eager_forwards_total)", self.name, reason)
+                logger.info("%s: calls with reason %r run the original module (logged "
+                            "once; counted in diffbatch_compile_eager_forwards_total)",
+                            self.name, reason)
             self.stats.eager_forwards[reason] = count + 1
             return original(*args, **kwargs)
         assert rows is not None and size is not None
