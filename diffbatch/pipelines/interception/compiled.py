@@ -14,7 +14,7 @@ objects holding the same parameter and buffer tensors, with no hooks. What diffb
 changes in the original module at run time (PEFT LoRA layers injected and evicted,
 the step cache's block hooks, packed attention) never reaches the twin, so it never
 invalidates the compiled graphs. The calls that need those changes run the original
-module eagerly, each counted by reason (`eager_reason`):
+module eagerly, counted by reason and logged once per reason (`eager_reason`):
 
 - "lora": a row carries a LoRA adapter (the mixer's per-row deltas live in hooks the
   twin does not have);
