@@ -93,7 +93,8 @@ def restart(model: str, args: argparse.Namespace, loras: list[str],
     for label, name in (("eager", "eager"), ("compiled_cold", "compiled"),
                         ("compiled_warm", "compiled"), ("eager_again", "eager")):
         start = time.perf_counter()
-        with harness.running([spec(model, name, args, loras, cache_dir)]) as servers:
+        with harness.running([spec(model, name, args, loras, cache_dir)],
+                             startup_timeout_s=args.startup_timeout_s) as servers:
             seconds[label] = time.perf_counter() - start
             hits[label] = metric(servers[name].base_url, "diffbatch_compile_cache_hits_total")
         print(f"{model} start {label}: {seconds[label]:.1f} s to ready (inductor cache hits "
@@ -117,7 +118,8 @@ def run(base_url: str, args: argparse.Namespace, seed: int, **kwargs: Any) -> di
 def served(model: str, args: argparse.Namespace, loras: list[str],
            cache_dir: str) -> dict[str, Any]:
     specs = [spec(model, name, args, loras, cache_dir) for name in NAMES]
-    with harness.running(specs, one_at_a_time=True) as servers:
+    with harness.running(specs, one_at_a_time=True,
+                         startup_timeout_s=args.startup_timeout_s) as servers:
         urls = {name: servers[name].base_url for name in NAMES}
         capacity = 0.0
         for name, url in urls.items():  # warm-up: waves of each size, every adapter loaded
@@ -234,6 +236,7 @@ def device(args: argparse.Namespace) -> dict[str, Any]:
     models = (("tiny-sd unet", unet, unet_inputs),
               (f"pixart-sized {args.device_layers} blocks", dit, dit_inputs))
     for label, module, make in models[:args.device_models]:
+        targets: dict[str, torch.nn.Module] = {}
         rows: dict[str, Any] = {}
         for mode in args.device_modes:
             if mode == "reduce-overhead" and on != "cuda":
@@ -250,12 +253,17 @@ def device(args: argparse.Namespace) -> dict[str, Any]:
                     call_args, call_kwargs = make(1)
                     target(*call_args, **call_kwargs)
                 forward.warm()
-            compile_s = time.perf_counter() - start
-            rows[mode] = {"compile_s": compile_s,
-                          "ms": {b: timed_ms(target, b, make) for b in waves}}
+            targets[mode] = target
+            rows[mode] = {"compile_s": time.perf_counter() - start, "rounds": []}
+        # the modes take turns within each round (the machine's load drifts)
+        for r in range(args.rounds):
+            for mode in list(targets)[r % len(targets):] + list(targets)[:r % len(targets)]:
+                rows[mode]["rounds"].append({b: timed_ms(targets[mode], b, make) for b in waves})
+        for mode, row in rows.items():
+            row["ms"] = {b: statistics.median(rd[b] for rd in row["rounds"]) for b in waves}
             print(f"device {label} {mode}: " + ", ".join(
-                f"b{b} {ms:.1f} ms" for b, ms in rows[mode]["ms"].items())
-                + f" (compile {compile_s:.0f} s)", flush=True)
+                f"b{b} {ms:.1f} ms" for b, ms in row["ms"].items())
+                + f" (compile {row['compile_s']:.0f} s)", flush=True)
         result[label] = rows
     return result
 
@@ -274,6 +282,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48, help="per server per round")
     parser.add_argument("--lone-requests", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--startup-timeout-s", type=float, default=1800.0,
+                        help="a compiled server's cold start compiles every bucket")
     parser.add_argument("--cache-dir", default=None,
                         help="DIFFBATCH_CACHE_DIR of the servers (default: a new empty one)")
     parser.add_argument("--device-size", type=int, default=512)
