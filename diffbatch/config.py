@@ -9,6 +9,12 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
+from diffbatch.compile import (
+    COMPILE_TARGETS,
+    CompileBackend,
+    CompileBuckets,
+    CompileTarget,
+)
 from diffbatch.cpus import existing_cpus, parse_cpu_list
 from diffbatch.errors import ConfigError
 from diffbatch.options import (
@@ -219,6 +225,22 @@ class EngineConfig:
         "remaining blocks on steps where its first block's residual barely changed, "
         "decided per request inside the shared forward; off = none. Transformer models "
         "only (docs/step_cache.md)")
+    compile: CompileTarget = option(
+        "off", rule=OneOf(COMPILE_TARGETS),
+        help="run the denoiser (denoiser+vae: and the VAE decoder) through torch.compile, "
+        "one graph per wave-size bucket (--compile-buckets), compiled before the server "
+        "says ready and cached on disk under the cache dir; LoRA, step-cache and packed "
+        "calls run eagerly; a compile failure falls back to eager (docs/compile.md)")
+    compile_buckets: str = option(
+        "auto", rule=CompileBuckets(), metavar="ROWS",
+        help="denoiser row counts (requests x n x CFG copies) compiled: a call runs padded "
+        "to the smallest bucket holding it, eagerly above the largest; auto: powers of two "
+        "up to twice the wave capacity; dynamic: one graph with a symbolic batch "
+        "dimension, no padding")
+    compile_backend: str = option(
+        "inductor", rule=CompileBackend(), metavar="BACKEND",
+        help="torch.compile backend: inductor; eager or aot_eager only trace (to check "
+        "the mechanism cheaply); or module:function naming a custom backend")
     mixed_resolution: bool = option(
         False, rule=Flag(),
         help="transformer pipelines (SD3, Flux, PixArt): requests of different sizes share "

@@ -122,6 +122,45 @@ class _WorkerHealth(Collector):
             yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
 
 
+class _Compiled(Collector):
+    """The worker's compile counts (`Executor.compile_stats`), read on scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self.read = read
+
+    def collect(self):
+        stats = self.read()
+        if not stats:
+            return
+        for name, key, text in (
+            ("diffbatch_compile_graphs", "graphs", "Graphs torch.compile made (a graph "
+             "break makes several per bucket)."),
+            ("diffbatch_compile_compiles", "compiles", "Compiled buckets warmed at start-up "
+             "(--compile)."),
+            ("diffbatch_compile_recompiles", "recompiles", "Compiled calls that had to "
+             "compile again after start-up (e.g. a new image size)."),
+            ("diffbatch_compile_failures", "failures", "Compiles or compiled calls that "
+             "failed; the module then runs eagerly."),
+            ("diffbatch_compile_compiled_forwards", "compiled_forwards", "Module forwards "
+             "run by a compiled graph."),
+            ("diffbatch_compile_cache_hits", "cache_hits", "Inductor FX graphs read from "
+             "the on-disk cache at start-up."),
+        ):
+            yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
+        yield GaugeMetricFamily("diffbatch_compile_buckets", "Compiled wave-size buckets "
+                                "(row counts), over the compiled modules.",
+                                value=stats.get("buckets", 0.0))
+        yield GaugeMetricFamily("diffbatch_compile_seconds", "Seconds spent compiling.",
+                                value=stats.get("compile_s", 0.0))
+        eager = CounterMetricFamily(
+            "diffbatch_compile_eager_forwards", "Forwards of a compiled module run eagerly, "
+            "by reason (lora, step_cache, packed, above_buckets, off).", labels=["reason"])
+        for key, value in stats.items():
+            if key.startswith("eager_forwards:"):
+                eager.add_metric([key.partition(":")[2]], value)
+        yield eager
+
+
 class EngineMetrics:
     """The engine's gauges, histograms and counters."""
 
@@ -132,6 +171,7 @@ class EngineMetrics:
         waiting_by_key: Callable[[], dict[str, int]] | None = None,
         policy: BatchPolicy | None = None,
         worker_health: Callable[[], dict[str, float]] | None = None,
+        compile_stats: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -210,6 +250,8 @@ class EngineMetrics:
             "or cached (its cached residual was reused).", ["model", "outcome"], registry=r)
         if worker_health is not None:
             r.register(_WorkerHealth(worker_health))
+        if compile_stats is not None:
+            r.register(_Compiled(compile_stats))
         if waiting_by_key is not None:
             r.register(_WaitingByKey(waiting_by_key))
         if policy is not None:

@@ -6,14 +6,15 @@
 #
 # Writes OUT (default gpu_check/): env.txt (GPU, torch), test_cuda.log, benchmarks.log,
 # the JSON and figure of learned_curve and defaults, the two mixed_resolution JSONs and
-# step_cache_device.json (ten files).
+# step_cache_device.json and compile_device.json (eleven files).
 #
 # With PyPI: a venv (.venv-gpu) with the CUDA build of the pinned torch (PyPI's default
 # Linux wheel) and diffbatch with its test and bench extras. Without (WHEELS=DIR): the
 # machine's python3 and its own torch, plus the wheels in DIR that `scripts/gpu_wheels.sh`
 # fetched elsewhere (diffbatch itself runs from this checkout through PYTHONPATH).
 #
-# Steps, each under its own time limit (about four minutes in all on an H200):
+# Steps, each under its own time limit (about four minutes in all on an H200, plus the
+# compile step: inductor compiles four buckets of two models, minutes on a first run):
 #   1. tests/test_cuda.py: auto batching, batch invariance, fp16, step mode on CUDA;
 #   2. how far a request's image in a wave is from its image alone, TF32 on and off;
 #   3. benchmarks/learned_curve.py on the GPU (calibration against free device memory);
@@ -26,7 +27,11 @@
 #      --mixed-resolution (tiny-sd3, tiny-pixart): whether packing pays on a GPU;
 #   7. benchmarks/step_cache.py --parts device: a PixArt-Sigma-sized transformer with
 #      random weights, built on the GPU, at 1024x1024: a wave of 8 denoised with the
-#      per-request step cache (all caching, half caching) against no caching.
+#      per-request step cache (all caching, half caching) against no caching;
+#   8. benchmarks/compile.py --parts device: the denoiser forward at wave sizes 1, 4, 16
+#      and 32, eager against compiled (inductor) against compiled with CUDA graphs
+#      (reduce-overhead), on the tiny-sd UNet and a PixArt-Sigma-sized transformer with
+#      random weights at 512x512.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check}
@@ -127,4 +132,9 @@ echo "== 7. step_cache.py: per-request step caching at 1024x1024 (random weights
 timeout 180 "$PY" benchmarks/step_cache.py --parts device --device-size 1024 --rounds 3 \
     --serve-threshold 0.2 --out "$OUT/step_cache_device.json" 2>&1 | grep -v " INFO " \
     | tee -a "$LOG" || status=1
+
+echo "== 8. compile.py: eager vs compiled vs CUDA graphs, waves 1/4/16/32" | tee -a "$LOG"
+timeout 420 "$PY" benchmarks/compile.py --parts device --device-size 512 \
+    --device-waves 1 4 16 32 --out "$OUT/compile_device.json" --no-plot 2>&1 \
+    | grep -v " INFO " | tee -a "$LOG" || status=1
 exit $status

@@ -105,6 +105,7 @@ class BenchConfig:
     mode: str = "images"  # "videos": jobs of /v1/videos (submit, poll, download)
     num_frames: int | None = None  # videos: frames per clip (None = the server's default)
     poll_interval_s: float = 0.1  # videos: the pause between two polls of a job
+    loras: tuple[str, ...] = ()  # adapters by name, request i sends loras[i % len]
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -195,6 +196,8 @@ def request_body(config: BenchConfig, model: str | None, index: int) -> dict[str
         body["num_inference_steps"] = config.steps
     if config.guidance_scale is not None:
         body["guidance_scale"] = config.guidance_scale
+    if config.loras:
+        body["lora"] = config.loras[index % len(config.loras)]
     return body
 
 

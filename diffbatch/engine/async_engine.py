@@ -183,6 +183,7 @@ class Engine:
             lambda: me().core.num_running,  # type: ignore[union-attr]
             lambda: me().core.num_waiting_by_key(), self.policy,  # type: ignore[union-attr]
             worker_health=self.executor.health_stats,
+            compile_stats=self.executor.compile_stats,
         )
         self.wave_log = WaveLog()  # the waves served since start-up, for `GET /v1/waves`
         self.core = EngineCore(config, self.executor, policy=self.policy,

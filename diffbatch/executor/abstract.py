@@ -146,6 +146,10 @@ class Executor(ABC):
         its stall bound) and `restarts`; an executor reports what it has."""
         return {}
 
+    def compile_stats(self) -> dict[str, float]:
+        """The runner's compile counts (`CompileStats.as_dict`; empty: not compiling)."""
+        return {}
+
     @abstractmethod
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the runner cannot take work."""

@@ -64,6 +64,11 @@ class InprocExecutor(Executor):
             raise EngineDeadError("executor is shut down")
         return self.runner
 
+    def compile_stats(self) -> dict[str, float]:
+        runner = self.runner
+        stats = None if runner is None else runner.compile_stats
+        return {} if stats is None else stats.as_dict()
+
     def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         with self._run_lock:
             return self._runner().execute_batch(scheduler_output,

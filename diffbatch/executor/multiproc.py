@@ -240,6 +240,11 @@ class MultiprocExecutor(Executor):
             "torch_threads": float(worker.torch_threads if worker else 0),
         }
 
+    def compile_stats(self) -> dict[str, float]:
+        with self._lock:
+            worker = None if self._closed else self._worker
+        return dict(worker.compile_stats) if worker is not None else {}
+
     def cancel(self, future: Future[BatchRunnerOutput]) -> None:
         with self._lock:
             worker = self._worker
@@ -487,6 +492,7 @@ class MultiprocExecutor(Executor):
                 if reply.ticks != worker.last_ticks:  # the running batch moved on
                     worker.last_ticks, worker.last_progress = reply.ticks, now
                 worker.torch_threads = reply.torch_threads
+                worker.compile_stats = reply.compile_stats
                 self._check_running_call(worker, now)
                 continue
             if isinstance(reply, WorkerJoined):  # step mode: these calls have started

@@ -129,6 +129,7 @@ class WorkerProcess:
         # ticks; request mode: denoising steps), and when it last changed
         self.last_ticks = 0
         self.torch_threads = 0  # as the last heartbeat said
+        self.compile_stats: dict[str, float] = {}  # as the last heartbeat said
         self.last_progress = 0.0
         self.resumed = 0.0  # when this process last woke from a suspension of its own
         self.stalled: str | None = None  # why it was killed as stalled ("frozen: ...")

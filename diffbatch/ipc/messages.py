@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from diffbatch import errors
@@ -152,6 +152,8 @@ class WorkerHeartbeat:
     # denoising steps the waves have finished (their pipelines' between-step asks)
     ticks: int = 0
     torch_threads: int = 0  # torch's thread count in the worker now (0: not known)
+    # `CompileStats.as_dict()` of the worker's compiled forwards (empty: not compiling)
+    compile_stats: dict[str, float] = field(default_factory=dict)
 
 
 def heartbeat_interval_s(stall_timeout_s: float) -> float:

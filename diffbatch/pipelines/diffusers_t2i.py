@@ -36,13 +36,16 @@ import copy
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
+from diffbatch.compile import CompileSettings
 from diffbatch.outputs import DiffusionOutput
 from diffbatch.pipelines import family_rules
+from diffbatch.pipelines.diffusers_compile import compile_pipe
 from diffbatch.pipelines.diffusers_edit import (
     at_least_one_step,
     call_parameters,
@@ -74,7 +77,9 @@ from diffbatch.pipelines.interception import (
     pinned_device,
     row_plan,
 )
+from diffbatch.pipelines.interception.compiled import CompileStats
 from diffbatch.pipelines.interception.guidance import wave_guidance_scale
+from diffbatch.pipelines.interception.rows import CallRows
 from diffbatch.pipelines.interception.scheduler_fusion import scheduler_point, wrap_scheduler
 from diffbatch.pipelines.interception.step_cache import StepCache, step_cache_unsupported
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
@@ -303,6 +308,24 @@ class DiffusersT2IPipeline(BasePipeline):
             sizes = self._sizes
             self._step_cache = StepCache(self.pipe.transformer, packed=sizes.packing)
         return self._step_cache.open(configs)
+
+    def compile(self, settings: CompileSettings, run_once: Callable[[], Any]) -> CompileStats:
+        """Compile the denoiser (and VAE decoder) per bucket (`diffusers_compile.py`)."""
+        return compile_pipe(self.pipe, settings, run_once, eager_reason=self._eager_reason,
+                            shared=_SHARED_ARGUMENTS)
+
+    def _eager_reason(self, rows: CallRows | None) -> str | None:
+        """Why a denoiser call must run the original module (None: compiled)."""
+        if self._sizes.packing():
+            return "packed"
+        if rows is None:
+            return None
+        if any(rows.stacks):
+            return "lora"
+        if self._step_cache is not None and rows.requests is not None \
+                and self._step_cache.caches_any(rows.requests):
+            return "step_cache"
+        return None
 
     def step_fusion_points(self) -> list[FusionPoint]:
         """Step mode: fuse the denoiser and the scheduler steps per tick, the text

@@ -41,8 +41,10 @@ from diffbatch.pipelines.partial_images import PartialImagePlan
 if TYPE_CHECKING:
     import torch
 
+    from diffbatch.compile import CompileSettings
     from diffbatch.outputs import DiffusionOutput, PartialImage
     from diffbatch.pipelines.interception import FusionPoint
+    from diffbatch.pipelines.interception.compiled import CompileStats
     from diffbatch.request import DiffusionRequest
     from diffbatch.sampling_params import LoraStack, SamplingParams, SamplingParamsKey
 
@@ -284,6 +286,12 @@ class BasePipeline(ABC):
         must keep its per-request state (scheduler, timesteps, latents) to itself.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement step execution")
+
+    def compile(self, settings: CompileSettings, run_once: Callable[[], Any]) -> CompileStats:
+        """Compile the heavy modules per `settings` and warm them: `run_once()` runs
+        one small request through `forward`, whose module calls show the arguments to
+        compile for. Pipelines that cannot compile raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not support compiling")
 
     def load_lora(self, name: str, weights: Any) -> int | None:
         """Load a LoRA adapter (a path, or a dict of its tensors) under `name` (once);

@@ -37,6 +37,7 @@ from diffbatch.worker.lora_residency import LoraResidency
 
 if TYPE_CHECKING:
     from diffbatch.config import EngineConfig
+    from diffbatch.pipelines.interception.compiled import CompileStats
     from diffbatch.pipelines.interface import BasePipeline, PipelineInfo
     from diffbatch.request import DiffusionRequest
 
@@ -150,14 +151,45 @@ class ModelRunner:
             )
         self.pipeline = pipeline
         self._info = pipeline.info()
+        self.compile_stats: CompileStats | None = None  # set when --compile is on
         self.loras = LoraResidency(pipeline, config.max_loras, lora_file_rules(config))
         self._num_forwards = 0  # forwards run for the current wave (bisection adds some)
         self._should_stop: Callable[[], bool] = lambda: False  # the current wave's
         # where the current wave's partial images go; None: nobody listens
         self._on_partial_image: Callable[[PartialImage], None] | None = None
+        if config.compile != "off":
+            self._compile()
 
     def info(self) -> PipelineInfo:
         return self._info
+
+    def _compile(self) -> None:
+        """Compile and warm the pipeline's modules (`--compile`) before the worker says
+        ready; any failure leaves the pipeline eager, with one log line."""
+        from diffbatch.compile import compile_settings
+        from diffbatch.request import DiffusionRequest
+        from diffbatch.sampling_params import SamplingParams
+
+        settings = compile_settings(self.config)
+        info = self._info
+        params = SamplingParams(
+            height=info.default_height, width=info.default_width, num_inference_steps=1,
+            guidance_scale=info.default_guidance_scale, seed=0, output_type="pt")
+        request = DiffusionRequest("compile-warm-up", "warm-up", params)
+        start = time.perf_counter()
+        try:
+            stats = self.pipeline.compile(settings, lambda: self._run([request]))
+        except Exception as exc:  # (NotImplementedError included) never a dead server
+            logger.warning("--compile %s: compiling failed, serving eagerly: %s: %s",
+                           settings.target, type(exc).__name__, exc)
+            return
+        self.compile_stats = stats
+        logger.info("compiled %s in %.1f s (backend %s, buckets %s; inductor cache: %d "
+                    "hits, %d misses)", ", ".join(stats.buckets) or "nothing",
+                    time.perf_counter() - start, settings.backend,
+                    "; ".join(f"{name}: {','.join(map(str, rows)) or 'dynamic'}"
+                              for name, rows in stats.buckets.items()) or "none",
+                    stats.cache_hits, stats.cache_misses)
 
     # -- LoRA adapters loaded by the engine ------------------------------------------
     def load_lora(self, key: str) -> str:

@@ -280,11 +280,14 @@ def _receive(conn: Connection, inbox: Inbox) -> None:
 
 
 def _beat(channel: _Channel, interval_s: float, stop: threading.Event,
-          ticks: Callable[[], int], threads: Callable[[], int] = lambda: 0) -> None:
+          ticks: Callable[[], int], threads: Callable[[], int] = lambda: 0,
+          compiled: Callable[[], dict[str, float]] = dict) -> None:
     """The heartbeat thread: one `WorkerHeartbeat` per interval while serving, with the
-    running batch's tick count (step mode; the engine sees a batch that stopped)."""
+    running batch's tick count (step mode; the engine sees a batch that stopped) and
+    the compile counts (for /metrics)."""
     while not stop.wait(interval_s):
-        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic(), ticks(), threads())):
+        if not _send_quietly(channel, WorkerHeartbeat(time.monotonic(), ticks(), threads(),
+                                                      compiled())):
             return
 
 
@@ -308,8 +311,10 @@ def _serve(runner: Any, conn: Connection, threshold_bytes: int,
 
     if heartbeat_s > 0:
         ticks = (lambda: steps_done[0]) if steps is None else (lambda: steps.num_ticks)
+        stats = getattr(runner, "compile_stats", None)
+        compiled = dict if stats is None else stats.as_dict
         threading.Thread(target=_beat, args=(channel, heartbeat_s, stop_beating, ticks,
-                                             threads),
+                                             threads, compiled),
                          daemon=True, name="diffbatch-worker-heartbeat").start()
     accepted = _accepted_kwargs(runner)
     try:

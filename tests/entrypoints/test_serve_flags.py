@@ -440,6 +440,13 @@ ENGINE_OPTIONS: dict[str, OptionCase] = {
     "scheduling_policy": option(
         "fifo", "tests/test_e2e_grouped_policy.py::"
         "test_fifo_runs_an_alternating_size_queue_one_request_per_wave"),
+    "compile": option("denoiser", "tests/test_e2e_compile.py::"
+                      "test_start_up_compiles_each_bucket_before_ready",
+                      with_flags=("--compile-backend", "eager")),
+    "compile_buckets": option("2,4", "tests/test_e2e_compile.py::"
+                              "test_start_up_compiles_each_bucket_before_ready"),
+    "compile_backend": option("eager", "tests/test_e2e_compile.py::"
+                              "test_a_module_whose_compile_fails_serves_eagerly"),
     "step_cache": option("first_block:0.3", "tests/test_e2e_step_cache.py::"
                          "test_server_default_and_per_request_settings_are_counted_in_"
                          "response_and_metrics"),

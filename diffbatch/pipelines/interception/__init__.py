@@ -34,13 +34,15 @@ What is intercepted, and why (module):
 6. The `guidance_scale` argument (a value, not a patch): a float to the pipeline,
    one scale per sample to the CFG combine. Why: requests with different guidance
    share one call. (`guidance.py`)
+7. With `--compile`, the denoiser's (and VAE decoder's) `forward`, inside the fusion
+   hook: a call runs padded to its wave-size bucket through a graph compiled from a
+   hook-free twin of the module, and is cut back. Why: compiled forwards that keep
+   batching without a recompile per wave size. (`compiled.py`)
 
-Adding one: per-request step caching is one more `route_forward` hook on the
-denoiser's blocks that reads `rows.current_rows()` (each row's request, in a fused
-call too), keeps its cache state per request, and runs the remaining blocks on the
-gathered rows that compute; compiling the denoiser for wave-size buckets is one more
-hook on its forward, inside the fusion hook, that pads the rows to the bucket and
-cuts the result back.
+Adding one: per-request step caching (`step_cache.py`) is one more `route_forward`
+hook on the denoiser's blocks that reads `rows.current_rows()` (each row's request,
+in a fused call too), keeps its cache state per request, and runs the remaining
+blocks on the gathered rows that compute.
 """
 
 from diffbatch.pipelines.interception.coordinator import Coordinator, Task, install, wrap_method

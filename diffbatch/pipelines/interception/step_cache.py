@@ -176,6 +176,10 @@ class StepCache:
             for rid in caches:
                 self._requests.pop(rid, None)
 
+    def caches_any(self, requests: tuple[str, ...]) -> bool:
+        """Whether any of `requests` caches steps now."""
+        return bool(self._requests) and any(r in self._requests for r in requests)
+
     def _install(self) -> None:
         if self._installed:
             return
