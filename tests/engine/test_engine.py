@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 import threading
 
@@ -295,7 +294,10 @@ def test_ctrl_c_in_generate_aborts_its_requests(tmp_path, monkeypatch):
         def interrupt_once_running() -> None:
             while not (tmp_path / "ctrlc").exists():  # the wave's first step
                 threading.Event().wait(0.01)
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+            # What Ctrl-C sends, aimed at the main thread (where Python raises it): a
+            # process-wide SIGINT taken by another thread can leave the main thread
+            # asleep in its wait, and the test hanging until pytest's timeout.
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
         threading.Thread(target=interrupt_once_running, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
