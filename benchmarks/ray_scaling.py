@@ -7,8 +7,9 @@ client, taking turns so that each measurement sees the same machine load:
   ray-1   diffbatch on Ray Serve, 1 replica (application `/one`);
   ray-2   diffbatch on Ray Serve, 2 replicas (application `/two`).
 
-Every engine runs with executor "mp" (the default), the same `--max-num-seqs`, and
-`--torch-threads` torch threads (default 1; see below). Two measurements:
+Every engine runs with `--executor` (default "mp", the server's default), the same
+`--max-num-seqs`, and `--torch-threads` torch threads (default 1; see below). Two
+measurements:
 
   overhead    sequential requests of a tiny workload, alternating plain and ray-1:
               the median latency of each; ray-1 minus plain is what the proxy hop
@@ -82,7 +83,7 @@ def plain_server(args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Pop
     env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}  # the worker's torch
     cmd = [sys.executable, "-m", "diffbatch", "serve", args.model, "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--request-batch-max-wait-ms",
-           str(args.wait_ms), "--log-level", "warning"]
+           str(args.wait_ms), "--executor", args.executor, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, preexec_fn=harness.die_with_this_process())
     try:
         yield f"http://127.0.0.1:{port}", proc
@@ -110,7 +111,7 @@ def ray_servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             serve.RunTarget(build_app({
                 "model": args.model, "num_replicas": num_replicas,
                 "max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": args.wait_ms,
-                "torch_num_threads": args.torch_threads,
+                "executor": args.executor, "torch_num_threads": args.torch_threads,
                 # Logical reservation: three replicas must fit `--cores` CPUs.
                 "num_cpus_per_replica": args.cores / 3,
             }), name=name, route_prefix=f"/{name}")
@@ -256,6 +257,11 @@ def main() -> None:
                         help="the Ray cluster's CPUs")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of every engine (see the NOTE above)")
+    parser.add_argument("--executor", choices=("mp", "inproc"), default="mp",
+                        help="every engine's executor: mp (the default) runs the model in a "
+                             "worker process; inproc in the server's or replica's own "
+                             "process, one process less per engine (a quick check that the "
+                             "script runs)")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--wait-ms", type=float, default=10.0)
     parser.add_argument("--overhead-size", type=int, default=64)

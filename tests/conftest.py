@@ -43,11 +43,13 @@ RAY_TEST_FILES = ("tests/entrypoints/ray/", "tests/bench/test_ray_benchmarks_smo
 # `make test` hands them to its processes first. A hint only: a stale list costs time,
 # never a failure.
 LONGEST_FIRST = (
-    *RAY_TEST_FILES, "tests/test_e2e_step_execution.py", "tests/executor/test_multiproc.py",
-    "tests/test_e2e_step_faults.py", "tests/entrypoints/test_cli_serve.py",
-    "tests/bench/test_benchmarks_smoke.py", "tests/bench/test_reliability_smoke.py",
-    "tests/bench/test_auto_benchmarks_smoke.py",
-    "tests/pipelines/test_model_matrix_llm.py", "tests/pipelines/test_model_matrix_dit.py",
+    *RAY_TEST_FILES, "tests/test_e2e_step_execution.py", "tests/bench/test_benchmarks_smoke.py",
+    "tests/bench/test_auto_benchmarks_smoke.py", "tests/executor/test_multiproc.py",
+    "tests/test_e2e_step_faults.py", "tests/test_e2e_engine.py",
+    "tests/bench/test_reliability_smoke.py", "tests/entrypoints/openai/test_lora_loading.py",
+    "tests/test_e2e_auto_batching.py", "tests/entrypoints/openai/test_worker_faults.py",
+    "tests/scripts/test_train_dit_model.py", "tests/test_e2e_lora.py",
+    "tests/pipelines/test_diffusers_t2i.py", "tests/entrypoints/test_cli_serve.py",
 )
 
 

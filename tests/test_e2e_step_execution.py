@@ -38,7 +38,10 @@ def wait_until(condition, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def step_engine():
-    with Engine("tiny-sd", step_execution=True, max_num_seqs=4, executor="mp",
+    """Step mode in a worker process, on the real tiny-sd adapter whose call for a
+    `HANG` prompt never returns (the stuck-batch test's), with a 3 s stall timeout."""
+    with Engine("tiny-sd", pipeline_class="tests.fake_tiny_sd.HangingTinySD",
+                step_execution=True, max_num_seqs=4, executor="mp", worker_stall_timeout_s=3.0,
                 max_request_work=0) as engine:
         yield engine
 
@@ -154,27 +157,29 @@ def test_start_up_refuses_a_pipeline_without_the_step_contract():
         Engine(pipeline_class=FakeBatchPipeline, step_execution=True, executor="inproc")
 
 
-def test_a_batch_that_stops_stepping_while_the_heartbeat_lives_is_stuck_and_replaced():
+def test_a_batch_that_stops_stepping_while_the_heartbeat_lives_is_stuck_and_replaced(
+        step_engine):
     """The worker's main thread hangs in a request's pipeline call (its heartbeat
     thread beats on): once the running batch has finished no step for its stall bound
     (here the 3 s stall timeout: 10 x a tiny tick is less), the worker is killed as
     stuck; the request is re-run alone on the replacement, hangs again, and fails
     naming why, as request mode's wave of one would; the next replacement serves the
     next request. (3 s, not less: the replacement's first ticks must stay inside it on
-    a machine that runs another test beside this one.)"""
-    with Engine("tiny-sd", pipeline_class="tests.fake_tiny_sd.HangingTinySD",
-                step_execution=True, max_num_seqs=2, executor="mp", worker_stall_timeout_s=3.0,
-                max_request_work=0) as engine:
-        assert engine.generate(["before"], [pt(1, 3)], use_tqdm=False)[0].ok  # ticks seen
-        stuck = engine.generate([f"it {HANG}"], [pt(2, 3)], use_tqdm=False)[0]
-        assert stuck.error is not None
-        assert "again when it was re-run on its own" in stuck.error.message
-        assert "stuck: the running batch finished no step" in stuck.error.message
-        stats = engine.executor.health_stats()
-        assert (stats["stuck_waves"], stats["frozen"], stats["batch_reruns"]) == (2, 2, 1)
-        assert engine.executor.wait_healthy(120)
-        after = engine.generate(["after"], [pt(3, 3)], use_tqdm=False)[0]
-        assert after.ok, after.error
+    a machine that runs another test beside this one.) It replaces the module engine's
+    worker, so it runs after the other tests of `step_engine`."""
+    engine = step_engine
+    keys = ("stuck_waves", "frozen", "batch_reruns")
+    before = engine.executor.health_stats()
+    assert engine.generate(["before"], [pt(1, 3)], use_tqdm=False)[0].ok  # ticks seen
+    stuck = engine.generate([f"it {HANG}"], [pt(2, 3)], use_tqdm=False)[0]
+    assert stuck.error is not None
+    assert "again when it was re-run on its own" in stuck.error.message
+    assert "stuck: the running batch finished no step" in stuck.error.message
+    stats = engine.executor.health_stats()
+    assert tuple(stats[k] - before[k] for k in keys) == (2, 2, 1)
+    assert engine.executor.wait_healthy(120)
+    after = engine.generate(["after"], [pt(3, 3)], use_tqdm=False)[0]
+    assert after.ok, after.error
 
 
 def started_and_queued(engine: Engine) -> tuple[set[str], set[str]]:

@@ -23,7 +23,7 @@ def test_ray_scaling_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ray.json"
     cmd = [sys.executable, str(BENCHMARKS / "ray_scaling.py"), "--steps", "1", "--size", "64",
            "--num-sequential", "2", "--warmup", "1", "--num-requests", "4",
-           "--concurrency", "2", "--rounds", "1", "--out", str(out)]
+           "--concurrency", "2", "--rounds", "1", "--executor", "inproc", "--out", str(out)]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                             capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

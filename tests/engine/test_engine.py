@@ -290,23 +290,30 @@ def test_ctrl_c_in_generate_aborts_its_requests(tmp_path, monkeypatch):
     """A KeyboardInterrupt while `generate` waits stops its wave at the next step (the
     script is going away, or the REPL wants the engine for the next call)."""
     monkeypatch.setenv("DIFFBATCH_FAKE_MARKER_DIR", str(tmp_path))
-    with Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="inproc",
-                max_num_seqs=1, request_batch_max_wait_ms=0) as engine:
-        def interrupt_once_running() -> None:
-            while not (tmp_path / "ctrlc").exists():  # the wave's first step
-                threading.Event().wait(0.01)
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+    # Python's own Ctrl-C handler, also where the suite was started with SIGINT ignored
+    # (a background job, nohup): Python then leaves it ignored, and the SIGINT below
+    # would do nothing while `generate` waits out its ten-minute wave.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Engine(pipeline_class="tests.fake_pipelines.FaultyPipeline", executor="inproc",
+                    max_num_seqs=1, request_batch_max_wait_ms=0) as engine:
+            def interrupt_once_running() -> None:
+                while not (tmp_path / "ctrlc").exists():  # the wave's first step
+                    threading.Event().wait(0.01)
+                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
 
-        threading.Thread(target=interrupt_once_running, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            engine.generate(["steps ctrlc"])  # ten minutes of steps
-        stopped = tmp_path / "ctrlc.interrupted"  # written when the wave stops at a step
-        for _ in range(6000):  # (bounds a broken test only; the wave would run ten minutes)
-            if stopped.exists():
-                break
-            threading.Event().wait(0.01)
-        assert stopped.exists()
-        assert engine.generate(["next"])[0].ok
+            threading.Thread(target=interrupt_once_running, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                engine.generate(["steps ctrlc"])  # ten minutes of steps
+            stopped = tmp_path / "ctrlc.interrupted"  # written when the wave stops at a step
+            for _ in range(6000):  # (bounds a broken test only; the wave would run ten minutes)
+                if stopped.exists():
+                    break
+                threading.Event().wait(0.01)
+            assert stopped.exists()
+            assert engine.generate(["next"])[0].ok
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_duplicate_active_request_id_is_rejected(gate):

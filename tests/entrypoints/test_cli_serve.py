@@ -3,7 +3,8 @@
 The first tests start a server each (shutdown, SIGKILL); the rest share one
 `diffbatch serve tiny-sd` (`served`: the default `mp` executor, a real socket) and
 check what its flags and request fields do by value: metric counts after known
-traffic, the batch-size header, `priority`, `output_compression`, `--seed`.
+traffic, the batch-size header, `priority`, `output_compression`, `--seed`, the API
+key; the last one stops it with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -74,38 +75,6 @@ def wait_ready(proc: subprocess.Popen, log_path: str) -> str:
             continue
         pytest.fail(f"diffbatch serve exited early with code {proc.returncode}")
     pytest.fail(f"diffbatch serve not ready after {START_TIMEOUT_S:g} s")
-
-
-def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path) -> None:
-    env = {**os.environ, "DIFFBATCH_API_KEY": "cli-key"}
-    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "diffbatch.entrypoints.cli", "serve", "tiny-sd", "--port",
-         "0", "--executor", "inproc", "--served-model-name", "cli-model",
-         "--log-level", "info"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        url = wait_ready(proc, log.name)
-        headers = {"Authorization": "Bearer cli-key"}
-        assert httpx.post(f"{url}/v1/images/generations", json={"prompt": "p"}).status_code == 401
-        response = httpx.post(f"{url}/v1/images/generations", headers=headers, timeout=120,
-                              json={"prompt": "a red circle", "num_inference_steps": 2,
-                                    "seed": 0, "model": "cli-model"})
-        assert response.status_code == 200, response.text
-        assert response.json()["size"] == "64x64"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-        log.seek(0)
-        text = log.read()
-        assert "closing the engine" in text
-        assert "serving 'cli-model'" in text and "Logging error" not in text
-        assert "a red circle" not in text  # prompts are never logged above DEBUG
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -290,11 +259,18 @@ SEED = 1234  # the server's --seed
 ROUTE = "/v1/images/generations"
 
 
+API_KEY = "cli-key"  # the server's $DIFFBATCH_API_KEY
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SERVED_NAME = "cli-model"  # the server's --served-model-name
+
+
 @dataclass
 class Served:
     """`diffbatch serve tiny-sd` in a subprocess: the default `mp` executor, a real socket."""
 
     url: str
+    proc: subprocess.Popen
+    log: Any  # its log file, open for reading
 
     @property
     def port(self) -> int:
@@ -302,8 +278,8 @@ class Served:
 
     def post(self, **body: Any) -> httpx.Response:
         """One image request (2 steps unless told); the response, checked to be a 200."""
-        response = httpx.post(f"{self.url}{ROUTE}", timeout=START_TIMEOUT_S, json={
-            "prompt": "a red circle", "num_inference_steps": 2, **body})
+        response = httpx.post(f"{self.url}{ROUTE}", timeout=START_TIMEOUT_S, headers=AUTH,
+                              json={"prompt": "a red circle", "num_inference_steps": 2, **body})
         assert response.status_code == 200, response.text
         return response
 
@@ -315,12 +291,15 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Waves of up to 2 after an admission wait of up to 1 s, picked by priority
     (`grouped`); requests that give no seed draw one from --seed's random source; no
-    bound on a request's work (`holding_the_worker`'s request)."""
+    bound on a request's work (`holding_the_worker`'s request); an API key from the
+    environment and a served model name. The module's last test stops it (Ctrl-C)."""
     proc, url, log = serve(tmp_path_factory.mktemp("served"), "tiny-sd", "--seed", str(SEED),
                            "--max-num-seqs", "2", "--request-batch-max-wait-ms", "1000",
-                           "--scheduling-policy", "grouped", "--max-request-work", "0")
+                           "--scheduling-policy", "grouped", "--max-request-work", "0",
+                           "--served-model-name", SERVED_NAME,
+                           env={"DIFFBATCH_API_KEY": API_KEY})
     try:
-        yield Served(url)
+        yield Served(url, proc, log)
     finally:
         stop(proc, log)
 
@@ -331,7 +310,8 @@ def test_metrics_count_exactly_the_traffic_sent(served: Served) -> None:
     before = metrics(served.url)
     for seed in (1, 2, 3):  # one at a time: three waves of one
         served.post(seed=seed)
-    refused = httpx.post(f"{served.url}{ROUTE}", json={"prompt": "p", "size": "40x40"})
+    refused = httpx.post(f"{served.url}{ROUTE}", headers=AUTH,
+                         json={"prompt": "p", "size": "40x40"})
     assert refused.status_code == 400, refused.text
     after = metrics(served.url)
 
@@ -360,7 +340,7 @@ def holding_the_worker(served: Served) -> Iterator[socket.socket]:
     queue behind it however slow the machine) running on the worker, over a raw
     connection the caller closes (`disconnect`) to stop its wave at the next step."""
     holder = open_raw_request(served.port, {"prompt": "holds the worker", "seed": 7,
-                                            "num_inference_steps": 900})
+                                            "num_inference_steps": 900}, headers=AUTH)
     try:
         wait_for(lambda: served.metric("diffbatch_num_requests_running") == 1,
                  "the long wave to start")
@@ -389,7 +369,7 @@ def test_batch_size_header_is_the_size_of_the_wave(served: Served) -> None:
 def test_priority_reaches_the_engine(served: Served) -> None:
     """Behind a running wave, a later request with a better (lower) priority runs before
     an earlier one: the wave log shows the waves in the order they ran."""
-    last_id = httpx.get(f"{served.url}/v1/waves").json()["last_id"]
+    last_id = httpx.get(f"{served.url}/v1/waves", headers=AUTH).json()["last_id"]
     with ThreadPoolExecutor(2) as pool, holding_the_worker(served) as holder:
         earlier = pool.submit(served.post, seed=8, priority=10)  # 64x64
         wait_for(lambda: served.metric("diffbatch_num_requests_waiting") == 1,
@@ -399,7 +379,8 @@ def test_priority_reaches_the_engine(served: Served) -> None:
                  "the later request to wait")
         disconnect(holder)  # its wave stops at the next denoising step
         earlier.result(), later.result()
-    waves = httpx.get(f"{served.url}/v1/waves", params={"after": last_id}).json()["data"]
+    waves = httpx.get(f"{served.url}/v1/waves", params={"after": last_id}, headers=AUTH
+                      ).json()["data"]
     assert [w["key"].split("/")[:2] for w in waves] == [
         ["64x64", "s900"], ["32x32", "s2"], ["64x64", "s2"]]
 
@@ -427,3 +408,20 @@ def test_seed_flag_seeds_the_requests_that_give_none(served: Served) -> None:
     same, other = served.post(seed=seed), served.post(seed=seed + 1)
     assert np.array_equal(decode(unseeded), decode(same))
     assert not np.array_equal(decode(unseeded), decode(other))
+
+
+# -- last: it stops the shared server ------------------------------------------------------
+def test_serve_answers_and_stops_cleanly_on_ctrl_c(served: Served) -> None:
+    """The key guards the routes and the served name is the model's; Ctrl-C closes the
+    engine and exits 0, and the log names the model and never a prompt."""
+    url = served.url
+    assert httpx.post(f"{url}{ROUTE}", json={"prompt": "p"}).status_code == 401
+    response = served.post(seed=0, model=SERVED_NAME)
+    assert response.json()["size"] == "64x64"
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(timeout=60) == 0
+    served.log.seek(0)
+    text = served.log.read()
+    assert "closing the engine" in text
+    assert f"serving '{SERVED_NAME}'" in text and "Logging error" not in text
+    assert "a red circle" not in text  # prompts are never logged above DEBUG

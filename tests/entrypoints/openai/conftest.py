@@ -173,12 +173,14 @@ def engine(lora_dir: str) -> Iterator[Engine]:
 
 
 def open_raw_request(port: int, body: dict[str, Any],
-                     route: str = "/v1/images/generations") -> socket.socket:
-    """Send one JSON request to the server on `port` on a raw socket and return the
-    socket unread: `disconnect` it to leave as a client that gave up."""
+                     route: str = "/v1/images/generations",
+                     headers: dict[str, str] | None = None) -> socket.socket:
+    """Send one JSON request (with `headers`) to the server on `port` on a raw socket and
+    return the socket unread: `disconnect` it to leave as a client that gave up."""
     data = json.dumps(body).encode()
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+            f"{extra}Content-Length: {len(data)}\r\n\r\n").encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(head + data)
     return sock

@@ -35,6 +35,7 @@ from diffbatch.entrypoints.ray.args import RayServeArgs
 from diffbatch.entrypoints.ray.proxy import REPLICA_FAILED_MESSAGE, ReplicaFailureMiddleware
 from diffbatch.entrypoints.ray.server import REPLICA_HEADER, args_from_namespace, build_app
 from diffbatch.errors import ConfigError
+from tests.entrypoints.openai.conftest import disconnect, open_raw_request
 from tests.entrypoints.ray.conftest import RayCluster, wait_until
 
 # Ray is imported inside the tests that need it: without the `[ray]` extra the
@@ -547,9 +548,10 @@ def test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown(
 ) -> None:
     """`diffbatch serve --ray` as a user starts it, with the default `mp` executor: two
     requests queued behind a long wave share one wave of 2 in the replica's worker
-    process; --shutdown-timeout becomes the replica's graceful shutdown timeout, so
-    SIGTERM with a long wave in flight kills the replica then and its client is
-    answered 503; the command exits 0 and the application is gone."""
+    process once the long wave's client leaves; --shutdown-timeout becomes the
+    replica's graceful shutdown timeout, so SIGTERM with a long wave in flight kills
+    the replica then and its client is answered 503; the command exits 0 and the
+    application is gone."""
     import ray
     from ray.serve.context import _get_global_client
 
@@ -583,14 +585,19 @@ def test_cli_on_ray_batches_in_the_replicas_worker_and_bounds_its_shutdown(
         assert config["graceful_shutdown_timeout_s"] == 0.5
         with ThreadPoolExecutor(3) as pool:
             # 1. Behind a long wave (long enough to outlast a few stalled round trips
-            # through the proxy), a full wave of two waits at the worker.
-            long = pool.submit(post, num_inference_steps=600)
-            wait_until(lambda: _running_requests(url) == 1, what="the long wave")
-            pair = [pool.submit(post, seed=seed) for seed in (1, 2)]
-            wait_until(lambda: _running_requests(url) == 3, what="the pair behind it")
-            answers = [f.result() for f in (long, *pair)]
-            assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
-            assert [a.headers["x-diffbatch-batch-size"] for a in answers] == ["1", "2", "2"]
+            # through the proxy), a full wave of two waits at the worker; the long
+            # wave's client then leaves, which stops that wave at its next step.
+            holder = open_raw_request(int(url.rsplit(":", 1)[1]), {
+                "prompt": "holds the worker", "num_inference_steps": 600})
+            try:
+                wait_until(lambda: _running_requests(url) == 1, what="the long wave")
+                pair = [pool.submit(post, seed=seed) for seed in (1, 2)]
+                wait_until(lambda: _running_requests(url) == 3, what="the pair behind it")
+            finally:
+                disconnect(holder)
+            answers = [f.result() for f in pair]
+            assert [a.status_code for a in answers] == [200] * 2, [a.text for a in answers]
+            assert [a.headers["x-diffbatch-batch-size"] for a in answers] == ["2", "2"]
             # 2. SIGTERM with a long wave in flight: cut after the shutdown timeout.
             cut = pool.submit(post, num_inference_steps=400, n=10)  # a minute on a CPU
             wait_until(lambda: _running_requests(url) == 1, what="the wave to cut")
