@@ -59,11 +59,12 @@ def test_policy_bars_smoke(tmp_path: Path) -> None:
     assert isinstance(poisson["met"], bool)
 
 
-def test_policy_bars_busy_start_smoke(tmp_path: Path) -> None:
+def test_policy_bars_co_tenant_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bars.json"
     cmd = [sys.executable, str(BENCHMARKS / "policy_bars.py"), *MINIMAL, "--rounds", "1",
-           "--bars", "busy_start", "--clients", "2", "--load-s", "1.5", "--tail-s", "1",
-           "--tenant-after-s", "0.5", "--out", str(out)]
+           "--bars", "busy_start", "step_co_tenant", "--clients", "2", "--load-s", "1.5",
+           "--tail-s", "1", "--tenant-after-s", "0.5", "--step-requests", "2",
+           "--step-rate", "20", "--out", str(out)]
     result = subprocess.run(cmd, cwd=BENCHMARKS.parent, capture_output=True, text=True,
                             env=smoke_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -72,6 +73,10 @@ def test_policy_bars_busy_start_smoke(tmp_path: Path) -> None:
     [run] = busy["runs"]["busy"]
     assert run["images_per_s"] > 0 and run["tenant_stopped_s_after_ready"] >= 0.5
     assert run["capacity_log"] and isinstance(busy["met"], bool)
+    step = json.loads(out.read_text())["step_co_tenant"]
+    assert set(step["requests_per_s_rounds"]) == {"co-tenant", "quiet", "quiet-twin"}
+    assert all(r[0]["completed"] == 2 for r in step["runs"].values())
+    assert step["co_tenant_over_quiet"] > 0 and isinstance(step["met"], bool)
 
 
 def test_openmp_wait_smoke(tmp_path: Path) -> None:
