@@ -33,6 +33,7 @@ judged against (for poisson: the best one in a first, unmeasured round), measure
 the same rounds. A miss by no more than the twin's distance from its original counts
 as met. Figures are medians over `--rounds` of per-round values. `--step-execution`
 serves the auto server in step mode (the fixed servers stay in request mode).
+`--co-tenant` runs the lone, burst and poisson bars beside the busy-loop co-tenant.
 
     flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/policy_bars.py \\
         --out benchmarks/results/policy_bars.json
@@ -354,12 +355,18 @@ def main() -> None:
                         help="serve the auto server with --step-execution (the fixed ones "
                              "stay in request mode)")
     parser.add_argument("--out", default="benchmarks/results/policy_bars.json")
+    parser.add_argument("--co-tenant", action="store_true",
+                        help="run the lone, burst and poisson bars beside a busy-loop "
+                             "co-tenant per CPU, start-ups included")
     args = parser.parse_args()
     report = harness.report_header("policy_bars", args)
-    if "lone" in args.bars:
-        report.update(lone_and_burst(args))
-    if "poisson" in args.bars:
-        report["poisson"] = poisson(args)
+    with contextlib.ExitStack() as stack:
+        if args.co_tenant:
+            stack.enter_context(harness.CoTenant())
+        if "lone" in args.bars:
+            report.update(lone_and_burst(args))
+        if "poisson" in args.bars:
+            report["poisson"] = poisson(args)
     if "busy_start" in args.bars:
         report["busy_start"] = busy_start(args)
     if "step_co_tenant" in args.bars:
