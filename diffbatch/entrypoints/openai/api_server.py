@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -110,12 +109,6 @@ DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default: an idle keep-alive conn
 # progress can hold a body of up to `max_body_bytes`; the benchmark client opens up
 # to 1024 connections.
 DEFAULT_LIMIT_CONCURRENCY = 1024
-# The server process's GIL switch interval. Its threads hand work to each other (the
-# HTTP event loop adds a request, the engine loop wakes from a millisecond-scale
-# admission wait); with Python's default 5 ms interval a thread that woke may wait that
-# long for the GIL, which a lone request pays as latency. The compute runs in the worker
-# process, which keeps the default.
-SWITCH_INTERVAL_S = 0.0005
 _UVICORN_STARTUP_FAILURE = 3  # the exit code `uvicorn.run` gives a server that did not start
 # `--shutdown-timeout`: how long running waves may finish after SIGTERM before they are
 # interrupted. Kubernetes gives a pod 30 s between SIGTERM and SIGKILL; this leaves room.
@@ -392,7 +385,6 @@ def run_server(args: argparse.Namespace) -> None:
 
     config = EngineConfig.from_cli_args(args)
     check_can_listen(args.host, args.port)  # before the model loads, not after
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = Engine.from_config(config)
     shutdown_timeout_s = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
     try:
