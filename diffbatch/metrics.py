@@ -85,16 +85,32 @@ class _LearnedBatching(Collector):
         yield wait
 
 
-class _WorkerHealth(Collector):
-    """The executor's worker health (`Executor.health_stats`), read on scrape."""
+class _StatsOnScrape(Collector):
+    """Metric families made from the numbers `read()` returns at each scrape; none while
+    it returns nothing (no worker yet, or the feature is off)."""
 
     def __init__(self, read: Callable[[], dict[str, float]]) -> None:
         self.read = read
 
     def collect(self):
         stats = self.read()
-        if not stats:
-            return
+        if stats:
+            yield from self.families(stats)
+
+    def families(self, stats: dict[str, float]):
+        raise NotImplementedError
+
+
+def _counters(stats: dict[str, float], rows: tuple[tuple[str, str, str], ...]):
+    """One counter per (metric name, key in `stats`, help text)."""
+    for name, key, text in rows:
+        yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
+
+
+class _WorkerHealth(_StatsOnScrape):
+    """The executor's worker health (`Executor.health_stats`), read on scrape."""
+
+    def families(self, stats: dict[str, float]):
         yield GaugeMetricFamily(
             "diffbatch_worker_up", "1 while a live, responsive worker process serves; 0 while "
             "it is dead, frozen or being replaced.", value=stats.get("up", 0.0))
@@ -106,7 +122,7 @@ class _WorkerHealth(Collector):
             "diffbatch_worker_torch_threads", "Torch's CPU threads in the worker (chosen at "
             "start-up from the CPUs it may use, unless set); 0 until its first "
             "heartbeat.", value=stats.get("torch_threads", 0.0))
-        for name, key, text in (
+        yield from _counters(stats, (
             ("diffbatch_worker_deaths", "deaths", "Worker processes that died while serving "
              "(killed as frozen included)."),
             ("diffbatch_worker_frozen", "frozen", "Worker processes killed because they "
@@ -118,21 +134,14 @@ class _WorkerHealth(Collector):
             ("diffbatch_worker_batch_reruns", "batch_reruns", "Step mode: groups of a "
              "running batch re-run on a replacement worker after the worker died under it "
              "(a crashed batch is re-run in halves)."),
-        ):
-            yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
+        ))
 
 
-class _Compiled(Collector):
+class _Compiled(_StatsOnScrape):
     """The worker's compile counts (`Executor.compile_stats`), read on scrape."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
-        self.read = read
-
-    def collect(self):
-        stats = self.read()
-        if not stats:
-            return
-        for name, key, text in (
+    def families(self, stats: dict[str, float]):
+        yield from _counters(stats, (
             ("diffbatch_compile_graphs", "graphs", "Graphs torch.compile made (a graph "
              "break makes several per bucket)."),
             ("diffbatch_compile_compiles", "compiles", "Compiled buckets warmed at start-up "
@@ -145,8 +154,7 @@ class _Compiled(Collector):
              "run by a compiled graph."),
             ("diffbatch_compile_cache_hits", "cache_hits", "Inductor FX graphs read from "
              "the on-disk cache at start-up."),
-        ):
-            yield CounterMetricFamily(name, text, value=stats.get(key, 0.0))
+        ))
         yield GaugeMetricFamily("diffbatch_compile_buckets", "Compiled wave-size buckets "
                                 "(row counts), over the compiled modules.",
                                 value=stats.get("buckets", 0.0))
