@@ -149,6 +149,13 @@ class FakeSinglePipeline(FakeBatchPipeline):
         return super().forward(batch)
 
 
+def is_start_up(batch: DiffusionRequestBatch) -> bool:
+    """Whether `batch` is the engine's own start-up work: its warm-up request or an
+    "auto" calibration wave (a gate lets these through)."""
+    return batch.prompts == ["warm-up"] or all(
+        p.startswith("calibration image") for p in batch.prompts)
+
+
 class GatedPipeline(FakeBatchPipeline):
     """Blocks each forward until `release` is set; `entered` is set on entry.
 
@@ -159,10 +166,22 @@ class GatedPipeline(FakeBatchPipeline):
     release = threading.Event()
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        if batch.prompts == ["warm-up"]:
+        if is_start_up(batch):
             return super().forward(batch)
         type(self).entered.set()
         type(self).release.wait(timeout=60)
+        return super().forward(batch)
+
+
+class OverheadGatedPipeline(GatedPipeline):
+    """A `GatedPipeline` whose every forward also pays a fixed `OVERHEAD_S`, whatever
+    its size, as a real model's launch and weight reads do: its cost curve gives
+    "auto" capacity a clear gain from batching, where the plain fake's is noise."""
+
+    OVERHEAD_S = 0.02
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        threading.Event().wait(self.OVERHEAD_S)  # the simulated fixed cost
         return super().forward(batch)
 
 
@@ -176,7 +195,7 @@ class PreviewGatedPipeline(GatedPipeline):
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         gate = type(self)
-        if batch.prompts == ["warm-up"]:
+        if is_start_up(batch):
             return self.make_outputs(batch)
         gate.entered.set()
         gate.release.wait(timeout=60)

@@ -34,6 +34,7 @@ from PIL import Image
 from diffbatch import Engine
 from diffbatch.entrypoints.openai.api_server import build_app
 from tests.entrypoints.openai.conftest import make_gate, serve_in_thread
+from tests.fake_pipelines import OverheadGatedPipeline
 from tests.process_utils import wait_until
 
 pytestmark = pytest.mark.slow
@@ -165,26 +166,36 @@ def test_generate_shows_each_image_with_its_wave(page: Any, gated, tmp_path: Pat
 
 
 @pytest.fixture(scope="module")
-def defaults() -> Iterator[tuple[str, Engine]]:
-    """A server with no batching settings at all: capacity and wait are "auto"."""
-    from tests.fake_pipelines import FakeBatchPipeline
-
-    with Engine(pipeline_class=FakeBatchPipeline, executor="inproc") as engine:
+def defaults() -> Iterator[tuple[str, Engine, Any]]:
+    """A gated server with no batching settings at all: capacity and wait are "auto",
+    learned on a model whose waves pay a fixed cost (so batching pays)."""
+    gate = make_gate(OverheadGatedPipeline)
+    with Engine(pipeline_class=gate, executor="inproc") as engine:
         app = build_app(engine, served_model_name="fake", close_engine_on_shutdown=False)
         with serve_in_thread(app) as url:
-            yield url, engine
+            try:
+                yield url, engine, gate
+            finally:
+                gate.release.set()
 
 
-def test_requests_sent_at_once_share_a_wave_with_no_flags(page: Any, defaults) -> None:
-    """The page sends 4 requests at once to an idle server with the default settings:
-    nothing holds them back, and they run as one wave of 4 (the admission wait gathers
-    requests sent together)."""
-    url, engine = defaults
+def test_queued_requests_share_a_wave_with_no_flags(page: Any, defaults) -> None:
+    """With the default settings, the page's 4 requests that wait together run as one
+    wave of 4: "auto" capacity, learned at start-up, admits them all. A blocker holds
+    the forward while they queue: the wave is a state the test creates, not a timing."""
+    url, engine, gate = defaults
     assert engine.config.max_num_seqs == "auto" == engine.config.request_batch_max_wait_ms
     open_playground(page, url)
-    page.fill("#prompt", "four at once")
-    page.fill("#requests", "4")
-    page.click("#submit")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        blocker = pool.submit(httpx.post, f"{url}/v1/images/generations",
+                              json={"prompt": "hold the gate"}, timeout=120)
+        assert gate.entered.wait(60)
+        page.fill("#prompt", "four at once")
+        page.fill("#requests", "4")
+        page.click("#submit")
+        wait_until(lambda: engine.num_waiting == 4, what="the page's 4 requests to queue")
+        gate.release.set()
+        assert blocker.result().status_code == 200
     expect(page.locator(FINAL)).to_have_count(4)
     cards = page.locator(".card")
     assert [cards.nth(i).get_attribute("data-wave-size") for i in range(4)] == ["4"] * 4
