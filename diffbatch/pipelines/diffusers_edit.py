@@ -4,17 +4,27 @@ Edits run on pipelines built from the loaded one's own components
 (`AutoPipelineForImage2Image.from_pipe` / `AutoPipelineForInpainting.from_pipe`: the
 same modules, no second copy of the weights, LoRA adapters shared) for every family
 diffusers has such a pipeline for (SD, SDXL, SD3, Flux, ...; not PixArt), each checked
-by a one-step run when the model loads. A wave of edits is one diffusers call, like a
-wave of text-to-image: each request's image (and mask) repeated n times, in request
-order, so image i meets generator i (tests/pipelines/test_diffusers_edit.py checks batch
-invariance for both tasks). `DiffusersT2IPipeline` (diffusers_t2i.py) uses these.
+by a one-step run when the model loads. The runs' verdicts are kept under the cache dir,
+keyed by what decides them (the pipelines' classes, every component's config, the
+library versions, the device and dtype): a restart of the same model, e.g. a worker
+replaced after a crash, reads them instead of running again.
+
+A wave of edits is one diffusers call, like a wave of text-to-image: each request's
+image (and mask) repeated n times, in request order, so image i meets generator i
+(tests/pipelines/test_diffusers_edit.py checks batch invariance for both tasks).
+`DiffusersT2IPipeline` (diffusers_t2i.py) uses these.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import inspect
+import json
 import logging
 import math
+import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,6 +96,7 @@ def edit_pipes(pipe: Any, probe_size: int) -> dict[str, Any]:
     import diffusers
 
     pipes: dict[str, Any] = {}
+    verdicts = _ProbeVerdicts(pipe, probe_size)
     for task, auto_name in _EDIT_AUTO_PIPELINES.items():
         # (why a task is left out is a detail for DEBUG: the summary below says which run)
         try:
@@ -100,13 +111,19 @@ def edit_pipes(pipe: Any, probe_size: int) -> dict[str, Any]:
             continue
         task_pipe.set_progress_bar_config(disable=True)
         pin_execution_device(task_pipe)
-        try:
-            _probe(task_pipe, task, probe_size)
-        except Exception as exc:
-            logger.debug("%s: %s cannot run this model's components (%s: %s)", task,
-                         type(task_pipe).__name__, type(exc).__name__, exc)
-            continue
-        pipes[task] = task_pipe
+        runs = verdicts.get(task_pipe)
+        if runs is None:
+            try:
+                _probe(task_pipe, task, probe_size)
+                runs = True
+            except Exception as exc:
+                logger.debug("%s: %s cannot run this model's components (%s: %s)", task,
+                             type(task_pipe).__name__, type(exc).__name__, exc)
+                runs = False
+            verdicts.put(task_pipe, runs)
+        if runs:
+            pipes[task] = task_pipe
+    verdicts.save()
     left_out = [task for task in _EDIT_AUTO_PIPELINES if task not in pipes]
     logger.info("edit tasks: this model runs %s%s", " and ".join(pipes) or "none",
                 f" (not {' or '.join(left_out)}: its diffusers pipeline does not fit this "
@@ -126,6 +143,73 @@ def _probe(task_pipe: Any, task: str, size: int) -> None:
         kwargs["mask_image"] = torch.ones(1, 1, size, size)
     with torch.inference_mode():
         task_pipe(**{name: value for name, value in kwargs.items() if name in params})
+
+
+class _ProbeVerdicts:
+    """Whether each edit pipeline ran its probe, cached on disk by a key of everything
+    the verdict depends on. Weights are left out: they change numbers, not whether a
+    pipeline can run. A cache dir that cannot be read or written only means probing."""
+
+    def __init__(self, pipe: Any, probe_size: int) -> None:
+        from diffbatch.pipelines.tiny import cache_dir
+
+        self._verdicts: dict[str, bool] = {}
+        self._changed = False
+        self._path = None
+        key = _verdict_key(pipe, probe_size)
+        if key is not None:
+            self._path = cache_dir() / "edit_probes" / f"{key}.json"
+            with contextlib.suppress(OSError, ValueError):
+                self._verdicts = {str(k): bool(v)
+                                  for k, v in json.loads(self._path.read_text()).items()}
+
+    def get(self, task_pipe: Any) -> bool | None:
+        return self._verdicts.get(type(task_pipe).__qualname__)
+
+    def put(self, task_pipe: Any, runs: bool) -> None:
+        self._verdicts[type(task_pipe).__qualname__] = runs
+        self._changed = True
+
+    def save(self) -> None:
+        """Write the verdicts (atomically: another process may start the same model)."""
+        if not self._changed or self._path is None:
+            return
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._verdicts, f)
+            os.replace(tmp, self._path)
+        except OSError as exc:
+            logger.debug("edit probe verdicts not cached (%s)", exc)
+
+
+def _verdict_key(pipe: Any, probe_size: int) -> str | None:
+    """A digest of the pipeline's class, its components' classes and configs, the
+    library versions, device and dtype; None if a component's config cannot be read."""
+    import diffusers
+    import transformers
+
+    import diffbatch
+
+    parts: dict[str, Any] = {
+        "pipeline": type(pipe).__qualname__, "probe_size": probe_size,
+        "versions": [diffbatch.__version__, diffusers.__version__, transformers.__version__,
+                     torch.__version__],
+        "device": str(getattr(pipe, "device", "")), "dtype": str(getattr(pipe, "dtype", "")),
+    }
+    try:
+        for name, component in sorted(pipe.components.items()):
+            config: Any = getattr(component, "config", None)
+            if hasattr(config, "to_dict"):  # transformers' configs
+                config = config.to_dict()
+            elif config is None and component is not None:  # tokenizers, feature extractors
+                config = {"vocab": len(component)} if hasattr(component, "__len__") else {}
+            parts[name] = [type(component).__qualname__, dict(config or {})]
+        text = json.dumps(parts, sort_keys=True, default=str)
+    except Exception:  # an unusual component: probe every time rather than guess
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def call_parameters(pipe: Any) -> Any:

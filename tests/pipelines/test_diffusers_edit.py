@@ -112,3 +112,39 @@ def test_strength_sets_the_steps_and_the_key(load_tiny) -> None:
     assert low.key.task == "image-to-image" and low.key.short().endswith("/i2i@0.5")
     text = make_request(pipeline, "r", "a cat")
     assert text.key.task == "text-to-image" and text.key.strength is None
+
+
+def test_probe_verdicts_are_cached_by_what_decides_them(load_tiny, tmp_path, monkeypatch) -> None:
+    """A second start of the same model reads each edit pipeline's verdict instead of
+    running its probe again; a model whose components differ is probed afresh; a cache
+    dir that cannot be written only means probing."""
+    import diffbatch.pipelines.diffusers_edit as edit
+
+    base = load_tiny("tiny-sd").pipe
+    probed: list[str] = []
+    real_probe = edit._probe
+
+    def counting_probe(task_pipe, task: str, size: int) -> None:
+        probed.append(task)
+        real_probe(task_pipe, task, size)
+
+    monkeypatch.setattr(edit, "_probe", counting_probe)
+    monkeypatch.setenv("DIFFBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    assert set(edit.edit_pipes(base, 8)) == {"image-to-image", "inpaint"}
+    assert probed == ["image-to-image", "inpaint"]
+    assert set(edit.edit_pipes(base, 8)) == {"image-to-image", "inpaint"}  # read back
+    assert probed == ["image-to-image", "inpaint"]
+
+    # A failing verdict is kept too: a 5-channel UNet has no inpainting (4 or 9).
+    unet = type(base.unet).from_config({**base.unet.config, "in_channels": 5})
+    other = type(base)(**{**base.components, "unet": unet})
+    assert set(edit.edit_pipes(other, 8)) == set()  # its image-to-image fails as well
+    assert probed[2:] == ["image-to-image", "inpaint"]
+    assert set(edit.edit_pipes(other, 8)) == set()
+    assert len(probed) == 4
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("DIFFBATCH_CACHE_DIR", str(blocked))
+    assert set(edit.edit_pipes(base, 8)) == {"image-to-image", "inpaint"}
+    assert len(probed) == 6
