@@ -268,11 +268,60 @@ def device(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole diffusers call of tiny-sd (text encoder, every UNet step, VAE decode) at
+    each wave size, eager against `torch.compile` of its UNet with a static batch: the
+    most that compiling the denoiser can give a request on this device, before HTTP,
+    PNG encoding and scheduling add their share."""
+    import torch
+
+    from diffbatch.pipelines.registry import load_pipeline
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pipe = load_pipeline("tiny-sd").pipe  # type: ignore[attr-defined]
+    pipe.set_progress_bar_config(disable=True)
+    unets = {"eager": pipe.unet, "compiled": torch.compile(pipe.unet, backend=args.backend)}
+    waves = tuple(args.device_waves)
+
+    def call_ms(b: int) -> float:
+        generators = [torch.Generator().manual_seed(i) for i in range(b)]
+        start = time.perf_counter()
+        pipe(["a red circle on a white background"] * b, num_inference_steps=args.steps,
+             height=args.pipeline_size, width=args.pipeline_size, generator=generators,
+             output_type="pt")
+        return (time.perf_counter() - start) * 1000.0
+
+    rows: dict[str, Any] = {}
+    for mode, unet in unets.items():
+        pipe.unet = unet
+        start = time.perf_counter()
+        for b in waves:  # (compiles each wave size once)
+            call_ms(b)
+        rows[mode] = {"first_calls_s": time.perf_counter() - start, "rounds": []}
+    for r in range(args.rounds):  # the modes take turns within each round
+        for mode in list(unets)[r % 2:] + list(unets)[:r % 2]:
+            pipe.unet = unets[mode]
+            rows[mode]["rounds"].append(
+                {b: statistics.median(call_ms(b) for _ in range(args.device_iters))
+                 for b in waves})
+    for row in rows.values():
+        row["ms"] = {b: statistics.median(rd[b] for rd in row["rounds"]) for b in waves}
+    rows["compiled_over_eager_speedup"] = {
+        b: rows["eager"]["ms"][b] / rows["compiled"]["ms"][b] for b in waves}
+    print("pipeline tiny-sd eager/compiled: " + ", ".join(
+        f"b{b} {rows['eager']['ms'][b]:.0f}/{rows['compiled']['ms'][b]:.0f} ms ({x:.2f}x)"
+        for b, x in rows["compiled_over_eager_speedup"].items()), flush=True)
+    return {"size": args.pipeline_size, "steps": args.steps, "waves": list(waves), **rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-sd", "tiny-pixart"])
     parser.add_argument("--parts", nargs="+", default=["restart", "served"],
-                        choices=["restart", "served", "device"])
+                        choices=["restart", "served", "device", "pipeline"],
+                        help="device: the denoiser forward alone; pipeline: the whole "
+                        "diffusers call, eager against a compiled UNet")
     parser.add_argument("--target", default="denoiser", choices=["denoiser", "denoiser+vae"])
     parser.add_argument("--buckets", default="2,8,32",
                         help="--compile-buckets of the compiled server")
@@ -287,6 +336,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None,
                         help="DIFFBATCH_CACHE_DIR of the servers (default: a new empty one)")
     parser.add_argument("--device-size", type=int, default=512)
+    parser.add_argument("--pipeline-size", type=int, default=64)
+    parser.add_argument("--threads", type=harness.threads_arg, default=1,
+                        help="torch threads of the pipeline part ('none': torch's default)")
     parser.add_argument("--device-layers", type=int, default=28)
     parser.add_argument("--device-waves", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--device-iters", type=int, default=5)
@@ -306,7 +358,10 @@ def main() -> None:
     report = harness.report_header("compile", args)
     if "device" in args.parts:
         report["device"] = device(args)
-    for model in [] if args.parts == ["device"] else args.models:
+    if "pipeline" in args.parts:
+        report["pipeline"] = pipeline(args)
+    server_parts = {"restart", "served"} & set(args.parts)
+    for model in args.models if server_parts else []:
         loras = adapters(model, Path(tempfile.mkdtemp(prefix=f"compile-loras-{model}-")))
         report[model] = {}
         if "restart" in args.parts:
@@ -338,6 +393,9 @@ def plot(report: dict[str, Any], path: str) -> None:
         if "restart" in part:
             labels.append(f"{model}\nrestart")
             values.append(part["restart"]["warm_over_eager"])
+    for b, speedup in report.get("pipeline", {}).get("compiled_over_eager_speedup", {}).items():
+        labels.append(f"pipeline\nb{b} speed-up")
+        values.append(speedup)
     ax.bar(labels, values)
     ax.axhline(1.0, linestyle="--", color="grey")
     ax.set_ylabel("ratio (see docs/benchmarks.md)")

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow
 def test_compile_smoke(tmp_path: Path) -> None:
     report = run_script("compile.py", tmp_path / "compile.json", "--models", "tiny-sd",
                         "--steps", "1", "--rounds", "1", "--requests", "2",
-                        "--lone-requests", "1", "--backend", "eager", "--buckets", "2")
+                        "--lone-requests", "1", "--backend", "eager", "--buckets", "2",
+                        "--parts", "restart", "served", "pipeline", "--device-waves", "1",
+                        "--device-iters", "1")
     restart = report["tiny-sd"]["restart"]
     assert set(restart["seconds"]) == {"eager", "compiled_cold", "compiled_warm",
                                        "eager_again"}
@@ -25,3 +27,6 @@ def test_compile_smoke(tmp_path: Path) -> None:
                 "mixed_eager_over_compiled_latency"):
         assert served[key] > 0
     assert served["mixed_recompiles_after_warmup"] == 0
+    pipeline = report["pipeline"]
+    assert pipeline["compiled_over_eager_speedup"]["1"] > 0
+    assert {"ms", "rounds", "first_calls_s"} <= set(pipeline["eager"])
