@@ -61,7 +61,7 @@ async def test_a_streamed_request_previews_its_own_image():
 def test_the_shapes_model_refuses_sizes_far_beyond_its_training_size():
     from diffbatch import InvalidRequestError
 
-    with Engine(None, executor="inproc", warmup=False) as engine:
+    with Engine(None, executor="inproc", warmup=False, calibration_budget_s=0) as engine:
         assert engine.info.model_max_pixels == 256 * 256
         with pytest.raises(InvalidRequestError,
                            match=r"the largest square size is 256x256") as info:

@@ -141,7 +141,7 @@ def test_step_mode_a_short_clip_joins_and_finishes_before_a_long_one(
 
     finished: list[str] = []
     with Engine(name, step_execution=True, max_num_seqs=4, executor="inproc",
-                warmup=False) as engine:
+                warmup=False, calibration_budget_s=0) as engine:
         async def run():
             long = asyncio.ensure_future(engine.generate_async("a long clip", params(1, 40)))
             long.add_done_callback(lambda _t: finished.append("long"))

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wan_server() -> Iterator[tuple[str, Engine]]:
-    with Engine("tiny-wan", executor="inproc", max_num_seqs=4, warmup=False) as engine:
+    with Engine("tiny-wan", executor="inproc", max_num_seqs=4, warmup=False,
+                calibration_budget_s=0) as engine:
         app = build_app(engine, served_model_name="tiny-wan", close_engine_on_shutdown=False)
         with serve_in_thread(app) as url:
             yield url, engine

@@ -437,7 +437,8 @@ def test_ltx_video_is_served_too() -> None:
             assert job["status"] == "completed", job
             return (await client.get(f"/v1/videos/{job['id']}/content")).content
 
-    with Engine("tiny-ltx", executor="inproc", warmup=False) as engine:
+    with Engine("tiny-ltx", executor="inproc", warmup=False,
+                calibration_budget_s=0) as engine:
         content = asyncio.run(run(engine))
     with av.open(io.BytesIO(content)) as container:
         stream = container.streams.video[0]
