@@ -60,10 +60,11 @@ test: install-dev
 	DIFFBATCH_REQUIRE_BROWSER=1 $(PY) -m pytest -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
+# The code is formatted by hand (ruff check holds the line length and import order);
+# no formatter is run.
 lint: install-dev
 	$(VENV)/bin/ruff check diffbatch tests benchmarks scripts
 	$(VENV)/bin/mypy
-	$(VENV)/bin/ruff format --check diffbatch tests benchmarks scripts
 
 bench: install-dev
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[bench]"
