@@ -19,6 +19,9 @@ The run writes a checkpoint every --ckpt-every steps (the EMA pipeline into --ou
 whole training state into --work-dir); started again with the same arguments it resumes
 from the last one. With --budget-minutes the learning-rate schedule follows whichever
 ends first, the steps or the time, so a run on a busy machine still ends decayed.
+With --init-from FOLDER the run starts from the transformer and text encoder weights of a
+saved shapes-dit pipeline folder (same architecture) instead of fresh ones, with a fresh
+optimizer, warm-up and cosine schedule (to train a shipped model further).
 
 Usage:  python scripts/train_dit_model.py --threads 1           # the full run
         python scripts/train_dit_model.py --quick                # a smoke test (seconds)
@@ -138,6 +141,24 @@ def save_pipeline(out: Path, tok, text_encoder, vae, transformer, defaults: dict
     tmp.rename(out)
 
 
+def load_init_weights(folder: Path, text_encoder, transformer) -> str:
+    """Load a saved pipeline's transformer and text encoder weights (stored as float16)
+    into the freshly built float32 models; the architecture must match exactly. Returns a
+    short digest of the weights, which names the run (so it never resumes another's state)."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha1()
+    for model, name in ((transformer, "transformer/diffusion_pytorch_model.safetensors"),
+                        (text_encoder, "text_encoder/model.safetensors")):
+        path = folder / name
+        digest.update(path.read_bytes())
+        weights = {k: v.float() for k, v in load_file(path).items()}
+        model.load_state_dict(weights, strict=True)
+    return digest.hexdigest()[:8]
+
+
 def encode_pool(vae, scenes: list, cache: Path) -> torch.Tensor:
     """The training scenes encoded once with the autoencoder (posterior mean), cached."""
     path = cache / "latents.pt"
@@ -193,6 +214,10 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "diffbatch_shapes_dit_train",
                     help="cache of the encoded pool and the resumable training state")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from the transformer and text encoder weights of this saved "
+                         "shapes-dit pipeline folder (same architecture), with a fresh "
+                         "optimizer, warm-up and cosine schedule")
     ap.add_argument("--quick", action="store_true", help="tiny smoke-test run")
     args = ap.parse_args()
     if args.quick:
@@ -210,6 +235,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tok = build_tokenizer(Path(tmp) / "tokenizer")
     text_encoder, transformer = build_models(tok, args)
+    init_key = ""
+    if args.init_from:
+        init_key = "-init" + load_init_weights(args.init_from, text_encoder, transformer)
+        print(f"starting from the weights of {args.init_from}", flush=True)
     vae = AutoencoderKL.from_pretrained(str(args.vae_from), subfolder="vae").eval()
     for p in vae.parameters():
         p.requires_grad_(False)
@@ -262,7 +291,7 @@ def main() -> None:
     start, train_s = 0, 0.0  # steps done, seconds spent in them (over all resumptions)
     run_key = (f"{args.out.name}-s{args.seed}-d{args.dim}x{args.layers}h{args.heads}"
                f"p{args.patch}-t{args.text_dim}x{args.text_layers}-b{args.batch}"
-               f"-lr{args.lr}-n{args.train_steps}")
+               f"-lr{args.lr}-n{args.train_steps}{init_key}")
     state_path = args.work_dir / run_key / "state.pt"
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)

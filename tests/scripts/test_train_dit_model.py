@@ -1,6 +1,7 @@
 """Smoke test of `scripts/train_dit_model.py --quick`: the recipe behind the shipped
 `shapes-dit` model runs, writes a stock PixArt-Sigma folder that diffusers loads and
-samples, and a second start resumes from its saved state instead of starting over."""
+samples, a second start resumes from its saved state instead of starting over, and
+`--init-from` starts a new run from a saved folder's weights."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def test_quick_training_run_writes_a_loadable_pipeline_and_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resuming from" in again.stdout and "at step 6" in again.stdout
     assert "done: 6 transformer steps" in again.stdout
+
+    # --init-from starts a new run (fresh schedule, its own state) from the saved weights
+    init = train(tmp_path, "--init-from", str(out), "--out", str(tmp_path / "continued"))
+    assert init.returncode == 0, init.stdout[-2000:] + init.stderr[-2000:]
+    assert f"starting from the weights of {out}" in init.stdout
+    assert "resuming from" not in init.stdout
+    assert "done: 6 transformer steps" in init.stdout
+    assert len([p for p in (tmp_path / "work").iterdir() if "-init" in p.name]) == 1
