@@ -151,7 +151,9 @@ def test_status_goes_through_every_value(client, server, gate) -> None:
     created = client.videos.create(model=MODEL, prompt="a tree", extra_body={"seed": 5})
     assert created.status == "queued" and created.progress == 0
     assert gate.held.wait(WAIT_S)
-    running = client.videos.retrieve(created.id)
+    # (each step's progress reaches the job from the engine's output loop, after the
+    # step: wait for the second; the held third cannot move it past 50)
+    running = wait_for(client, created.id, lambda v: v.progress == 50)
     assert running.status == "in_progress" and running.progress == 50  # 2 of 4 steps
     gate.open()
     done = wait_for(client, created.id, lambda v: v.status not in ("queued", "in_progress"))
