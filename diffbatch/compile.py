@@ -41,13 +41,7 @@ class CompileBuckets(Rule):
     text = "'auto', 'dynamic' or increasing row counts >= 1 such as 1,2,4,8"
 
     def accepts(self, value: Any) -> bool:
-        if not isinstance(value, str):
-            return False
-        try:
-            self.parse(value)
-        except ValueError:
-            return False
-        return True
+        return isinstance(value, str) and self._parses(value)
 
     def parse(self, text: str) -> str:
         text = text.strip()

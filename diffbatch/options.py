@@ -52,6 +52,15 @@ class Rule:
     def _bad(self, given: Any) -> ValueError:
         return ValueError(f"must be {self.text}, got {given!r}")
 
+    def _parses(self, value: Any) -> bool:
+        """Whether `parse` takes `value`: `accepts` for rules whose values are their
+        own text form."""
+        try:
+            self.parse(value)
+        except ValueError:
+            return False
+        return True
+
     def _parse_number(self, text: str, convert: Callable[[str], Any]) -> Any:
         """`convert(text)`, checked: the text quoted when it is no number, the value not."""
         try:

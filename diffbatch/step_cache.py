@@ -152,11 +152,7 @@ class StepCacheSpec(Rule):
     text = "POLICY[:THRESHOLD] with POLICY one of " + ", ".join(POLICIES)
 
     def accepts(self, value: Any) -> bool:
-        try:
-            StepCacheConfig.parse(value)
-        except InvalidRequestError:
-            return False
-        return True
+        return self._parses(value)
 
     def parse(self, text: str) -> str:
         try:
