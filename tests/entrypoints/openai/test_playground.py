@@ -129,23 +129,30 @@ def gated() -> Iterator[tuple[str, Engine, Any]]:
                 gate.release.set()
 
 
+def submit_behind_a_blocker(page: Any, url: str, engine: Engine, gate: Any,
+                            fields: dict[str, str]) -> None:
+    """A request from elsewhere holds the (only) forward while the page submits `fields`
+    (its 4 requests), then lets go once all 4 wait: they run as one wave if capacity
+    allows, a state the test creates rather than a timing it hopes for."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        blocker = pool.submit(httpx.post, f"{url}/v1/images/generations",
+                              json={"prompt": "hold the gate"}, timeout=120)
+        assert gate.entered.wait(60)
+        for selector, value in {**fields, "#requests": "4"}.items():
+            page.fill(selector, value)
+        page.click("#submit")
+        wait_until(lambda: engine.num_waiting == 4, what="the page's 4 requests to queue")
+        gate.release.set()
+        assert blocker.result().status_code == 200
+
+
 def test_generate_shows_each_image_with_its_wave(page: Any, gated, tmp_path: Path) -> None:
     url, engine, gate = gated
     open_playground(page, url)
     assert page.text_content("#model") == "model: fake"
     snap(page, "playground-empty", tmp_path)
     # 1. A request from elsewhere holds the (only) forward, so the page's 4 queue.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        blocker = pool.submit(httpx.post, f"{url}/v1/images/generations",
-                              json={"prompt": "hold the gate"}, timeout=120)
-        assert gate.entered.wait(60)
-        page.fill("#prompt", "a red circle")
-        page.fill("#seed", "10")
-        page.fill("#requests", "4")
-        page.click("#submit")
-        wait_until(lambda: engine.num_waiting == 4, what="the page's 4 requests to queue")
-        gate.release.set()
-        assert blocker.result().status_code == 200
+    submit_behind_a_blocker(page, url, engine, gate, {"#prompt": "a red circle", "#seed": "10"})
     # 2. Four cards in request order, each with its seed and the wave of 4 it ran in.
     expect(page.locator(FINAL)).to_have_count(4)
     cards = page.locator(".card")
@@ -186,16 +193,7 @@ def test_queued_requests_share_a_wave_with_no_flags(page: Any, defaults) -> None
     url, engine, gate = defaults
     assert engine.config.max_num_seqs == "auto" == engine.config.request_batch_max_wait_ms
     open_playground(page, url)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        blocker = pool.submit(httpx.post, f"{url}/v1/images/generations",
-                              json={"prompt": "hold the gate"}, timeout=120)
-        assert gate.entered.wait(60)
-        page.fill("#prompt", "four at once")
-        page.fill("#requests", "4")
-        page.click("#submit")
-        wait_until(lambda: engine.num_waiting == 4, what="the page's 4 requests to queue")
-        gate.release.set()
-        assert blocker.result().status_code == 200
+    submit_behind_a_blocker(page, url, engine, gate, {"#prompt": "four at once"})
     expect(page.locator(FINAL)).to_have_count(4)
     cards = page.locator(".card")
     assert [cards.nth(i).get_attribute("data-wave-size") for i in range(4)] == ["4"] * 4
