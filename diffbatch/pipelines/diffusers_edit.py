@@ -159,7 +159,7 @@ class _ProbeVerdicts:
         key = _verdict_key(pipe, probe_size)
         if key is not None:
             self._path = cache_dir() / "edit_probes" / f"{key}.json"
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable: probe
                 self._verdicts = {str(k): bool(v)
                                   for k, v in json.loads(self._path.read_text()).items()}
 

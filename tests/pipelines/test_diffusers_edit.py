@@ -116,8 +116,8 @@ def test_strength_sets_the_steps_and_the_key(load_tiny) -> None:
 
 def test_probe_verdicts_are_cached_by_what_decides_them(load_tiny, tmp_path, monkeypatch) -> None:
     """A second start of the same model reads each edit pipeline's verdict instead of
-    running its probe again; a model whose components differ is probed afresh; a cache
-    dir that cannot be written only means probing."""
+    running its probe again; a model whose components differ is probed afresh; a damaged
+    verdict file or a cache dir that cannot be written only means probing."""
     import diffbatch.pipelines.diffusers_edit as edit
 
     base = load_tiny("tiny-sd").pipe
@@ -143,8 +143,17 @@ def test_probe_verdicts_are_cached_by_what_decides_them(load_tiny, tmp_path, mon
     assert set(edit.edit_pipes(other, 8)) == set()
     assert len(probed) == 4
 
+    for stored in (tmp_path / "cache" / "edit_probes").iterdir():  # damaged: probed again
+        stored.write_text("[1, 2")
+    assert set(edit.edit_pipes(base, 8)) == {"image-to-image", "inpaint"}
+    assert len(probed) == 6
+    for stored in (tmp_path / "cache" / "edit_probes").iterdir():
+        stored.write_text("[1, 2]")
+    assert set(edit.edit_pipes(base, 8)) == {"image-to-image", "inpaint"}
+    assert len(probed) == 8
+
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("")
     monkeypatch.setenv("DIFFBATCH_CACHE_DIR", str(blocked))
     assert set(edit.edit_pipes(base, 8)) == {"image-to-image", "inpaint"}
-    assert len(probed) == 6
+    assert len(probed) == 10
