@@ -23,10 +23,10 @@ the wave's task.
 `DiffusersPerRequestPipeline` is the same adapter restricted to one request per
 forward; the registry binds it to a raw diffusers class given as `pipeline_class`.
 
-Loading lives in `diffusers_loading.py`, LoRA adapters in `diffusers_lora.py`, what
-particular pipelines need in `diffusers_quirks.py`, waves of several sizes in
-`mixed_sizes.py`, and every change to what a diffusers module does in
-`interception/`.
+Loading lives in `diffusers_loading.py`, the `PipelineInfo` in `diffusers_info.py`,
+LoRA adapters in `diffusers_lora.py`, what particular pipelines need in
+`diffusers_quirks.py`, waves of several sizes in `mixed_sizes.py`, and every change to
+what a diffusers module does in `interception/`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from diffbatch.pipelines.diffusers_edit import (
     edit_inputs,
     edit_pipes,
 )
+from diffbatch.pipelines.diffusers_info import call_default, image_info
 from diffbatch.pipelines.diffusers_loading import (
     load_diffusers_pipe,
     resolve_device,
@@ -59,17 +60,7 @@ from diffbatch.pipelines.diffusers_loading import (
 )
 from diffbatch.pipelines.diffusers_lora import DENOISERS, TEXT_ENCODERS, DiffusersLoras
 from diffbatch.pipelines.diffusers_previews import DiffusersPreviews, step_callbacks
-from diffbatch.pipelines.diffusers_quirks import (
-    apply_quirks,
-    cfg_copies,
-    default_size,
-    negative_prompt_use,
-    per_sample_guidance_ok,
-    prompt_limit,
-    true_cfg,
-    unscheduled,
-    uses_negative_prompt,
-)
+from diffbatch.pipelines.diffusers_quirks import apply_quirks, cfg_copies, uses_negative_prompt
 from diffbatch.pipelines.interception import (
     FusionPoint,
     RowPlan,
@@ -81,10 +72,9 @@ from diffbatch.pipelines.interception.compiled import CompileStats
 from diffbatch.pipelines.interception.guidance import wave_guidance_scale
 from diffbatch.pipelines.interception.rows import CallRows
 from diffbatch.pipelines.interception.scheduler_fusion import scheduler_point, wrap_scheduler
-from diffbatch.pipelines.interception.step_cache import StepCache, step_cache_unsupported
+from diffbatch.pipelines.interception.step_cache import StepCache
 from diffbatch.pipelines.interface import BasePipeline, DiffusionRequestBatch, PipelineInfo
 from diffbatch.pipelines.mixed_sizes import MixedSizes, packable, request_size
-from diffbatch.pipelines.schedule_limits import schedulable_steps
 from diffbatch.sampling_params import LoraStack
 
 __all__ = ["DiffusersPerRequestPipeline", "DiffusersT2IPipeline", "resolve_device",
@@ -92,13 +82,6 @@ __all__ = ["DiffusersPerRequestPipeline", "DiffusersT2IPipeline", "resolve_devic
 
 logger = logging.getLogger(__name__)
 
-# Call arguments the adapter fills in itself; `SamplingParams.extra` may not set them.
-_RESERVED = frozenset({
-    "prompt", "negative_prompt", "num_images_per_prompt", "generator", "output_type",
-    "return_dict", "height", "width", "num_inference_steps", "guidance_scale", "sigmas",
-    "timesteps", "latents", "prompt_embeds", "negative_prompt_embeds", "image", "mask_image",
-    "strength", "masked_image_latents",
-})
 # Denoiser keyword arguments without a batch dimension (Flux's position ids).
 _SHARED_ARGUMENTS = frozenset({"txt_ids", "img_ids"})
 
@@ -160,52 +143,12 @@ class DiffusersT2IPipeline(BasePipeline):
         return self._info
 
     def _make_info(self) -> PipelineInfo:
-        pipe, d = self.pipe, self.defaults
-        size, size_multiple = default_size(pipe)
-        # NOTE: Flux-style pipelines do CFG only through `true_cfg_scale`; `guidance_scale`
-        # is embedded in the model and never doubles the batch.
-        embedded = true_cfg(self._call_params)
-        cfg_threshold = d.get("cfg_threshold", None if embedded else 1.0)
-        return PipelineInfo(
-            name=type(pipe).__name__,
-            default_height=int(d.get("height", size)),
-            default_width=int(d.get("width", size)),
-            default_num_inference_steps=int(d.get(
-                "num_inference_steps", self._call_default("num_inference_steps", 50))),
-            default_guidance_scale=float(d.get(
-                "guidance_scale", self._call_default("guidance_scale", 1.0))),
-            size_multiple=int(d.get("size_multiple", size_multiple)),
-            device=self.device,
-            cfg_threshold=cfg_threshold,
-            supports_per_request_guidance=per_sample_guidance_ok(pipe, cfg_threshold),
-            supports_step_execution=self.supports_step_execution,
-            model_max_pixels=int(d["model_max_pixels"]) if "model_max_pixels" in d else None,
-            max_inference_steps=schedulable_steps(pipe.scheduler),
-            call_arguments=frozenset(
-                name for name in self._call_params
-                if name not in _RESERVED or name in ("sigmas", "timesteps")
-            ) - {"self", "kwargs", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
-                 "callback", "callback_steps"} - unscheduled(pipe.scheduler),
-            default_strengths={
-                task: float(call_parameters(task_pipe)["strength"].default)
-                for task, task_pipe in self.task_pipes.items() if task != "text-to-image"
-            },
-            negative_prompt=negative_prompt_use(self._call_params, self._true_cfg_default()),
-            **prompt_limit(pipe),
-            supports_mixed_resolution=packable(pipe),
-            uses_guidance_scale=family_rules.uses_guidance_scale(pipe),
-            true_cfg_default=family_rules.true_cfg_default(pipe),
-            negative_prompt_none_differs=family_rules.negative_none_differs(pipe),
-            **family_rules.prompt_padding(
-                pipe, int(self._call_default("max_sequence_length", 1024))),
-            step_cache_unsupported=step_cache_unsupported(pipe),
-        )
+        return image_info(self.pipe, call_params=self._call_params, defaults=self.defaults,
+                          device=self.device, task_pipes=self.task_pipes,
+                          supports_step_execution=self.supports_step_execution)
 
     def _call_default(self, name: str, fallback: Any) -> Any:
-        param = self._call_params.get(name)
-        if param is None or param.default is inspect.Parameter.empty or param.default is None:
-            return fallback
-        return param.default
+        return call_default(self._call_params, name, fallback)
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         """Run the wave as one diffusers call and split the images per request.

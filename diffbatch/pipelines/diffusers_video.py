@@ -31,6 +31,7 @@ import torch
 
 from diffbatch.errors import ModelLoadError
 from diffbatch.outputs import DiffusionOutput, PartialImage
+from diffbatch.pipelines.diffusers_info import RESERVED_ARGUMENTS
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.interception.scheduler_fusion import wrap_scheduler
 from diffbatch.pipelines.interface import DiffusionRequestBatch, PipelineInfo
@@ -105,7 +106,7 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         multiple = spatial * int(patch[-1] if isinstance(patch, list | tuple) else patch)
         call_arguments = frozenset(
             name for name in self._call_params
-            if name not in _VIDEO_RESERVED and name not in _IMAGE_RESERVED
+            if name not in _VIDEO_RESERVED and name not in RESERVED_ARGUMENTS
         ) - {"self", "kwargs", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
              "max_sequence_length"}
         max_tokens = int(self._max_sequence_length())
@@ -223,11 +224,3 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         kwargs["num_frames"] = int(frames)
         kwargs.setdefault("max_sequence_length", self._max_sequence_length())
         return kwargs
-
-
-# The image adapter's reserved call arguments (filled in by it, never by `extra`).
-_IMAGE_RESERVED = frozenset({
-    "prompt", "negative_prompt", "num_images_per_prompt", "generator", "return_dict",
-    "height", "width", "num_inference_steps", "guidance_scale", "sigmas", "timesteps",
-    "latents", "prompt_embeds", "negative_prompt_embeds", "image", "mask_image", "strength",
-})
