@@ -12,7 +12,7 @@ both sides of step mode count the same units.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +33,17 @@ def batch_units(params: Iterable[SamplingParams], key: SamplingParamsKey | None)
     return sum(capacity_units(p, key) for p in params)
 
 
+def rounded_units(params: Collection[SamplingParams], key: SamplingParamsKey | None) -> int:
+    """A batch's units as a whole size (what the policy's curve is keyed by): its
+    number of requests under a sized key, else its units rounded, at least 1; 0 for
+    an empty batch."""
+    if not params:
+        return 0
+    if key is None or not key.any_size:
+        return len(params)
+    return max(1, round(batch_units(params, key)))
+
+
 def may_take(num_held: int, held: Iterable[SamplingParams], candidate: SamplingParams,
              key: SamplingParamsKey | None, limit: float, max_requests: int) -> bool:
     """Whether a batch of `key` holding `num_held` requests with params `held` may take
@@ -48,4 +59,4 @@ def may_take(num_held: int, held: Iterable[SamplingParams], candidate: SamplingP
     return batch_units(held, key) + capacity_units(candidate, key) <= limit + 1e-9
 
 
-__all__ = ["batch_units", "capacity_units", "may_take"]
+__all__ = ["batch_units", "capacity_units", "may_take", "rounded_units"]

@@ -22,7 +22,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from diffbatch.capacity_units import batch_units, may_take
+from diffbatch.capacity_units import may_take, rounded_units
 from diffbatch.outputs import DiffusionOutput, RequestError
 from diffbatch.request import DiffusionRequest, RequestStatus
 from diffbatch.sched.interface import SchedulerInterface
@@ -41,11 +41,8 @@ def wave_pixels(key: SamplingParamsKey, num_requests: int) -> int:
 
 
 def wave_units(wave: SchedulerOutput) -> int:
-    """A wave's size in capacity units (`diffbatch.capacity_units`), rounded, at least
-    1: its number of requests unless its key is size-free."""
-    if wave.key is None or not wave.key.any_size:
-        return wave.num_requests
-    return max(1, round(batch_units((r.sampling_params for r in wave.requests), wave.key)))
+    """A wave's size in capacity units (`diffbatch.capacity_units.rounded_units`)."""
+    return rounded_units([r.sampling_params for r in wave.requests], wave.key)
 
 
 class SchedulerBase(SchedulerInterface):

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffbatch.capacity_units import batch_units, may_take
+from diffbatch.capacity_units import may_take, rounded_units
 from diffbatch.errors import ConfigError, InvalidRequestError, WaveInterrupted
 from diffbatch.outputs import DiffusionOutput, PartialImage, TickStats
 from diffbatch.pipelines.interception import Coordinator, Task, install
@@ -235,10 +235,8 @@ class StepRunner:
     @staticmethod
     def _units(batch: list[_Task]) -> int:
         """The fused call's size in capacity units, rounded, at least 1 (0: no call)."""
-        if not batch:
-            return 0
-        return max(1, round(batch_units((t.request.sampling_params for t in batch),
-                                        batch[0].key)))
+        return rounded_units([t.request.sampling_params for t in batch],
+                             batch[0].key if batch else None)
 
     def _acquire(self, task: _Task) -> Exception | None:
         """Make the task's adapters resident and pinned; the error if one fails."""
