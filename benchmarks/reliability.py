@@ -71,28 +71,35 @@ DEADLINE_S = 120.0  # bounds any one wait on the server (a replacement worker, a
 
 
 # -- the server and its processes -------------------------------------------------------
-def children(pid: int) -> list[int]:
-    found = []
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (the server's worker, fork server and theirs)."""
+    parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         with contextlib.suppress(OSError):
             with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
                 stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = parents.get(todo.pop(), [])
+        found += below
+        todo += below
     return found
 
 
 def worker_pid(server_pid: int) -> int | None:
-    """The live `python -m diffbatch.worker` child of the server, if any."""
-    for pid in children(server_pid):
+    """The server's live worker process, if any (forked by its fork server, or its
+    `python -m diffbatch.worker` child)."""
+    for pid in descendants(server_pid):
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
             with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
-            if b"diffbatch.worker" in cmdline and state not in ("Z", "X"):
+            if b"diffbatch.worker" in cmdline and b"forkserver" not in cmdline \
+                    and state not in ("Z", "X"):
                 return pid
     return None
 
@@ -240,7 +247,7 @@ def burst(url: str, args: argparse.Namespace, client: httpx.Client) -> dict[str,
 def disconnects(url: str, args: argparse.Namespace, client: httpx.Client,
                 server_pid: int) -> dict[str, Any]:
     rng = random.Random(7)
-    pids = [server_pid, *children(server_pid)]
+    pids = [server_pid, *descendants(server_pid)]
     rss_before = rss_mib(pids)
     before = metrics(client, url)
 
@@ -264,7 +271,7 @@ def disconnects(url: str, args: argparse.Namespace, client: httpx.Client,
     after = metrics(client, url)
     worker = worker_pid(server_pid)
     left = segments_of(worker)
-    rss_growth = rss_mib([server_pid, *children(server_pid)]) - rss_before
+    rss_growth = rss_mib([server_pid, *descendants(server_pid)]) - rss_before
     gone = sum(not isinstance(r, httpx.Response) for r in results)
     cancelled = (after.get("diffbatch_waves_cancelled_total", 0.0)
                  - before.get("diffbatch_waves_cancelled_total", 0.0))
@@ -382,7 +389,7 @@ def soak(url: str, args: argparse.Namespace, client: httpx.Client,
     def sample() -> None:
         start = time.monotonic()
         while (now := time.monotonic() - start) < args.soak_s:
-            samples.append((now, rss_mib([server_pid, *children(server_pid)])))
+            samples.append((now, rss_mib([server_pid, *descendants(server_pid)])))
             time.sleep(1.0)
 
     _, results = under_load(url, args, sample)

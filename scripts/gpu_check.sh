@@ -6,7 +6,7 @@
 #
 # Writes OUT (default gpu_check/): env.txt (GPU, torch), test_cuda.log, benchmarks.log,
 # the JSON and figure of learned_curve and defaults, the two mixed_resolution JSONs and
-# step_cache_device.json and compile_device.json (eleven files).
+# step_cache_device.json, compile_device.json and worker_restart.json (twelve files).
 #
 # With PyPI: a venv (.venv-gpu) with the CUDA build of the pinned torch (PyPI's default
 # Linux wheel) and diffbatch with its test and bench extras. Without (WHEELS=DIR): the
@@ -31,7 +31,10 @@
 #   8. benchmarks/compile.py --parts device: the denoiser forward at wave sizes 1, 4, 16
 #      and 32, eager against compiled (inductor) against compiled with CUDA graphs
 #      (reduce-overhead), on the tiny-sd UNet and a PixArt-Sigma-sized transformer with
-#      random weights at 512x512.
+#      random weights at 512x512;
+#   9. benchmarks/worker_restart.py --device cuda (its forkserver rows force the fork): whether
+#      a worker forked from the fork server can use CUDA (CUDA workers are spawned
+#      until this passes), and what a forked replacement saves against a spawned one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check}
@@ -137,4 +140,8 @@ echo "== 8. compile.py: eager vs compiled vs CUDA graphs, waves 1/4/16/32" | tee
 timeout 420 "$PY" benchmarks/compile.py --parts device --device-size 512 \
     --device-waves 1 4 16 32 --out "$OUT/compile_device.json" --no-plot 2>&1 \
     | grep -v " INFO " | tee -a "$LOG" || status=1
+
+echo "== 9. worker_restart.py: a forked worker on CUDA, and its restart time" | tee -a "$LOG"
+timeout 180 "$PY" benchmarks/worker_restart.py --rounds 3 --device cuda \
+    --out "$OUT/worker_restart.json" 2>&1 | grep -v " INFO " | tee -a "$LOG" || status=1
 exit $status

@@ -23,9 +23,15 @@ def segments_of(pid: int) -> list[str]:
     return [p.name for p in SHM_DIR.iterdir() if p.name.startswith(shm.segment_prefix(pid))]
 
 
-def worker_pids(parent_pid: int) -> set[int]:
-    """Pids of the live (not zombie) `python -m diffbatch.worker` children of a process."""
-    found = set()
+def fork_server_pids(parent_pid: int) -> set[int]:
+    """Pids of the live fork servers (`diffbatch.worker.forkserver`) a process started."""
+    return {pid for pid, (ppid, cmdline) in _live_processes().items()
+            if ppid == parent_pid and b"diffbatch.worker.forkserver" in cmdline}
+
+
+def _live_processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every live (not zombie) process."""
+    procs = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -35,10 +41,21 @@ def worker_pids(parent_pid: int) -> set[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()  # state, ppid, ...
-        if int(fields[1]) == parent_pid and b"diffbatch.worker" in cmdline \
-                and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
+        if fields[0] != "Z":
+            procs[int(entry.name)] = (int(fields[1]), cmdline)
+    return procs
+
+
+def worker_pids(parent_pid: int) -> set[int]:
+    """Pids of the live (not zombie) worker processes a process started: its
+    `python -m diffbatch.worker` children, and the workers its fork servers forked
+    (`diffbatch.executor.forkserver`)."""
+    procs = _live_processes()
+    servers = {parent_pid} | {pid for pid, (ppid, cmdline) in procs.items()
+                              if ppid == parent_pid and b"diffbatch.worker.forkserver" in cmdline}
+    return {pid for pid, (ppid, cmdline) in procs.items()
+            if ppid in servers and b"diffbatch.worker" in cmdline
+            and b"diffbatch.worker.forkserver" not in cmdline}
 
 
 def wait_gone(pid: int, timeout_s: float = 120.0) -> bool:

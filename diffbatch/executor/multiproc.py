@@ -82,6 +82,7 @@ from diffbatch.cpus import parse_cpu_list
 from diffbatch.crash_reruns import failed_again, rerun_groups
 from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError, WorkerDiedError
 from diffbatch.executor.abstract import Executor
+from diffbatch.executor.forkserver import fork_allowed
 from diffbatch.executor.worker_process import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     PendingCall,
@@ -178,6 +179,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         _check_pipeline_class_importable(config)
         self._env = _worker_env(config)
+        self._fork = fork_allowed(config.device)  # forked from a fork server, or spawned
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
         self._restart_on_death = restart_on_death  # False after `stop_restarting`
@@ -367,7 +369,7 @@ class MultiprocExecutor(Executor):
 
     def _start_worker(self, *, replacement: bool = False) -> tuple[WorkerProcess, WorkerReady]:
         start = time.monotonic()
-        worker = WorkerProcess(self.config, self._env)
+        worker = WorkerProcess(self.config, self._env, fork=self._fork)
         with self._lock:
             closed = self._closed
             if replacement and not closed:

@@ -1,7 +1,9 @@
 """The engine's handle on one worker process: its pipe, its lifeline, the calls it owes.
 
-`WorkerProcess` starts `python -m diffbatch.worker` with one end of a socket pair
-and the read end of a lifeline pipe, sends it `WorkerStart`, and keeps what the
+`WorkerProcess` starts a worker with one end of a socket pair and the read end of a
+lifeline pipe (forked from the fork server of its environment,
+`diffbatch.executor.forkserver`, or as the program `python -m diffbatch.worker`),
+sends it `WorkerStart`, and keeps what the
 executor needs to talk to it and to bury it: the pipe (sends serialised by a
 lock), the process's pidfd (readable once it exited), the unanswered calls in the
 order they were sent (`PendingCall`, each with the future it resolves), when it
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from diffbatch.executor.forkserver import ForkedProcess, start_forked
 from diffbatch.ipc import shm
 from diffbatch.ipc.messages import (
     UNREADABLE_CALL_ID,
@@ -88,16 +91,17 @@ class PendingCall:
 class WorkerProcess:
     """One worker process, the engine's end of its pipe and the calls it owes."""
 
-    def __init__(self, config: EngineConfig, env: dict[str, str]) -> None:
+    def __init__(self, config: EngineConfig, env: dict[str, str], *, fork: bool = False) -> None:
         parent_sock, child_sock = socket.socketpair()
         life_read, self._lifeline = os.pipe()  # both ends non-inheritable (PEP 446)
         child_fd = child_sock.detach()
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "diffbatch.worker", "--conn-fd", str(child_fd),
-                 "--lifeline-fd", str(life_read)],
-                pass_fds=(child_fd, life_read), env=env,
-            )
+            self.process: subprocess.Popen[bytes] | ForkedProcess = \
+                (start_forked(env, child_fd, life_read) if fork else None) or subprocess.Popen(
+                    [sys.executable, "-m", "diffbatch.worker", "--conn-fd", str(child_fd),
+                     "--lifeline-fd", str(life_read)],
+                    pass_fds=(child_fd, life_read), env=env,
+                )
         except BaseException:
             parent_sock.close()
             os.close(self._lifeline)

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.openai.conftest import disconnect, open_raw_request
 from tests.entrypoints.openai.test_edits import decode
-from tests.process_utils import SHM_DIR, segments_of, wait_gone, worker_pids
+from tests.process_utils import SHM_DIR, fork_server_pids, segments_of, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = STATE_
 
 
 def worker_of(pid: int) -> int:
-    """The pid of the `python -m diffbatch.worker` child of process `pid`."""
+    """The pid of the worker process that process `pid` started."""
     (worker,) = worker_pids(pid) or (None,)
     assert worker is not None, f"process {pid} has no worker process"
     return worker
@@ -238,6 +238,7 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
         env={"DIFFBATCH_FAKE_MARKER": str(marker)})
     try:
         worker = worker_of(proc.pid)
+        fork_servers = fork_server_pids(proc.pid)
         with ThreadPoolExecutor(1) as pool:
             pool.submit(httpx.post, f"{url}/v1/images/generations", timeout=START_TIMEOUT_S,
                         json={"prompt": "a long wave", "num_inference_steps": 999})
@@ -245,6 +246,8 @@ def test_a_sigkilled_server_takes_its_worker_down_mid_wave_and_leaves_nothing(tm
             proc.kill()
             proc.wait()
         assert wait_gone(worker, 60.0), "the worker outlived its server"
+        for server in fork_servers:
+            assert wait_gone(server, 60.0), "the worker's fork server outlived its server"
         for pid in (proc.pid, worker):
             assert not segments_of(pid)
         new = {p.name for p in SHM_DIR.iterdir() if p.name.startswith("sem.")} - semaphores_before

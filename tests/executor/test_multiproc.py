@@ -191,7 +191,7 @@ def wait_for_file(path: Path, timeout_s: float = DEADLINE_S) -> None:
 
 
 def worker_children() -> set[int]:
-    """Pids of this process's live worker processes (`python -m diffbatch.worker`)."""
+    """Pids of this process's live worker processes."""
     return worker_pids(os.getpid())
 
 
