@@ -209,8 +209,16 @@ class ForkServer:
             self.alive = False
         with contextlib.suppress(OSError):
             self._control.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            os.close(self._lifeline)
+        self._close_lifeline()
+
+    def _close_lifeline(self) -> None:
+        """Close our end of its lifeline, once: a second close could hit a number
+        reused meanwhile (another fork server's or worker's pipe)."""
+        with self._lock:
+            fd, self._lifeline = self._lifeline, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _read(self) -> None:
         while True:
@@ -250,8 +258,7 @@ class ForkServer:
         for child in orphans:
             child._lost_parent()
         self._control.close()
-        with contextlib.suppress(OSError):
-            os.close(self._lifeline)
+        self._close_lifeline()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from tests.executor.test_multiproc import (
 )
 from tests.executor.test_multiproc import request as fake_request
 from tests.process_utils import wait_gone
+from tests.process_utils import wait_until as poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -125,12 +127,28 @@ def test_a_killed_fork_server_costs_no_request(own_fork_server):
         ex.shutdown()
 
 
-def test_an_idle_fork_server_closes(own_fork_server, monkeypatch):
-    monkeypatch.setattr(forkserver, "IDLE_CLOSE_S", 0.1)
+def test_idle_fork_servers_close_and_take_nothing_else_with_them(own_fork_server,
+                                                                 monkeypatch):
+    """An idle fork server is closed when the next one starts, and a fork server
+    closes itself once its last worker is gone. Closing one must not close the
+    descriptors the next one reuses (its lifeline: it would exit at once)."""
     ex = MultiprocExecutor(make_config())
-    server = parent_of(ex.worker_pid)
+    first = parent_of(ex.worker_pid)
     ex.shutdown()
-    assert wait_gone(server, 30.0), "the fork server outlived its last worker"
+    monkeypatch.setattr(forkserver, "IDLE_CLOSE_S", 0.1)
+    (handle,) = [s for s in forkserver._servers.values() if s.process.pid == first]
+    poll_until(lambda: handle.idle_for(time.monotonic()) >= 0.1,
+               what="the first fork server to be idle")
+    monkeypatch.setenv("DIFFBATCH_TEST_FORK_SERVER", "another environment")
+    ex = MultiprocExecutor(make_config())
+    try:
+        second = parent_of(ex.worker_pid)
+        assert b"diffbatch.worker.forkserver" in cmdline(second)
+        assert wait_gone(first, 30.0), "the idle fork server was not closed"
+        assert run_one(ex, fake_request("served")).ok
+    finally:
+        ex.shutdown()
+    assert wait_gone(second, 30.0), "the fork server outlived its last worker"
 
 
 @pytest.mark.parametrize(("device", "method", "forked"), [
