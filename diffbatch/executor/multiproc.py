@@ -82,7 +82,7 @@ from diffbatch.cpus import parse_cpu_list
 from diffbatch.crash_reruns import failed_again, rerun_groups
 from diffbatch.errors import ConfigError, EngineClosedError, EngineDeadError, WorkerDiedError
 from diffbatch.executor.abstract import Executor
-from diffbatch.executor.forkserver import fork_allowed
+from diffbatch.executor.forkserver import ForkedProcess, fork_allowed
 from diffbatch.executor.worker_process import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     PendingCall,
@@ -378,7 +378,9 @@ class MultiprocExecutor(Executor):
             worker.stop(graceful=False, timeout_s=self._shutdown_timeout_s)
             worker.cleanup()
             raise EngineClosedError("the executor was shut down while a worker was starting")
-        logger.info("started worker process %d; waiting for it to load the pipeline", worker.pid)
+        logger.info("started worker process %d (%s); waiting for it to load the pipeline",
+                    worker.pid, "forked" if isinstance(worker.process, ForkedProcess)
+                    else "its own program")
         try:
             ready = worker.wait_ready(self._startup_timeout_s)
         finally:
