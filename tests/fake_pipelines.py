@@ -25,6 +25,7 @@ import dataclasses
 import os
 import signal
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -289,7 +290,18 @@ class FaultyPipeline(FakeBatchPipeline):
       to kill or freeze the worker in); once it exists, run normally (the re-run);
     - "crash ...": kill the worker process (SIGKILL), every time, alone or batched, as
       a segfault in native code would.
+
+    Loading waits while the file `hold-load` exists there (up to a minute), so a test
+    can hold a replacement worker in its start-up for as long as it needs.
     """
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **kwargs: Any) -> FakeBatchPipeline:
+        hold = os.path.join(os.environ.get("DIFFBATCH_FAKE_MARKER_DIR", ""), "hold-load")
+        idle, deadline = threading.Event(), time.monotonic() + 60
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            idle.wait(0.01)
+        return super().from_pretrained(model, **kwargs)
 
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         folder = os.environ.get("DIFFBATCH_FAKE_MARKER_DIR", "")

@@ -107,12 +107,19 @@ def test_a_worker_killed_mid_wave_costs_no_request(faulty: Faulty,
     faulty.wait_for_marker("killed")
     queued = [post(pool, server.url, f"queued {i}") for i in range(3)]
     wait_until(lambda: server.engine.num_waiting == 3, what="three queued requests")
-    os.kill(pid, signal.SIGKILL)
-    health: list[httpx.Response] = []
-    wait_until(lambda: health.append(httpx.get(f"{server.url}/health")) or
-               health[-1].status_code == 503, timeout_s=DEADLINE_S, what="/health to say 503")
-    assert_503_with_retry_after(health[-1])
-    during = post(pool, server.url, "sent during the restart")
+    hold = faulty.markers / "hold-load"
+    hold.touch()  # the replacement waits in its start-up until the test lets it load
+    try:
+        os.kill(pid, signal.SIGKILL)
+        health: list[httpx.Response] = []
+        wait_until(lambda: health.append(httpx.get(f"{server.url}/health")) or
+                   health[-1].status_code == 503, timeout_s=DEADLINE_S,
+                   what="/health to say 503")
+        assert_503_with_retry_after(health[-1])
+        during = post(pool, server.url, "sent during the restart")
+        wait_until(lambda: server.engine.num_waiting == 4, what="the request sent meanwhile")
+    finally:
+        hold.unlink()
     responses = [f.result() for f in (running, *queued, during)]
     assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
     assert faulty.metric("diffbatch_waves_rerun_total") == reruns + 1  # the wave of one
@@ -140,6 +147,8 @@ def test_a_frozen_worker_is_reported_then_replaced_and_its_wave_re_run(
     frozen = faulty.metric("diffbatch_worker_frozen_total")
     running = post(pool, server.url, "hang-once frozen")
     faulty.wait_for_marker("frozen")
+    hold = faulty.markers / "hold-load"
+    hold.touch()  # the replacement waits in its start-up while /health is read
     os.kill(pid, signal.SIGSTOP)
     try:
         health: list[httpx.Response] = []
@@ -149,9 +158,11 @@ def test_a_frozen_worker_is_reported_then_replaced_and_its_wave_re_run(
         assert_503_with_retry_after(health[-1])
         metrics = httpx.get(f"{server.url}/metrics").text
         assert f"diffbatch_worker_frozen_total {frozen + 1}" in metrics
+        hold.unlink()
         response = running.result()
         assert response.status_code == 200, response.text  # re-run on the replacement
     finally:
+        hold.unlink(missing_ok=True)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -172,12 +183,15 @@ def test_a_forward_that_hangs_while_the_heartbeat_lives_is_a_stuck_worker(
             server = RunningServer(url, engine, None)
             # A wave of the shape teaches its expected time (before one, no bound).
             assert post(pool, url, "fine").result().status_code == 200
+            hold = tmp_path / "hold-load"
+            hold.touch()  # the replacement waits in its start-up while /health is read
             running = post(pool, url, "hang-once stuck")
             wait_until((tmp_path / "stuck").exists, timeout_s=DEADLINE_S, what="the hang")
             health: list[httpx.Response] = []
             wait_until(lambda: health.append(httpx.get(f"{url}/health")) or
                        health[-1].status_code == 503, timeout_s=DEADLINE_S,
                        what="/health to report the stuck worker")
+            hold.unlink()
             assert_503_with_retry_after(health[-1])
             assert "stuck: wave" in health[-1].json()["error"]["message"]  # not "frozen"
             assert server.metric("diffbatch_worker_stuck_waves_total") == 1
