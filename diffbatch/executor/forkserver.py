@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -96,8 +97,6 @@ class ForkedProcess:
         pidfd = self._pidfd
         if pidfd is not None:
             with contextlib.suppress(OSError, ValueError):
-                import select
-
                 select.select([pidfd], [], [])
         else:
             while _pid_alive(self.pid):
@@ -246,7 +245,7 @@ class ForkServer:
                 if child_or_none is not None:
                     child_or_none._set_exit(int(code_text))
                 if idle:
-                    timer = threading.Timer(IDLE_CLOSE_S, _close_if_idle, args=(self,))
+                    timer = threading.Timer(IDLE_CLOSE_S, _close_idle_servers)
                     timer.daemon = True
                     timer.start()
         with self._lock:
@@ -307,13 +306,9 @@ def _close_idle(now: float) -> None:
             del _servers[key]
 
 
-def _close_if_idle(server: ForkServer) -> None:
+def _close_idle_servers() -> None:
     with _servers_lock:
-        if server.idle_for(time.monotonic()) >= IDLE_CLOSE_S * 0.99:
-            server.close()
-            for key, other in list(_servers.items()):
-                if other is server:
-                    del _servers[key]
+        _close_idle(time.monotonic())
 
 
 def close_all() -> None:

@@ -108,8 +108,7 @@ def serve(control: socket.socket, own_fds: list[int]) -> None:
                 with contextlib.suppress(OSError):
                     while os.read(wake_read, 512):
                         pass
-                _reap(control, children)
-                continue
+                continue  # reaped below
             try:
                 message, fds, _flags, _addr = socket.recv_fds(control, MAX_MESSAGE, 2)
             except OSError:
