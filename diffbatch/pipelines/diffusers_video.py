@@ -31,7 +31,7 @@ import torch
 
 from diffbatch.errors import ModelLoadError
 from diffbatch.outputs import DiffusionOutput, PartialImage
-from diffbatch.pipelines.diffusers_info import RESERVED_ARGUMENTS
+from diffbatch.pipelines.diffusers_info import CALLBACK_ARGUMENTS, RESERVED_ARGUMENTS
 from diffbatch.pipelines.diffusers_t2i import DiffusersT2IPipeline
 from diffbatch.pipelines.interception.scheduler_fusion import wrap_scheduler
 from diffbatch.pipelines.interface import DiffusionRequestBatch, PipelineInfo
@@ -107,8 +107,7 @@ class DiffusersVideoPipeline(DiffusersT2IPipeline):
         call_arguments = frozenset(
             name for name in self._call_params
             if name not in _VIDEO_RESERVED and name not in RESERVED_ARGUMENTS
-        ) - {"self", "kwargs", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
-             "max_sequence_length"}
+        ) - CALLBACK_ARGUMENTS - {"max_sequence_length"}
         max_tokens = int(self._max_sequence_length())
         tokenizer = getattr(pipe, "tokenizer", None)
         folder = getattr(tokenizer, "name_or_path", None)
