@@ -10,7 +10,8 @@ starts it as its own program (`DIFFBATCH_WORKER_START=spawn`); `spawn-twin` is a
 second copy of `spawn` (the noise floor). The methods take turns in every round
 (reversed every other round); each engine's first start is reported too (the fork
 server's first worker pays the imports as a spawned one does). Figures are medians
-over `--rounds`.
+over `--rounds`. With `--co-tenant` a busy loop per CPU (`harness.CoTenant`) runs
+throughout.
 
     flock /tmp/diffbatch-bench.lock .venv/bin/python benchmarks/worker_restart.py \\
         --out benchmarks/results/worker_restart.json
@@ -19,6 +20,7 @@ over `--rounds`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -72,15 +74,18 @@ def main() -> None:
     parser.add_argument("--device", default=None,
                         help="the worker's device (default: CUDA when available); the "
                              "forkserver rows fork on any device")
+    parser.add_argument("--co-tenant", action="store_true",
+                        help="a busy loop per CPU beside everything")
     parser.add_argument("--out", default="benchmarks/results/worker_restart.json")
     args = parser.parse_args()
     report: dict[str, Any] = harness.report_header("worker_restart", args)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-    for i in range(args.rounds):
-        order = list(METHODS) if i % 2 == 0 else list(reversed(METHODS))
-        for method in order:
-            runs[method].append(one_round(method, args))
-            print(f"round {i + 1} {method}: {runs[method][-1]}", flush=True)
+    with harness.CoTenant() if args.co_tenant else contextlib.nullcontext():
+        for i in range(args.rounds):
+            order = list(METHODS) if i % 2 == 0 else list(reversed(METHODS))
+            for method in order:
+                runs[method].append(one_round(method, args))
+                print(f"round {i + 1} {method}: {runs[method][-1]}", flush=True)
     report["runs"] = runs
     report["medians"] = {
         method: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
